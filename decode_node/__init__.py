@@ -1,0 +1,1 @@
+"""Decode node: prealloc and transfer queues, continuous batching, retraction."""

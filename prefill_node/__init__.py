@@ -1,0 +1,1 @@
+"""Prefill node: radix cache, schedule policy, prefill adder, KV sender loop."""

@@ -1,0 +1,1 @@
+"""KV transfer: backend interface, NIXL and fake backends, KVSender/KVReceiver."""
