@@ -1,0 +1,375 @@
+"""Command-line flags to one frozen, validated config per role (SGLang's names and defaults)."""
+
+import argparse
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from functools import partial
+from typing import Any, Self
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRANSFER_BACKENDS = ("nixl", "fake")
+RETRACTION_POLICIES = ("length", "priority")
+# Cache-aware policies other than shortest-prefill-first run as fcfs without the radix cache.
+FALLBACK_CACHE_AWARE_POLICIES = ("lpm", "dfs-weight", "hrrn")
+_CACHE_BLIND_POLICIES = ("fcfs", "lof", "random", "routing-key")
+SCHEDULE_POLICIES = (
+    *_CACHE_BLIND_POLICIES,
+    *FALLBACK_CACHE_AWARE_POLICIES,
+    "shortest-prefill-first",
+)
+_DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+
+
+class ConfigError(ValueError):
+    """An invalid flag value or combination; the one-line message says what and how to fix it."""
+
+
+def _check(is_ok: bool, message: str) -> None:
+    if not is_ok:
+        raise ConfigError(message)
+
+
+def _check_positive(value: float | None, flag: str) -> None:
+    _check(value is None or value > 0, f"{flag} must be > 0, got {value}; pass a positive value")
+
+
+def _check_non_negative(value: float | None, flag: str) -> None:
+    _check(value is None or value >= 0, f"{flag} must be >= 0, got {value}; pass 0 or more")
+
+
+def _check_port(value: int, flag: str) -> None:
+    _check(0 <= value <= 65535, f"{flag} {value} is not a TCP port; pass a value in [0, 65535]")
+
+
+def _check_choice(value: str, choices: tuple[str, ...], flag: str) -> None:
+    _check(value in choices, f"unknown {flag} {value!r}; choose one of: {', '.join(choices)}")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer; set it to one or unset it") from None
+
+
+def _env_auth_token() -> str | None:
+    return os.environ.get("PDSERVE_AUTH_TOKEN") or None
+
+
+def _field_values(cls: type[Any], source: object) -> dict[str, Any]:
+    # Every flag's dest is its field's name, so a namespace and a config read alike.
+    nested = ("model", "transfer")  # built by the caller
+    return {f.name: getattr(source, f.name) for f in fields(cls) if f.name not in nested}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load, where, and how large the paged KV pool is."""
+
+    model_path: str | None = None  # None: the built-in default model
+    dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
+    device: str = "cpu"  # whether a GPU exists is checked at model load
+    context_length: int | None = None
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    kv_cache_memory_gb: float | None = None  # pool budget when max_total_tokens is not given
+
+    def __post_init__(self) -> None:
+        page = self.page_size
+        _check_choice(self.dtype, DTYPES, "--dtype")
+        is_device = _DEVICE_PATTERN.fullmatch(self.device) is not None
+        _check(is_device, f"unknown --device {self.device!r}; use cpu, cuda or cuda:N")
+        is_power_of_two = 1 <= page <= 256 and page & (page - 1) == 0
+        _check(is_power_of_two, f"--page-size {page} is not a power of two in [1, 256]; pass 16")
+        _check_positive(self.context_length, "--context-length")
+        _check(
+            self.max_total_tokens is None or self.max_total_tokens >= page,
+            f"--max-total-tokens {self.max_total_tokens} is below --page-size {page}; raise it",
+        )
+        _check_positive(self.kv_cache_memory_gb, "--kv-cache-memory-gb")
+        _check(
+            self.max_total_tokens is None or self.kv_cache_memory_gb is None,
+            "--max-total-tokens and --kv-cache-memory-gb both size the KV pool; pass only one",
+        )
+
+    def resolved_dtype(self) -> str:
+        """The concrete dtype name: auto becomes float32 on cpu and bfloat16 on cuda."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> Self:
+        return cls(**_field_values(cls, ns))
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How a node reaches the bootstrap registry and moves KV pages to its peer."""
+
+    backend: str = "nixl"
+    bootstrap_port: int = 8998
+    bootstrap_timeout_s: float = 300.0
+    waiting_timeout_s: float = 300.0
+    auth_token: str | None = field(default_factory=_env_auth_token)
+
+    def __post_init__(self) -> None:
+        _check_choice(self.backend, TRANSFER_BACKENDS, "--disaggregation-transfer-backend")
+        _check_port(self.bootstrap_port, "--disaggregation-bootstrap-port")
+        _check_positive(self.bootstrap_timeout_s, "--disaggregation-bootstrap-timeout")
+        _check_positive(self.waiting_timeout_s, "--disaggregation-waiting-timeout")
+        _check(self.auth_token != "", "--auth-token is empty; pass a non-empty token or omit it")
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> Self:
+        return cls(**_field_values(cls, ns))
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """A prefill node: model, transfer, HTTP endpoint and scheduling."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    host: str = "127.0.0.1"
+    port: int = 30000  # /health and /metrics
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 8192  # SGLang's flag: -1 disables chunking
+    prefill_max_requests: int | None = None  # None: unlimited
+    max_running_requests: int | None = None  # None: derived from the pool later
+    max_queued_requests: int | None = None  # None: unlimited
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False  # ignored without priority scheduling
+    priority_scheduling_preemption_threshold: int = 10  # ignored without priority scheduling
+    abort_on_priority_when_disabled: bool = False
+    disable_radix_cache: bool = False
+    in_batch_prefix_caching_check_threshold: int = field(
+        default_factory=partial(_env_int, "IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD", 32)
+    )
+    in_batch_prefix_caching_deprioritize_threshold: int = field(
+        default_factory=partial(_env_int, "IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD", 32)
+    )
+    cache_aware_fallback_threshold: int | None = None  # None: never fall back to fcfs
+
+    def __post_init__(self) -> None:
+        page, chunk = self.model.page_size, self.chunked_prefill_size
+        _check_port(self.port, "--port")
+        _check_choice(self.schedule_policy, SCHEDULE_POLICIES, "--schedule-policy")
+        _check(
+            self.schedule_policy != "shortest-prefill-first" or not self.disable_radix_cache,
+            "--schedule-policy shortest-prefill-first needs the radix cache;"
+            " drop --disable-radix-cache or pick another policy",
+        )
+        _check_non_negative(self.schedule_conservativeness, "--schedule-conservativeness")
+        _check(
+            self.max_prefill_tokens >= page,
+            f"--max-prefill-tokens {self.max_prefill_tokens} is below --page-size {page}; raise it",
+        )
+        _check(
+            chunk == -1 or (chunk >= page and chunk % page == 0),
+            f"--chunked-prefill-size {chunk} is not a positive multiple of --page-size {page};"
+            " pass e.g. 8192, or -1 to disable chunking",
+        )
+        _check_positive(self.prefill_max_requests, "--prefill-max-requests")
+        _check_positive(self.max_running_requests, "--max-running-requests")
+        _check_positive(self.max_queued_requests, "--max-queued-requests")
+        _check(
+            not (self.abort_on_priority_when_disabled and self.enable_priority_scheduling),
+            "--abort-on-priority-when-disabled contradicts --enable-priority-scheduling;"
+            " pass only one of them",
+        )
+        _check_non_negative(self.cache_aware_fallback_threshold, "--cache-aware-fallback-threshold")
+
+    @property
+    def effective_schedule_policy(self) -> str:
+        """The policy that runs: lpm, dfs-weight and hrrn become fcfs without the radix cache."""
+        if self.disable_radix_cache and self.schedule_policy in FALLBACK_CACHE_AWARE_POLICIES:
+            return "fcfs"
+        return self.schedule_policy
+
+    @property
+    def effective_chunked_prefill_size(self) -> int | None:
+        """The chunk size in tokens, or None when chunked prefill is disabled."""
+        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> Self:
+        model, transfer = ModelConfig.from_args(ns), TransferConfig.from_args(ns)
+        return cls(model=model, transfer=transfer, **_field_values(cls, ns))
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """A decode node: model, transfer, HTTP endpoint, batch limits and retraction."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    host: str = "127.0.0.1"
+    port: int = 30001  # /health and /metrics
+    max_running_requests: int | None = None  # None: derived from the pool size later
+    max_queued_requests: int | None = None  # None: unlimited
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    retraction_policy: str = "length"
+    num_reserved_decode_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        _check_port(self.port, "--port")
+        _check_positive(self.max_running_requests, "--max-running-requests")
+        _check_positive(self.max_queued_requests, "--max-queued-requests")
+        _check_choice(self.retraction_policy, RETRACTION_POLICIES, "--retraction-policy")
+        _check(
+            self.retraction_policy != "priority" or self.enable_priority_scheduling,
+            "--retraction-policy priority needs --enable-priority-scheduling;"
+            " add it or use --retraction-policy length",
+        )
+        _check_non_negative(self.num_reserved_decode_tokens, "--num-reserved-decode-tokens")
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> Self:
+        model, transfer = ModelConfig.from_args(ns), TransferConfig.from_args(ns)
+        return cls(model=model, transfer=transfer, **_field_values(cls, ns))
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """The bootstrap process: public API port, node registry port and request limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # the public API
+    bootstrap_port: int = 8998  # the node registry
+    auth_token: str | None = field(default_factory=_env_auth_token)
+    max_queued_requests: int | None = None  # None: unlimited
+    request_timeout_s: float = 600.0
+    model_path: str | None = None  # for the tokenizer; None: the built-in default model
+    context_length: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_port(self.port, "--port")
+        _check_port(self.bootstrap_port, "--disaggregation-bootstrap-port")
+        _check(
+            self.port != self.bootstrap_port or self.port == 0,
+            f"--port and --disaggregation-bootstrap-port are both {self.port}; make them differ",
+        )
+        _check_positive(self.max_queued_requests, "--max-queued-requests")
+        _check_positive(self.request_timeout_s, "--request-timeout")
+        _check(self.auth_token != "", "--auth-token is empty; pass a non-empty token or omit it")
+        _check_positive(self.context_length, "--context-length")
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> Self:
+        return cls(**_field_values(cls, ns))
+
+
+Parser = argparse.ArgumentParser
+
+
+def _add_model_identity_args(parser: Parser) -> None:
+    parser.add_argument("--model-path", help="weights folder or hub id; unset: the built-in model")
+    parser.add_argument("--context-length", type=int, help="unset: the model's")
+
+
+def _add_registry_args(parser: Parser) -> None:
+    parser.add_argument("--disaggregation-bootstrap-port", dest="bootstrap_port", type=int)
+    parser.add_argument("--auth-token", help="registry secret; unset: $PDSERVE_AUTH_TOKEN")
+
+
+def _add_node_args(parser: Parser) -> None:
+    add = parser.add_argument
+    add("--host")
+    add("--port", type=int, help="HTTP port for /health and /metrics")
+    add("--max-running-requests", type=int, help="unset: derived from the KV pool size")
+    add("--max-queued-requests", type=int, help="unset: unlimited")
+    add("--enable-priority-scheduling", action="store_true")
+    add("--schedule-low-priority-values-first", action="store_true")
+
+
+def add_model_args(parser: Parser) -> None:
+    """Add the model and KV pool flags."""
+    add = parser.add_argument
+    _add_model_identity_args(parser)
+    add("--dtype", help=f"one of: {', '.join(DTYPES)}; auto: float32 on cpu, bfloat16 on cuda")
+    add("--device", help="cpu, cuda or cuda:N")
+    add("--page-size", type=int, help="tokens per KV page, a power of two up to 256")
+    add("--max-total-tokens", type=int, help="KV pool size in tokens")
+    add("--kv-cache-memory-gb", type=float, help="KV pool budget when --max-total-tokens is unset")
+    parser.set_defaults(**_field_values(ModelConfig, ModelConfig()))
+
+
+def add_transfer_args(parser: Parser) -> None:
+    """Add the KV transfer and bootstrap registry flags."""
+    add = parser.add_argument
+    add("--disaggregation-transfer-backend", dest="backend", help=", ".join(TRANSFER_BACKENDS))
+    _add_registry_args(parser)
+    add("--disaggregation-bootstrap-timeout", dest="bootstrap_timeout_s", type=float)
+    add("--disaggregation-waiting-timeout", dest="waiting_timeout_s", type=float)
+    parser.set_defaults(**_field_values(TransferConfig, TransferConfig()))
+
+
+def add_prefill_args(parser: Parser) -> None:
+    """Add every prefill node flag, the model and transfer ones included."""
+    add_model_args(parser)
+    add_transfer_args(parser)
+    _add_node_args(parser)
+    add = parser.add_argument
+    add("--schedule-policy", help=", ".join(SCHEDULE_POLICIES))
+    add("--schedule-conservativeness", type=float)
+    add("--max-prefill-tokens", type=int)
+    add("--chunked-prefill-size", type=int, help="-1 disables chunked prefill")
+    add("--prefill-max-requests", type=int, help="unset: unlimited")
+    add("--priority-scheduling-preemption-threshold", type=int)
+    add("--abort-on-priority-when-disabled", action="store_true")
+    add("--disable-radix-cache", action="store_true")
+    add("--in-batch-prefix-caching-check-threshold", type=int)
+    add("--in-batch-prefix-caching-deprioritize-threshold", type=int)
+    add("--cache-aware-fallback-threshold", type=int, help="queue length above which fcfs runs")
+    parser.set_defaults(**_field_values(PrefillConfig, PrefillConfig()))
+
+
+def add_decode_args(parser: Parser) -> None:
+    """Add every decode node flag, the model and transfer ones included."""
+    add_model_args(parser)
+    add_transfer_args(parser)
+    _add_node_args(parser)
+    parser.add_argument("--retraction-policy", help=", ".join(RETRACTION_POLICIES))
+    parser.add_argument("--num-reserved-decode-tokens", type=int)
+    parser.set_defaults(**_field_values(DecodeConfig, DecodeConfig()))
+
+
+def add_bootstrap_args(parser: Parser) -> None:
+    """Add every bootstrap process flag."""
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int, help="public API port")
+    _add_registry_args(parser)
+    parser.add_argument("--max-queued-requests", type=int, help="unset: unlimited")
+    parser.add_argument("--request-timeout", dest="request_timeout_s", type=float)
+    _add_model_identity_args(parser)
+    parser.set_defaults(**_field_values(BootstrapConfig, BootstrapConfig()))
+
+
+def _parse(argv: list[str], prog: str, add_args: Callable[[Parser], None]) -> argparse.Namespace:
+    parser = Parser(prog=prog)  # defaults live on the dataclasses; --help must not print tokens
+    add_args(parser)
+    return parser.parse_args(argv)
+
+
+def parse_prefill_config(argv: list[str]) -> PrefillConfig:
+    """Parse prefill node flags into a validated config."""
+    return PrefillConfig.from_args(_parse(argv, "pdserve prefill", add_prefill_args))
+
+
+def parse_decode_config(argv: list[str]) -> DecodeConfig:
+    """Parse decode node flags into a validated config."""
+    return DecodeConfig.from_args(_parse(argv, "pdserve decode", add_decode_args))
+
+
+def parse_bootstrap_config(argv: list[str]) -> BootstrapConfig:
+    """Parse bootstrap process flags into a validated config."""
+    return BootstrapConfig.from_args(_parse(argv, "pdserve bootstrap", add_bootstrap_args))

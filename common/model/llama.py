@@ -1,0 +1,165 @@
+"""Llama-family transformer (Llama, Mistral, Qwen2) whose attention reads and writes the paged KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.kv_pool import KVPool
+from common.model.spec import ModelSpec, rope_inv_freq
+
+
+@dataclass
+class LayerWeights:
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v fused
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate, up fused
+    down: torch.Tensor
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+
+
+@dataclass
+class AttentionBatch:
+    """Where this forward's tokens write their KV and which KV each request attends to.
+
+    write_rows/write_offsets: per new token, the pool row (page, layer 0, K) and slot in the page.
+    read_rows: per request (extend) or padded per batch (decode), the pool rows of layer 0's K.
+    Layer l's K row is row + 2 * l and its V row is row + 2 * l + 1.
+    """
+
+    write_rows: torch.Tensor
+    write_offsets: torch.Tensor
+    read_rows: list[torch.Tensor] | torch.Tensor
+    # extend: per request (first new token index, new tokens, total tokens, cached prefix)
+    spans: list[tuple[int, int, int, int]] | None = None
+    # decode: [B, 1, 1, T] bool mask of valid key positions
+    decode_mask: torch.Tensor | None = None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, head_dim] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class LlamaModel:
+    """Weights plus the forward pass; KV lives in the KVPool passed to `forward`."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.spec = spec
+        self.dtype = dtype
+        self.device = device
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint is missing {name}")
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        has_head = "lm_head.weight" in weights and not spec.tie_word_embeddings
+        self.lm_head = w("lm_head.weight") if has_head else self.embed
+        self.layers: list[LayerWeights] = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if spec.attention_bias:
+                bias = torch.cat([w(a + f"{n}_proj.bias") for n in ("q", "k", "v")])
+            self.layers.append(
+                LayerWeights(
+                    qkv=torch.cat([w(a + f"{n}_proj.weight") for n in ("q", "k", "v")]).contiguous(),
+                    qkv_bias=bias,
+                    o=w(a + "o_proj.weight"),
+                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                    down=w(p + "mlp.down_proj.weight"),
+                    attn_norm=w(p + "input_layernorm.weight"),
+                    mlp_norm=w(p + "post_attention_layernorm.weight"),
+                )
+            )
+        inv_freq = rope_inv_freq(spec)
+        pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.scale = spec.head_dim**-0.5
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
+                batch: AttentionBatch, out_rows: torch.Tensor | None) -> torch.Tensor:
+        """Run the layers over all new tokens; return final hidden states of `out_rows` (or all)."""
+        spec = self.spec
+        x = F.embedding(token_ids, self.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        num_tokens = token_ids.shape[0]
+        for idx, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, spec.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(num_tokens, spec.num_heads, spec.head_dim), cos, sin)
+            k = apply_rope(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), cos, sin)
+            rows = pool.rows
+            rows[batch.write_rows + 2 * idx, batch.write_offsets] = k.reshape(num_tokens, self.kv_size)
+            rows[batch.write_rows + (2 * idx + 1), batch.write_offsets] = v
+            attn = self._attention(q, pool, batch, idx)
+            x = x + F.linear(attn, layer.o)
+            h = rms_norm(x, layer.mlp_norm, spec.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        if out_rows is not None:
+            x = x[out_rows]
+        return rms_norm(x, self.norm, spec.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    def _gather(self, pool: KVPool, rows: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the pages in `rows` for one layer: each [..., pages * page_size, kv_heads, head_dim]."""
+        shape = (*rows.shape[:-1], rows.shape[-1] * pool.page_size, self.spec.num_kv_heads,
+                 self.spec.head_dim)
+        base = rows.reshape(-1) + 2 * layer
+        k = pool.rows.index_select(0, base).view(shape)
+        v = pool.rows.index_select(0, base + 1).view(shape)
+        return k, v
+
+    def _attention(self, q: torch.Tensor, pool: KVPool, batch: AttentionBatch, layer: int) -> torch.Tensor:
+        spec = self.spec
+        if batch.decode_mask is not None:
+            assert isinstance(batch.read_rows, torch.Tensor)
+            k, v = self._gather(pool, batch.read_rows, layer)  # [B, T, kvh, d]
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=batch.decode_mask, scale=self.scale, enable_gqa=True,
+            )  # [B, heads, 1, d]
+            return out.reshape(q.shape[0], self.q_size)
+        assert batch.spans is not None and isinstance(batch.read_rows, list)
+        outs = []
+        for (start, num_new, total, prefix), rows in zip(batch.spans, batch.read_rows):
+            k, v = self._gather(pool, rows, layer)
+            k, v = k[:total].transpose(0, 1), v[:total].transpose(0, 1)
+            qr = q[start : start + num_new].transpose(0, 1)  # [heads, n, d]
+            if prefix == 0:
+                out = F.scaled_dot_product_attention(
+                    qr, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                key_pos = torch.arange(total, device=q.device)
+                query_pos = torch.arange(prefix, total, device=q.device)
+                mask = key_pos[None, :] <= query_pos[:, None]
+                out = F.scaled_dot_product_attention(
+                    qr, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            outs.append(out.transpose(0, 1).reshape(num_new, self.q_size))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]

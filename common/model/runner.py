@@ -1,0 +1,169 @@
+"""ModelRunner: batched extend (prefill, chunked) and decode over the paged KV pool."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from common.kv_pool import KVLayout, KVPool, pages_needed, torch_dtype
+from common.model.llama import AttentionBatch, LlamaModel
+from common.model.loader import load_spec, load_state_dict, resolve_model_dir
+from common.model.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExtendRequest:
+    """One request's share of an extend batch.
+
+    The first `prefix_len` tokens are already in `page_ids`; `token_ids` are new and get
+    their KV written after them. `page_ids` must cover prefix_len + len(token_ids) tokens.
+    `logprob_targets`, when given, are the token ids whose logprob to read at each new
+    position (target i is the token that follows new token i; at most len(token_ids)).
+    """
+
+    token_ids: Sequence[int]
+    prefix_len: int
+    page_ids: Sequence[int]
+    logprob_targets: Sequence[int] | None = None
+    top_logprobs: int = 0
+
+
+@dataclass
+class ExtendResult:
+    logits: torch.Tensor  # [B, vocab] float32 at each request's last new token
+    # per request: logprobs of its targets (None when not asked), and top-k per position
+    target_logprobs: list[torch.Tensor | None] = field(default_factory=list)
+    top_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Owns the model weights and the KV pool of one node; the one place that runs torch."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, dtype: str = "float32",
+                 device: str = "cpu", page_size: int = 16, num_pages: int | None = None,
+                 max_total_tokens: int | None = None, kv_memory_bytes: int | None = None,
+                 context_length: int | None = None) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was given but torch sees no CUDA device")
+        self.spec = spec
+        self.dtype_name = dtype
+        self.context_length = min(context_length or spec.context_length, spec.context_length)
+        self.model = LlamaModel(spec, weights, torch_dtype(dtype), self.device)
+        self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype)
+        if num_pages is None:
+            if max_total_tokens is None and kv_memory_bytes is None:
+                kv_memory_bytes = 2 << 30
+            num_pages = KVPool.num_pages_for(self.layout, max_total_tokens, kv_memory_bytes)
+        self.pool = KVPool(self.layout, num_pages, self.device)
+        self._layer_stride = 2 * spec.num_layers  # pool rows per page
+
+    @staticmethod
+    def from_path(model_path: str | None, *, progress: bool = True, **kwargs) -> ModelRunner:
+        model_dir = resolve_model_dir(model_path)
+        spec = load_spec(model_dir)
+        weights = load_state_dict(model_dir, torch_dtype(kwargs.get("dtype", "float32")), progress)
+        return ModelRunner(spec, weights, **kwargs)
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    def _rows(self, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        pages_t = torch.as_tensor(pages, dtype=torch.long)
+        return (pages_t * self._layer_stride).to(self.device)
+
+    def _write_slots(self, page_ids: Sequence[int], start: int, stop: int) -> tuple[list[int], list[int]]:
+        ps = self.page_size
+        pages = [page_ids[p // ps] for p in range(start, stop)]
+        return pages, [p % ps for p in range(start, stop)]
+
+    def _check_span(self, prefix_len: int, num_new: int, num_pages: int) -> None:
+        total = prefix_len + num_new
+        if total > self.context_length:
+            raise ValueError(f"{total} tokens exceed the context length {self.context_length}")
+        if num_pages < pages_needed(total, self.page_size):
+            raise ValueError(f"{num_pages} pages cannot hold {total} tokens")
+
+    @torch.inference_mode()
+    def extend(self, reqs: Sequence[ExtendRequest]) -> ExtendResult:
+        """Prefill new tokens of each request (a whole prompt or one chunk of it)."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        write_pages: list[int] = []
+        write_offsets: list[int] = []
+        spans, read_rows, last_rows = [], [], []
+        for r in reqs:
+            n = len(r.token_ids)
+            if n == 0:
+                raise ValueError("an extend request needs at least one new token")
+            self._check_span(r.prefix_len, n, len(r.page_ids))
+            total = r.prefix_len + n
+            spans.append((len(tokens), n, total, r.prefix_len))
+            read_rows.append(self._rows(r.page_ids[: pages_needed(total, self.page_size)]))
+            tokens.extend(r.token_ids)
+            positions.extend(range(r.prefix_len, total))
+            pages, offs = self._write_slots(r.page_ids, r.prefix_len, total)
+            write_pages.extend(pages)
+            write_offsets.extend(offs)
+            last_rows.append(len(tokens) - 1)
+        batch = AttentionBatch(
+            write_rows=self._rows(write_pages),
+            write_offsets=torch.tensor(write_offsets, device=self.device),
+            read_rows=read_rows,
+            spans=spans,
+        )
+        need_all = any(r.logprob_targets is not None or r.top_logprobs for r in reqs)
+        hidden = self.model.forward(
+            torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device),
+            self.pool, batch, None if need_all else torch.tensor(last_rows, device=self.device))
+        if not need_all:
+            return ExtendResult(logits=self.model.logits(hidden))
+        result = ExtendResult(logits=self.model.logits(hidden[last_rows]))
+        for r, (start, n, _, _) in zip(reqs, spans):
+            if r.logprob_targets is None and not r.top_logprobs:
+                result.target_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            logp = torch.log_softmax(self.model.logits(hidden[start : start + n]), dim=-1)
+            targets = list(r.logprob_targets or [])[:n]
+            idx = torch.tensor(targets, dtype=torch.long, device=logp.device)
+            result.target_logprobs.append(
+                logp[torch.arange(len(targets), device=logp.device), idx] if targets else None)
+            result.top_logprobs.append(
+                tuple(logp.topk(r.top_logprobs, dim=-1)) if r.top_logprobs else None)
+        return result
+
+    @torch.inference_mode()
+    def decode(self, token_ids: Sequence[int], seq_lens: Sequence[int],
+               page_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One step for many requests: token i sits at position seq_lens[i] - 1 (its KV is written
+        there) and page_tables[i] covers seq_lens[i] tokens. Returns [B, vocab] float32 logits."""
+        ps = self.page_size
+        bsz = len(token_ids)
+        width = max(pages_needed(n, ps) for n in seq_lens)
+        table = torch.zeros((bsz, width), dtype=torch.long)
+        write_pages, write_offsets = [], []
+        for i, (n, pages) in enumerate(zip(seq_lens, page_tables)):
+            self._check_span(n - 1, 1, len(pages))
+            used = pages_needed(n, ps)
+            table[i, :used] = torch.as_tensor(pages[:used])
+            table[i, used:] = pages[0]  # padding: any valid page, masked out below
+            write_pages.append(pages[(n - 1) // ps])
+            write_offsets.append((n - 1) % ps)
+        lens = torch.tensor(seq_lens, device=self.device)
+        mask = torch.arange(width * ps, device=self.device)[None, :] < lens[:, None]
+        batch = AttentionBatch(
+            write_rows=self._rows(write_pages),
+            write_offsets=torch.tensor(write_offsets, device=self.device),
+            read_rows=self._rows(table),
+            decode_mask=mask[:, None, None, :],
+        )
+        hidden = self.model.forward(torch.tensor(list(token_ids), device=self.device), lens - 1,
+                                    self.pool, batch, None)
+        return self.model.logits(hidden)

@@ -1,0 +1,111 @@
+"""The model runner against transformers on tiny random Llama and Qwen2 checkpoints (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.kv_pool import pages_needed
+from common.model.runner import ExtendRequest, ModelRunner
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4
+PAGE = 4
+
+
+def _save_tiny(tmp_path, arch: str):
+    torch.manual_seed(0)
+    common = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            **common, tie_word_embeddings=False, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=10000.0)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # random norms and biases, so those paths are really checked
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
+    model.eval()
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen2"], scope="module")
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    ref = _save_tiny(path, request.param)
+    runner = ModelRunner.from_path(str(path), progress=False, page_size=PAGE, num_pages=64)
+    return ref, runner
+
+
+def _ref_logits(ref, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0].float()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 160, (n,), generator=g).tolist()
+
+
+def test_full_prompt_matches_reference(pair):
+    ref, runner = pair
+    ids = _prompt(23, 1)
+    pages = runner.pool.allocator.allocate(pages_needed(len(ids), PAGE))
+    out = runner.extend([ExtendRequest(ids, 0, pages, logprob_targets=ids[1:], top_logprobs=3)])
+    expect = _ref_logits(ref, ids)
+    torch.testing.assert_close(out.logits[0], expect[-1], atol=ATOL, rtol=0)
+    ref_logp = torch.log_softmax(expect, -1)
+    torch.testing.assert_close(
+        out.target_logprobs[0], ref_logp[torch.arange(22), torch.tensor(ids[1:])], atol=ATOL, rtol=0)
+    top_vals, top_ids = out.top_logprobs[0]
+    assert top_ids.tolist() == ref_logp.topk(3, -1).indices.tolist()
+    runner.pool.allocator.free(pages)
+
+
+def test_three_chunks_read_prefix_from_pages(pair):
+    ref, runner = pair
+    ids = _prompt(30, 2)
+    pages = runner.pool.allocator.allocate(pages_needed(len(ids), PAGE))
+    expect = _ref_logits(ref, ids)
+    # Chunk boundaries off page boundaries on purpose: partial pages get continued.
+    for start, stop in [(0, 7), (7, 20), (20, 30)]:
+        out = runner.extend([ExtendRequest(ids[start:stop], start, pages)])
+        torch.testing.assert_close(out.logits[0], expect[stop - 1], atol=ATOL, rtol=0)
+    runner.pool.allocator.free(pages)
+
+
+def test_batched_extend_then_decode_of_different_lengths(pair):
+    ref, runner = pair
+    prompts = [_prompt(n, 10 + n) for n in (5, 17, 11, 1)]
+    steps = 9
+    tables = [runner.pool.allocator.allocate(pages_needed(len(p) + steps, PAGE)) for p in prompts]
+    out = runner.extend([ExtendRequest(p, 0, t) for p, t in zip(prompts, tables)])
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(out.logits[i], _ref_logits(ref, p)[-1], atol=ATOL, rtol=0)
+    seqs = [list(p) for p in prompts]
+    nxt = out.logits.argmax(-1).tolist()
+    for _ in range(steps):
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        logits = runner.decode(nxt, [len(s) for s in seqs], tables)
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(logits[i], _ref_logits(ref, s)[-1], atol=ATOL, rtol=0)
+        nxt = logits.argmax(-1).tolist()
+    for t in tables:
+        runner.pool.allocator.free(t)
+    runner.pool.check_integrity()
+
+
+def test_too_few_pages_is_refused(pair):
+    _, runner = pair
+    with pytest.raises(ValueError, match="pages cannot hold"):
+        runner.extend([ExtendRequest(_prompt(9, 3), 0, [0, 1])])
