@@ -1,0 +1,147 @@
+"""Batched next-token sampling (greedy, temperature, top-k, top-p, min-p) with logprobs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.sampling_params import SamplingParams
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator seeded with `seed`, or with 64 bits from os.urandom when seed is None."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little")
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """One sampled token per request, plus logprobs when any request asked for them.
+
+    logprobs[i] is the log-probability of token_ids[i] under log_softmax of the raw
+    logits (before temperature or filters). top_logprobs[i] holds request i's
+    `top_logprobs` best (token id, logprob) pairs, best first; empty when it asked none.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class Sampler:
+    """Turns a [B, V] batch of logits into one token per row.
+
+    Filtering is vectorised over the batch; each random row draws with its own
+    generator only, so a seeded request's tokens don't depend on its batch companions.
+    Generators live on the logits' device; None draws from torch's default generator.
+    """
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> SampleOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        batch_size = logits.shape[0]
+        if len(params) != batch_size or len(generators) != batch_size:
+            raise ValueError(
+                f"batch of {batch_size} logits rows needs as many params and generators, "
+                f"got {len(params)} and {len(generators)}"
+            )
+        logits = logits.float()
+        device = logits.device
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not random_rows:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(batch_size, dtype=torch.long, device=device)
+            greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+            if greedy_rows:
+                greedy_index = torch.tensor(greedy_rows, device=device)
+                token_ids[greedy_index] = logits[greedy_index].argmax(dim=-1)
+            random_index = torch.tensor(random_rows, device=device)
+            token_ids[random_index] = _sample_random(
+                logits[random_index],
+                [params[i] for i in random_rows],
+                [generators[i] for i in random_rows],
+            )
+        chosen = token_ids.tolist()
+        logprobs, top_logprobs = _logprobs(logits, token_ids, params)
+        return SampleOutput(token_ids=chosen, logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p, renormalised; vocab order.
+
+    The top token always survives. Every row takes the same arithmetic whether or not
+    other rows filter, so a row's result depends on that row alone.
+    """
+    device = logits.device
+    vocab_size = logits.shape[-1]
+    temperatures = torch.tensor([p.temperature for p in params], device=device)
+    scaled = logits / temperatures[:, None]
+    probs = scaled.softmax(dim=-1)
+    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        probs = probs.masked_fill(_filter_mask(scaled, params, vocab_size), 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _filter_mask(
+    scaled: torch.Tensor, params: Sequence[SamplingParams], vocab_size: int
+) -> torch.Tensor:
+    """Boolean [B, V] mask of the tokens that top-k, top-p or min-p remove (vocab order)."""
+    device = scaled.device
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    sorted_logits, sorted_index = scaled.sort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(vocab_size, device=device)
+    sorted_logits = sorted_logits.masked_fill(positions[None, :] >= top_k[:, None], float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Nucleus: drop a token once the mass strictly above it already reaches top_p.
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = (mass_above >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop |= sorted_probs < (min_p * sorted_probs[:, 0])[:, None]
+    drop |= torch.isneginf(sorted_logits)
+    drop[:, 0] = False
+    return torch.empty_like(drop).scatter_(-1, sorted_index, drop)
+
+
+def _sample_random(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    probs = filtered_probs(logits, params)
+    draws = [
+        torch.multinomial(probs[row], num_samples=1, generator=generator)
+        for row, generator in enumerate(generators)
+    ]
+    return torch.cat(draws)
+
+
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+    max_top = max(p.top_logprobs for p in params)
+    if max_top == 0 and not any(p.logprobs for p in params):
+        return None, None
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    if max_top == 0:
+        return chosen, None
+    values, indices = logprobs.topk(max_top, dim=-1)
+    values_list, indices_list = values.tolist(), indices.tolist()
+    top = [
+        list(zip(indices_list[row][: p.top_logprobs], values_list[row][: p.top_logprobs]))
+        for row, p in enumerate(params)
+    ]
+    return chosen, top

@@ -1,0 +1,148 @@
+"""Per-request sampling parameters (SGLang-like defaults), their validation and wire form."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, NoReturn
+
+MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**64 - 1
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples: limits, filters, stop conditions and logprob options.
+
+    temperature 0 means greedy; top_k -1 or 0 disables top-k; top_p 1 and min_p 0
+    disable their filters. `validate()` checks values; `from_wire()` checks types too.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first field whose value is out of range."""
+        if self.max_new_tokens < 0:
+            _fail("max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            _fail("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            _fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            _fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not (0 <= self.seed <= MAX_SEED):
+            _fail("seed", f"must be in [0, 2**64 - 1], got {self.seed}")
+        if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            _fail("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        for i, s in enumerate(self.stop):
+            if not s:
+                _fail(f"stop[{i}]", "must be a non-empty string")
+        for i, tid in enumerate(self.stop_token_ids):
+            if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                _fail(f"stop_token_ids[{i}]", f"must be a token id in {bound}, got {tid}")
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain dict for msgpack (tuples become lists)."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": list(self.stop),
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
+        """Inverse of to_wire; missing keys take defaults, unknown keys and bad types fail."""
+        if not isinstance(d, dict):
+            _fail("payload", f"must be a dict, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(f"sampling params: unknown field(s) {', '.join(unknown)}")
+        kwargs: dict[str, Any] = {}
+        for name, value in d.items():
+            kwargs[name] = _WIRE_CHECKS[name](name, value)
+        params = cls(**kwargs)
+        params.validate()
+        return params
+
+
+def _fail(field: str, message: str) -> NoReturn:
+    raise ValueError(f"sampling params: {field} {message}")
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, f"must be an integer, got {type(value).__name__}")
+    return int(value)
+
+
+def _as_optional_int(name: str, value: Any) -> int | None:
+    return None if value is None else _as_int(name, value)
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(name, f"must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        _fail(name, f"must be a boolean, got {type(value).__name__}")
+    return bool(value)
+
+
+def _as_str_tuple(name: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)):
+        _fail(name, f"must be a list of strings, got {type(value).__name__}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            _fail(f"{name}[{i}]", f"must be a string, got {type(item).__name__}")
+    return tuple(value)
+
+
+def _as_int_tuple(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        _fail(name, f"must be a list of integers, got {type(value).__name__}")
+    return tuple(_as_int(f"{name}[{i}]", item) for i, item in enumerate(value))
+
+
+_WIRE_CHECKS = {
+    "max_new_tokens": _as_int,
+    "temperature": _as_float,
+    "top_p": _as_float,
+    "top_k": _as_int,
+    "min_p": _as_float,
+    "seed": _as_optional_int,
+    "stop": _as_str_tuple,
+    "stop_token_ids": _as_int_tuple,
+    "ignore_eos": _as_bool,
+    "logprobs": _as_bool,
+    "top_logprobs": _as_int,
+}

@@ -1,0 +1,104 @@
+"""Page allocator and KV pool invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from common.kv_pool import KVLayout, KVPool, OutOfPages, PageAllocator, pages_needed
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, page_size=8, dtype="float32")
+
+
+def test_allocate_and_free_round_trip_keeps_counts():
+    alloc = PageAllocator(10)
+    a = alloc.allocate(4)
+    b = alloc.allocate(6)
+    assert sorted(a + b) == list(range(10))
+    assert not alloc.can_allocate(1) and alloc.can_allocate(0)
+    with pytest.raises(OutOfPages):
+        alloc.allocate(1)
+    alloc.free(a)
+    assert alloc.num_free_pages == 4 and alloc.num_used_pages == 6
+    alloc.free(b)
+    assert alloc.num_free_pages == 10
+    alloc.check_integrity()
+
+
+def test_fresh_pool_hands_out_contiguous_runs_lowest_first():
+    alloc = PageAllocator(16)
+    assert alloc.allocate(5) == [0, 1, 2, 3, 4]
+    assert alloc.allocate(3) == [5, 6, 7]
+    alloc.free([2, 1, 3])
+    assert alloc.allocate(3) == [1, 2, 3]
+
+
+def test_double_free_and_foreign_pages_raise_and_change_nothing():
+    alloc = PageAllocator(6)
+    pages = alloc.allocate(3)
+    alloc.free([pages[0]])
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free([pages[1], pages[0]])
+    with pytest.raises(ValueError, match="does not belong"):
+        alloc.free([pages[1], 99])
+    with pytest.raises(ValueError, match="does not belong"):
+        alloc.free([-1])
+    alloc.check_integrity()
+    assert alloc.num_free_pages == 4  # the rejected frees freed nothing
+    alloc.free(pages[1:])
+    assert alloc.num_free_pages == 6
+
+
+def test_random_churn_preserves_integrity():
+    rng = random.Random(7)
+    alloc = PageAllocator(64)
+    held: list[list[int]] = []
+    for _ in range(2000):
+        if held and (rng.random() < 0.5 or not alloc.can_allocate(1)):
+            alloc.free(held.pop(rng.randrange(len(held))))
+        else:
+            n = rng.randint(1, max(1, alloc.num_free_pages // 2))
+            held.append(alloc.allocate(n))
+        alloc.check_integrity()
+        assert alloc.num_used_pages == sum(map(len, held))
+    flat = [p for h in held for p in h]
+    assert len(flat) == len(set(flat))
+
+
+def test_integrity_check_detects_corruption():
+    alloc = PageAllocator(4)
+    alloc.allocate(1)
+    alloc._free.append(1)  # simulate a bug that frees behind the allocator's back
+    with pytest.raises(AssertionError):
+        alloc.check_integrity()
+
+
+def test_page_is_one_contiguous_region_of_all_layers():
+    pool = KVPool(LAYOUT, num_pages=5)
+    assert LAYOUT.bytes_per_page == 3 * 2 * 8 * 2 * 4 * 4
+    assert pool.nbytes == 5 * LAYOUT.bytes_per_page
+    assert pool.page_address(3) - pool.page_address(2) == LAYOUT.bytes_per_page
+    page = pool.buffer[2]
+    assert page.is_contiguous() and page.data_ptr() == pool.page_address(2)
+
+
+def test_read_and_write_pages_copy_bytes_exactly():
+    pool = KVPool(LAYOUT, num_pages=6)
+    data = torch.randn(2, *LAYOUT.page_shape)
+    pool.write_pages([4, 1], data)
+    assert torch.equal(pool.read_pages([4, 1]), data)
+    assert torch.count_nonzero(pool.buffer[[0, 2, 3, 5]]) == 0
+
+
+def test_sizing_from_tokens_or_memory_budget():
+    assert KVPool.num_pages_for(LAYOUT, 17, None) == 3
+    assert KVPool.num_pages_for(LAYOUT, None, LAYOUT.bytes_per_page * 7 + 5) == 7
+    with pytest.raises(ValueError):
+        KVPool.num_pages_for(LAYOUT, None, None)
+    assert pages_needed(16, 8) == 2 and pages_needed(17, 8) == 3 and pages_needed(0, 8) == 0
+
+
+def test_layout_round_trips_through_dict():
+    assert KVLayout.from_dict(LAYOUT.to_dict()) == LAYOUT
