@@ -137,9 +137,10 @@ class KVPool:
         )
         self.allocator = PageAllocator(num_pages)
         # Rows of (page, layer, K|V) blocks of page_size * kv_heads * head_dim elements:
-        # gathering and scattering KV by row index is one memcpy per block.
+        # gathering KV by row index (2-D index_select) is one memcpy per block.
         layer_rows = num_pages * layout.num_layers * 2
-        self.rows = self.buffer.view(layer_rows, layout.page_size, layout.num_kv_heads * layout.head_dim)
+        self.rows = self.buffer.view(layer_rows, layout.page_size * layout.num_kv_heads * layout.head_dim)
+        self.slots = self.buffer.view(layer_rows, layout.page_size, layout.num_kv_heads * layout.head_dim)
 
     @staticmethod
     def num_pages_for(
