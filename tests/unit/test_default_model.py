@@ -66,3 +66,24 @@ def test_greedy_equals_transformers_on_the_gguf(tokenizer):
         assert len(expect) == NEW_TOKENS
         assert _greedy(runner, ids, NEW_TOKENS) == expect
     assert runner.pool.allocator.num_used_pages == 0
+
+
+def test_offline_generation_cuts_at_a_stop_string():
+    from common.offline import OfflineResult, generate_stream
+    from common.sampling_params import SamplingParams
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(default_model_dir())
+    runner = ModelRunner.from_path(None, progress=False, max_total_tokens=512)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Count from one to ten in words."}])
+    full = list(generate_stream(runner, tok, ids, SamplingParams(max_new_tokens=40, temperature=0)))
+    free_text = full[-1].text
+    assert isinstance(full[-1], OfflineResult) and len(free_text) > 20
+    stop = free_text[10:14]
+    items = list(generate_stream(runner, tok, ids,
+                                 SamplingParams(max_new_tokens=40, temperature=0, stop=(stop,))))
+    result = items[-1]
+    assert result.finish_reason.kind.value == "stop" and result.finish_reason.matched == stop
+    assert result.text == free_text[: free_text.index(stop)]
+    assert "".join(items[:-1]) == result.text
+    assert runner.pool.allocator.num_used_pages == 0

@@ -1,0 +1,57 @@
+"""Offline generation on one ModelRunner: one request, streamed text (used by `pdserve generate`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from common.kv_pool import pages_needed
+from common.model.runner import ExtendRequest, ModelRunner
+from common.sampler import Sampler, make_generator
+from common.sampling_params import SamplingParams
+from common.stop import FinishReason, StopChecker
+from common.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class OfflineResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+
+
+def generate_stream(runner: ModelRunner, tokenizer: Tokenizer, prompt_ids: list[int],
+                    params: SamplingParams) -> Iterator[str | OfflineResult]:
+    """Yield text pieces as they are produced, then one OfflineResult."""
+    params.validate(runner.spec.vocab_size)
+    budget = min(len(prompt_ids) + params.max_new_tokens, runner.context_length)
+    if len(prompt_ids) >= budget:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the context "
+                         f"({runner.context_length})")
+    pages = runner.pool.allocator.allocate(pages_needed(budget, runner.page_size))
+    sampler, gen = Sampler(), make_generator(params.seed, runner.device)
+    stop = StopChecker(params, tokenizer.eos_token_ids)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    out: list[int] = []
+    text = ""
+    try:
+        logits = runner.extend([ExtendRequest(prompt_ids, 0, pages)]).logits
+        while True:
+            token = sampler.sample(logits, [params], [gen]).token_ids[0]
+            out.append(token)
+            finish = stop.check_token(token, len(out))
+            piece, matched = stop.feed(detok.add([token]))
+            if matched:
+                finish = FinishReason.stop(stop.matched_stop or "")
+            elif finish is not None or len(prompt_ids) + len(out) >= budget:
+                piece += stop.feed(detok.flush())[0] + stop.flush()
+                finish = finish or FinishReason.length()
+            if piece:
+                text += piece
+                yield piece
+            if finish is not None:
+                yield OfflineResult(out, text, finish)
+                return
+            logits = runner.decode([token], [len(prompt_ids) + len(out)], [pages])
+    finally:
+        runner.pool.allocator.free(pages)
