@@ -1,0 +1,158 @@
+"""zmq helpers used by every node: PULL binding, a pool of PUSH sockets, draining and polling.
+
+Sockets are not thread safe: each helper's sockets belong to the thread that uses them.
+"""
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Self
+
+import zmq
+from prometheus_client import Counter
+
+from common import metrics
+from common.messages import MalformedMessage, Message, decode, encode
+
+logger = logging.getLogger(__name__)
+
+MALFORMED_LOG_INTERVAL_S = 10.0
+DEFAULT_SNDHWM = 10_000
+
+Socket = zmq.Socket[Any]
+Context = zmq.Context[Any]
+
+
+def bind_pull(ctx: Context, endpoint: str) -> tuple[Socket, str]:
+    """Bind a PULL socket; ``tcp://host:0`` or ``tcp://host:*`` picks a free port.
+
+    Returns the socket and the endpoint it actually bound (with the real port).
+    """
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class PushPool:
+    """One cached PUSH socket per remote endpoint; ``close`` never blocks (LINGER 0)."""
+
+    def __init__(self, ctx: Context, *, sndhwm: int = DEFAULT_SNDHWM) -> None:
+        self._ctx = ctx
+        self._sndhwm = sndhwm
+        self._sockets: dict[str, Socket] = {}
+
+    @property
+    def num_sockets(self) -> int:
+        """How many endpoints currently have a connected socket."""
+        return len(self._sockets)
+
+    def socket(self, endpoint: str) -> Socket:
+        """The PUSH socket connected to ``endpoint``, created on first use."""
+        sock = self._sockets.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, self._sndhwm)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self._sockets[endpoint] = sock
+        return sock
+
+    def send(self, endpoint: str, msg: Message) -> bool:
+        """Queue ``msg`` for ``endpoint`` without blocking; False when its queue is full."""
+        try:
+            self.socket(endpoint).send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def discard(self, endpoint: str) -> None:
+        """Close the socket of a peer that is gone; unsent messages to it are dropped."""
+        sock = self._sockets.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        """Close every socket at once, dropping anything still unsent."""
+        for endpoint in list(self._sockets):
+            self.discard(endpoint)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class _DropLog:
+    """Logs a dropped message at most once per interval per socket, with a count of the rest."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self._last_logged: dict[str, float] = {}
+        self._num_suppressed: dict[str, int] = {}
+
+    def note(self, socket_name: str, reason: str) -> None:
+        now = time.monotonic()
+        last = self._last_logged.get(socket_name)
+        if last is not None and now - last < self._interval_s:
+            self._num_suppressed[socket_name] = self._num_suppressed.get(socket_name, 0) + 1
+            return
+        num_suppressed = self._num_suppressed.pop(socket_name, 0)
+        self._last_logged[socket_name] = now
+        logger.warning(
+            "dropped malformed message on socket %s: %s (%d more dropped since last report)",
+            socket_name,
+            reason,
+            num_suppressed,
+        )
+
+
+_drop_log = _DropLog(MALFORMED_LOG_INTERVAL_S)
+
+
+def recv_messages(
+    sock: Socket,
+    counter: Counter | None = None,
+    socket_name: str = "unnamed",
+    *,
+    max_frames: int | None = None,
+) -> list[Message]:
+    """Drain ``sock`` without blocking and return its valid messages in arrival order.
+
+    Malformed frames (and multi-frame messages) are dropped, logged at most once per
+    MALFORMED_LOG_INTERVAL_S per ``socket_name``, and counted in ``counter`` (labels
+    ``role`` and ``socket``; default ``pdserve_malformed_messages_total``).
+    ``max_frames`` bounds one drain so a flood cannot starve the caller's loop.
+    """
+    if counter is None:
+        counter = metrics.MALFORMED_MESSAGES
+    messages: list[Message] = []
+    num_frames = 0
+    while max_frames is None or num_frames < max_frames:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            break
+        num_frames += 1
+        try:
+            if len(frames) != 1:
+                raise MalformedMessage(f"expected 1 frame, got {len(frames)}")
+            messages.append(decode(frames[0]))
+        except MalformedMessage as exc:
+            counter.labels(role=metrics.ROLE, socket=socket_name).inc()
+            _drop_log.note(socket_name, str(exc))
+    return messages
+
+
+def poll_any(sockets: Sequence[Socket], timeout_ms: int | None) -> list[Socket]:
+    """Wait up to ``timeout_ms`` (None: forever) for input; the readable sockets, in given order."""
+    poller = zmq.Poller()
+    for sock in sockets:
+        poller.register(sock, zmq.POLLIN)
+    ready = dict(poller.poll(timeout_ms))
+    return [sock for sock in sockets if ready.get(sock, 0) & zmq.POLLIN]

@@ -1,0 +1,60 @@
+"""Request and result messages between the gateway and the nodes."""
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from common.messages.base import Message
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateReq(Message):
+    """Gateway -> prefill and decode: one request, its room and the chosen (P, D) pair."""
+
+    TAG: ClassVar[str] = "generate_req"
+    rid: str
+    room: int
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    priority: int | None
+    routing_key: str | None
+    prefill_node_id: str
+    decode_node_id: str
+    reply_endpoint: str
+    arrival_time: float
+    return_logprob: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk(Message):
+    """Decode -> gateway: new output tokens of a request (+ logprobs when asked for)."""
+
+    TAG: ClassVar[str] = "token_chunk"
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    # Per new token, its (token_id, logprob) pairs, best first.
+    top_logprobs: list[list[Any]] | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReqFinished(Message):
+    """Decode -> gateway: the request ended normally; usage counts for the response."""
+
+    TAG: ClassVar[str] = "req_finished"
+    rid: str
+    finish_reason: str
+    # The stop token id or stop string that ended the request, if any.
+    matched_stop: int | str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReqFailed(Message):
+    """Decode or prefill -> gateway: the request failed; ``status`` is the HTTP status to return."""
+
+    TAG: ClassVar[str] = "req_failed"
+    rid: str
+    status: int
+    error: str

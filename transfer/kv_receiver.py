@@ -1,0 +1,109 @@
+"""KVReceiver: the decode side of one room, from the handshake to the verified last page.
+
+    Bootstrapping    created with the request; the handshake with the prefill node
+         │             (PeerHello/Ack) is under way; bootstrap timeout -> Failed
+    WaitingForInput  the peer accepted us; the prealloc queue may allocate pages and
+         │             call send_metadata(); bootstrap timeout -> Failed
+    Transferring     TransferRequest sent; pages arrive; the prefill side's lease must
+         │             be renewed; waiting timeout -> Failed
+    Success          TransferDone arrived after the data, its room echo verified
+    Failed           any timeout, lease expiry, abort from either side, echo mismatch
+
+Pages preallocated for the room may be freed only when `is_release_safe()`: after an
+abort during Transferring the prefill node may still be writing into them, so we
+wait for its acknowledgement (or for its lease to run out).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from transfer.kv_poll import FailureReason, KVPoll, RoomState
+from transfer.kv_sender import AuxData
+
+if TYPE_CHECKING:
+    from transfer.kv_manager import KVManager
+
+
+class KVReceiver:
+    def __init__(self, manager: KVManager, room: int, peer_endpoint: str, now: float) -> None:
+        self.manager = manager
+        self.room = room
+        self.peer_endpoint = peer_endpoint
+        self.status = RoomState(KVPoll.Bootstrapping, since=now, created=now)
+        self.dst_pages: list[int] = []
+        self.aux_slot = 0
+        self.aux: AuxData | None = None
+        self.lease_deadline = float("inf")
+        self.metadata_sent_at: float | None = None
+        self.is_abort_acked = False
+        self.failed_while_transferring = False
+
+    def poll(self) -> KVPoll:
+        return self.status.state
+
+    @property
+    def failure_reason(self) -> str | None:
+        if self.status.state is not KVPoll.Failed:
+            return None
+        return f"{self.status.reason}: {self.status.detail}" if self.status.detail else self.status.reason
+
+    def on_peer_ready(self, now: float) -> None:
+        self.status.advance(KVPoll.WaitingForInput, now)
+        self.manager.observe_bootstrap(self)
+
+    def send_metadata(self, dst_pages: list[int], aux_slot: int = 0) -> None:
+        """Hand the prefill node our destination pages; the transfer starts on its side."""
+        if self.status.state is not KVPoll.WaitingForInput:
+            raise RuntimeError(f"room {self.room}: send_metadata in state {self.status.state.name}")
+        now = self.manager.clock()
+        self.dst_pages, self.aux_slot = list(dst_pages), aux_slot
+        self.metadata_sent_at = now
+        self.lease_deadline = now + self.manager.lease_s
+        self.status.advance(KVPoll.Transferring, now)
+        self.manager.send_transfer_request(self)
+
+    def on_done(self, aux: AuxData, num_pages: int, now: float) -> None:
+        if self.status.state is not KVPoll.Transferring:
+            return
+        if aux.room_echo != self.room:
+            self.fail(FailureReason.ROOM_ECHO_MISMATCH,
+                      f"aux data names room {aux.room_echo}, expected {self.room}", now)
+            self.is_abort_acked = True  # the writer is done with this room
+            return
+        if num_pages != len(self.dst_pages):
+            self.fail(FailureReason.BAD_REQUEST,
+                      f"{num_pages} pages written, {len(self.dst_pages)} expected", now)
+            self.is_abort_acked = True
+            return
+        self.aux = aux
+        self.status.advance(KVPoll.Success, now)
+        self.manager.observe_success(self)
+
+    def abort(self, detail: str = "aborted by the decode node") -> None:
+        """Fail the room here and tell the prefill node to stop writing into our pages."""
+        if self.fail(FailureReason.ABORTED, detail, self.manager.clock()):
+            self.manager.notify_peer_aborted(self)
+
+    def fail(self, reason: str, detail: str, now: float) -> bool:
+        was_transferring = self.status.state is KVPoll.Transferring
+        changed = self.status.fail(reason, detail, now)
+        if changed:
+            self.failed_while_transferring = was_transferring
+            self.manager.observe_failure(self, reason)
+        return changed
+
+    def is_release_safe(self) -> bool:
+        """Whether no write into this room's destination pages can still land."""
+        state = self.status.state
+        if state is KVPoll.Success or (state is KVPoll.Failed and not self.failed_while_transferring):
+            return True
+        if state is not KVPoll.Failed:
+            return False
+        if self.is_abort_acked:
+            return True
+        # No ack: once the writer's lease on us has run out it cannot write any more.
+        return self.manager.clock() >= self.status.since + 2 * self.manager.lease_s
+
+    def clear(self) -> None:
+        self.manager.remove_receiver(self)

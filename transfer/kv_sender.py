@@ -1,0 +1,123 @@
+"""KVSender: the prefill side of one room, from bootstrap to the last page written.
+
+    Bootstrapping    created with the request; waits for the decode node's TransferRequest
+         │             (destination pages + aux slot); bootstrap timeout -> Failed
+    WaitingForInput  destination known; the scheduler may prefill; the decode side's
+         │             lease must be renewed or the room fails (pages released)
+    Transferring     after the first send(): pages go out chunk by chunk
+         │
+    Success          every write of the last chunk completed and the TransferDone
+                       (first token, logprobs, room echo) was delivered
+    Failed           timeout, lease expiry, abort from either side, write error
+
+The scheduler calls send() after each prefill chunk with the pages of the tokens
+computed so far; only complete pages go out until the last chunk, which sends the
+rest plus the aux data. All I/O goes through the KVManager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from common.kv_pool import pages_needed
+from transfer.kv_poll import FailureReason, KVPoll, RoomState
+
+if TYPE_CHECKING:
+    from transfer.kv_manager import KVManager
+
+
+@dataclass(frozen=True)
+class AuxData:
+    """What the decode side needs besides KV: the first sampled token and its logprobs."""
+
+    first_token_id: int
+    room_echo: int
+    first_logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+class KVSender:
+    def __init__(self, manager: KVManager, room: int, num_tokens: int, now: float) -> None:
+        self.manager = manager
+        self.room = room
+        self.num_tokens = num_tokens
+        self.status = RoomState(KVPoll.Bootstrapping, since=now, created=now)
+        self.peer_node: str | None = None
+        self.dst_pages: list[int] = []
+        self.aux_slot = 0
+        self.lease_deadline = float("inf")
+        self.num_sent_pages = 0
+        self.handles: list[object] = []
+        self.aux: AuxData | None = None
+        self.is_last_sent = False
+        self.is_notified = False
+        self.first_send_at: float | None = None
+        self.num_bytes = 0
+
+    def poll(self) -> KVPoll:
+        return self.status.state
+
+    @property
+    def failure_reason(self) -> str | None:
+        if self.status.state is not KVPoll.Failed:
+            return None
+        return f"{self.status.reason}: {self.status.detail}" if self.status.detail else self.status.reason
+
+    def on_transfer_request(self, peer_node: str, dst_pages: list[int], aux_slot: int,
+                            lease_deadline: float, now: float) -> None:
+        """The decode side is ready: it sent destination pages for this room."""
+        if self.status.state is not KVPoll.Bootstrapping:
+            return
+        needed = pages_needed(self.num_tokens, self.manager.page_size)
+        if len(dst_pages) != needed:
+            self.fail(FailureReason.BAD_REQUEST,
+                      f"decode sent {len(dst_pages)} pages for {self.num_tokens} tokens "
+                      f"({needed} pages)", now)
+            return
+        self.peer_node, self.dst_pages, self.aux_slot = peer_node, list(dst_pages), aux_slot
+        self.lease_deadline = lease_deadline
+        self.status.advance(KVPoll.WaitingForInput, now)
+        self.manager.observe_bootstrap(self)
+
+    def send(self, page_ids: list[int], num_computed_tokens: int, aux: AuxData | None = None) -> None:
+        """Send the pages of the first `num_computed_tokens` tokens not sent yet.
+
+        `page_ids` are this request's local pages in order. With `aux` (the last chunk),
+        everything left goes, partial last page included, then the aux data.
+        """
+        if self.status.state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            return
+        if self.is_last_sent:
+            raise RuntimeError(f"room {self.room}: send() after the last chunk")
+        is_last = aux is not None
+        if is_last and num_computed_tokens != self.num_tokens:
+            raise ValueError(f"room {self.room}: last chunk ends at {num_computed_tokens} "
+                             f"of {self.num_tokens} tokens")
+        ps = self.manager.page_size
+        end = pages_needed(num_computed_tokens, ps) if is_last else num_computed_tokens // ps
+        pairs = [(page_ids[i], self.dst_pages[i]) for i in range(self.num_sent_pages, end)]
+        now = self.manager.clock()
+        if self.first_send_at is None:
+            self.first_send_at = now
+            self.status.advance(KVPoll.Transferring, now)
+        self.num_sent_pages = max(self.num_sent_pages, end)
+        self.aux = aux
+        self.is_last_sent = is_last
+        if pairs or is_last:
+            self.manager.write_pages(self, pairs)
+
+    def abort(self, detail: str = "aborted by the prefill node") -> None:
+        """Fail the room here and tell the decode side; pages are the caller's to free."""
+        if self.fail(FailureReason.ABORTED, detail, self.manager.clock()):
+            self.manager.notify_peer_failed(self)
+
+    def fail(self, reason: str, detail: str, now: float) -> bool:
+        changed = self.status.fail(reason, detail, now)
+        if changed:
+            self.manager.observe_failure(self, reason)
+        return changed
+
+    def clear(self) -> None:
+        """Forget the room (after Success or Failed, once the scheduler is done with it)."""
+        self.manager.remove_sender(self)
