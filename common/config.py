@@ -116,6 +116,8 @@ class TransferConfig:
     bootstrap_port: int = 8998
     bootstrap_timeout_s: float = 300.0
     waiting_timeout_s: float = 300.0
+    # A room whose peer stops renewing for this long fails and its pages are freed.
+    lease_s: float = 10.0
     auth_token: str | None = field(default_factory=_env_auth_token)
 
     def __post_init__(self) -> None:
@@ -123,6 +125,7 @@ class TransferConfig:
         _check_port(self.bootstrap_port, "--disaggregation-bootstrap-port")
         _check_positive(self.bootstrap_timeout_s, "--disaggregation-bootstrap-timeout")
         _check_positive(self.waiting_timeout_s, "--disaggregation-waiting-timeout")
+        _check_positive(self.lease_s, "--disaggregation-lease-timeout")
         _check(self.auth_token != "", "--auth-token is empty; pass a non-empty token or omit it")
 
     @classmethod
@@ -310,6 +313,7 @@ def add_transfer_args(parser: Parser) -> None:
     _add_registry_args(parser)
     add("--disaggregation-bootstrap-timeout", dest="bootstrap_timeout_s", type=float)
     add("--disaggregation-waiting-timeout", dest="waiting_timeout_s", type=float)
+    add("--disaggregation-lease-timeout", dest="lease_s", type=float)
     parser.set_defaults(**_field_values(TransferConfig, TransferConfig()))
 
 

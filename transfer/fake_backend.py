@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 
 from common.kv_pool import KVPool
 from transfer.backend import BackendError, TransferBackend, XferState
@@ -45,7 +45,8 @@ class FakeBackend(TransferBackend):
         self._pool = pool
 
     def local_metadata(self) -> bytes:
-        return msgpack.packb({"name": self._name})
+        packed: bytes = msgpack.packb({"name": self._name})
+        return packed
 
     def add_peer(self, metadata: bytes) -> str:
         try:
@@ -58,7 +59,9 @@ class FakeBackend(TransferBackend):
     def remove_peer(self, peer: str) -> None:
         self._peers.discard(peer)
 
-    def write(self, peer: str, pairs: Sequence[tuple[int, int]], notification: bytes = b"") -> FakeXfer:
+    def write(
+        self, peer: str, pairs: Sequence[tuple[int, int]], notification: bytes = b""
+    ) -> FakeXfer:
         if peer not in self._peers:
             raise BackendError(f"{self._name}: unknown peer {peer!r}")
         self.num_writes += 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import torch
 
 from common.kv_pool import KVPool
@@ -53,7 +53,8 @@ class LoopbackBackend(TransferBackend):
         self._pool = pool
 
     def local_metadata(self) -> bytes:
-        return msgpack.packb({"name": self._name})
+        packed: bytes = msgpack.packb({"name": self._name})
+        return packed
 
     def add_peer(self, metadata: bytes) -> str:
         try:
@@ -96,7 +97,9 @@ class LoopbackBackend(TransferBackend):
         dst = [d for _, d in pairs]
         for pages, pool, side in ((src, self._pool, "local"), (dst, dst_pool, "peer")):
             if min(pages) < 0 or max(pages) >= pool.num_pages:
-                raise BackendError(f"page ids out of range for {side} pool of {pool.num_pages} pages")
+                raise BackendError(
+                    f"page ids out of range for {side} pool of {pool.num_pages} pages"
+                )
         src_idx = torch.tensor(src, dtype=torch.long, device=self._pool.device)
         dst_idx = torch.tensor(dst, dtype=torch.long, device=dst_pool.device)
         # Byte views, so pools of different dtypes but equal page bytes copy exactly.

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -14,10 +13,11 @@ import pytest
 import torch
 
 from common.kv_pool import KVLayout, KVPool
+from transfer.backend import BackendError, XferState
+from transfer.backends import make_backend
+from transfer.nixl_backend import NixlBackend
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("nixl") is None, reason="NIXL is not installed (import nixl._api)"
-)
+pytest.importorskip("nixl._api", reason="NIXL is not importable (import nixl._api failed)")
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
 # SmolLM2-135M in float32: 46,080 B of KV per token, a 16-token page is 737,280 B.
@@ -42,8 +42,6 @@ def _page_bytes(pool: KVPool) -> torch.Tensor:
 
 def _target_main(conn: Connection, name: str, layout: dict[str, Any]) -> None:
     """Target: register a zero pool, hand out metadata, then serve 'wait'/'dump' commands."""
-    from transfer.nixl_backend import NixlBackend
-
     backend = NixlBackend(name)
     pool = KVPool(KVLayout.from_dict(layout), NUM_PAGES)
     backend.register_pool(pool)
@@ -68,9 +66,6 @@ def _target_main(conn: Connection, name: str, layout: dict[str, Any]) -> None:
 
 def _writer_main(conn: Connection, name: str, layout: dict[str, Any]) -> None:
     """Writer: fill a pool with seeded bytes, add the peer it is sent, serve 'write' commands."""
-    from transfer.backend import BackendError, XferState
-    from transfer.nixl_backend import NixlBackend
-
     kv_layout = KVLayout.from_dict(layout)
     backend = NixlBackend(name)
     pool = KVPool(kv_layout, NUM_PAGES)
@@ -104,7 +99,7 @@ def _writer_main(conn: Connection, name: str, layout: dict[str, Any]) -> None:
 class _Child:
     """A spawned process and our end of its pipe; every reply is awaited with a deadline."""
 
-    def __init__(self, target: Any, name: str, layout: KVLayout) -> None:
+    def __init__(self, target: Callable[..., None], name: str, layout: KVLayout) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(target=target, args=(child_conn, name, layout.to_dict()))
@@ -127,11 +122,15 @@ class _Child:
         self.process.join(5)
 
 
+Spawn = Callable[[Callable[..., None], str, KVLayout], _Child]
+
+
 @pytest.fixture
-def spawn() -> Iterator[Any]:
+def spawn() -> Iterator[Spawn]:
+    """Starts children and kills whichever are still alive when the test ends."""
     children: list[_Child] = []
 
-    def start(target: Any, name: str, layout: KVLayout) -> _Child:
+    def start(target: Callable[..., None], name: str, layout: KVLayout) -> _Child:
         children.append(_Child(target, name, layout))
         return children[-1]
 
@@ -140,7 +139,7 @@ def spawn() -> Iterator[Any]:
         child.kill()
 
 
-def _connect(spawn: Any, layout: KVLayout, tag: str) -> tuple[_Child, _Child]:
+def _connect(spawn: Spawn, layout: KVLayout, tag: str) -> tuple[_Child, _Child]:
     target = spawn(_target_main, f"target-{tag}", layout)
     writer = spawn(_writer_main, f"writer-{tag}", layout)
     writer.conn.send(target.reply())  # the target's metadata
@@ -158,8 +157,9 @@ WRITES: list[tuple[list[tuple[int, int]], bytes]] = [
 
 @pytest.mark.parametrize("layout", [SMALL, SMOLLM2], ids=["small", "smollm2"])
 def test_writes_land_byte_for_byte_with_their_notifications(spawn, layout):
-    target, writer = _connect(spawn, layout, layout.num_layers)
-    writer_name = f"writer-{layout.num_layers}"
+    tag = str(layout.num_layers)
+    target, writer = _connect(spawn, layout, tag)
+    writer_name = f"writer-{tag}"
     for pairs, notif in WRITES:
         # The target polls (as a decode loop does) while the writer writes: without a
         # progress thread, a side that nobody polls cannot answer UCX's connection setup.
@@ -202,10 +202,10 @@ def test_write_to_killed_peer_fails_within_seconds(spawn, is_connected):
     assert writer.ask("close") == "closed"
 
 
-def _wait_done(writer: Any, target: Any, handle: object) -> Any:
+def _wait_done(
+    writer: NixlBackend, target: NixlBackend, handle: object
+) -> tuple[XferState, list[tuple[str, bytes]]]:
     """Poll both in-process agents (each progresses only when polled) until the write ends."""
-    from transfer.backend import XferState
-
     deadline = time.monotonic() + WAIT_S
     notifications: list[tuple[str, bytes]] = []
     state = writer.poll(handle)
@@ -219,10 +219,9 @@ def _wait_done(writer: Any, target: Any, handle: object) -> Any:
 
 
 def test_misuse_raises_backend_error_and_a_removed_peer_can_be_added_again():
-    from transfer.backend import BackendError, XferState
-    from transfer.nixl_backend import NixlBackend
-
-    writer, target, other = NixlBackend("w-local"), NixlBackend("t-local"), NixlBackend("o-local")
+    writer, target = NixlBackend("w-local"), NixlBackend("t-local")
+    other = make_backend("nixl", "o-local")
+    assert isinstance(other, NixlBackend) and other.carries_notifications
     src, dst = KVPool(SMALL, 8), KVPool(SMALL, 8)
     with pytest.raises(BackendError, match="register_pool must come first"):
         writer.local_metadata()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import pytest
 import torch
 

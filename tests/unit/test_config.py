@@ -64,6 +64,7 @@ def test_prefill_defaults_match_sglang() -> None:
         bootstrap_port=8998,
         bootstrap_timeout_s=300.0,
         waiting_timeout_s=300.0,
+        lease_s=10.0,
         auth_token=None,
     )
     assert (cfg.host, cfg.port) == ("127.0.0.1", 30000)
@@ -146,7 +147,7 @@ def test_prefill_flags_reach_every_field() -> None:
         ]
     )
     assert cfg.model == ModelConfig("/m", "float16", "cuda:1", 4096, 32, 65536, None)
-    assert cfg.transfer == TransferConfig("fake", 9000, 5.0, 7.5, "secret")
+    assert cfg.transfer == TransferConfig("fake", 9000, 5.0, 7.5, 10.0, "secret")
     assert (cfg.host, cfg.port, cfg.schedule_policy) == ("0.0.0.0", 31000, "lpm")
     assert cfg.schedule_conservativeness == 0.5
     assert (cfg.max_prefill_tokens, cfg.chunked_prefill_size) == (4096, 1024)
