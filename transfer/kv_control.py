@@ -194,11 +194,10 @@ class ControlDispatcher:
 
     def resend_hellos(self, now: float) -> None:
         """Re-send a lost or unanswered hello; the rooms' bootstrap timeout bounds the wait."""
-        for peer in self.m.peers.values():
-            waiting = any(r.peer_endpoint == peer.endpoint and r.status.state is KVPoll.Bootstrapping
-                          for r in self.m.receivers.values())
-            if not waiting:
-                continue
+        waiting = {r.peer_endpoint for r in self.m.receivers.values()
+                   if r.status.state is KVPoll.Bootstrapping}
+        for endpoint in waiting:
+            peer = self.m.peers[endpoint]
             stale = peer.state is PeerState.CONNECTING and now - peer.hello_sent_at > HELLO_RESEND_S
             if stale or peer.may_retry(now):
                 self.send_hello(peer, now)

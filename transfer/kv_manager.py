@@ -35,6 +35,8 @@ from transfer.peers import Peer, PeerState
 
 logger = logging.getLogger(__name__)
 
+HOUSEKEEPING_INTERVAL_S = 0.005
+
 
 class KVManager:
     def __init__(self, node_id: str, role: str, backend: TransferBackend, pool: KVPool, *,
@@ -68,6 +70,7 @@ class KVManager:
         self._abort_acks: list[KVSender] = []  # aborted by the peer; ack once drained
         self._control = ControlDispatcher(self)
         self._next_renew = 0.0
+        self._next_housekeeping = 0.0
 
     # ---- rooms ------------------------------------------------------------------------------
 
@@ -166,12 +169,16 @@ class KVManager:
         for peer_agent, data in self.backend.get_notifications():
             self._control.handle_notification(peer_agent, data, now)
         self._progress_writes(now)
-        self._check_timeouts(now)
-        self._control.resend_hellos(now)
+        # Timers are coarse (seconds): checking them every few ms keeps each poll, and
+        # so the latency of noticing a completed transfer, short.
+        if now >= self._next_housekeeping:
+            self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
+            self._check_timeouts(now)
+            self._control.resend_hellos(now)
+            self.metrics.rooms(self.senders.values(), self.receivers.values())
         if now >= self._next_renew:
             self._renew_leases(now)
             self._next_renew = now + self.lease_s / 3
-        self.metrics.rooms(self.senders.values(), self.receivers.values())
 
     def _progress_writes(self, now: float) -> None:
         for sender in list(self.senders.values()):

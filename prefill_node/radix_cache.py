@@ -1,0 +1,450 @@
+"""Radix tree over token ids at page granularity; its values are KV page ids (RadixAttention).
+
+Keys are packed token ids (``common.request.token_key``): a node's key covers whole pages
+and its value holds one page id per page_size tokens. Children are keyed by their first
+page's bytes, so a lookup is one slice + dict get and a node comparison one memcmp.
+
+Ownership (STYLE 6): the tree owns the pages of its nodes and is the only one to change
+lock counts; pages leave it only through ``evict`` (or ``reset``), freed through the
+allocator given at construction. Every structural change (child added, node split, node
+evicted) bumps ``version`` and is logged, so a cached ``MatchResult`` can be revalidated
+by looking at the changes since its version (``is_match_current``, ``PrefixMatcher``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, Protocol
+
+from common.request import TOKEN_BYTES, token_key
+
+# Structural events: (kind, node, first-page key of the added child, or b"").
+EV_ADD, EV_SPLIT, EV_EVICT = 0, 1, 2
+Event = tuple[int, "TreeNode", bytes]
+_MAX_LOG = 1 << 16
+
+
+class PageFreer(Protocol):
+    def free(self, pages: Iterable[int]) -> None: ...
+
+
+class StaleMatchError(RuntimeError):
+    """A match was used after the tree evicted part of it; match again."""
+
+
+class TreeNode:
+    """One edge of the tree: whole pages of tokens and their page ids."""
+
+    __slots__ = (
+        "children",
+        "is_evicted",
+        "key",
+        "last_access",
+        "lock_ref",
+        "parent",
+        "serial",
+        "value",
+    )
+
+    def __init__(self, key: bytes, value: list[int], parent: TreeNode | None, serial: int):
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+        # Order of insertion among siblings (dfs-weight's tie-break, as dict order in SGLang).
+        self.serial = serial
+        self.is_evicted = False
+
+    def __repr__(self) -> str:
+        return f"TreeNode(#{self.serial}, pages={len(self.value)}, lock={self.lock_ref})"
+
+
+class MatchResult(NamedTuple):
+    """The cached prefix of a token sequence. ``page_ids`` belong to the tree: lock
+    ``last_node`` (``inc_lock_ref``) before using them and unlock when done."""
+
+    page_ids: list[int]
+    num_tokens: int  # a multiple of page_size
+    last_node: TreeNode  # deepest node holding matched pages (the match may end inside it)
+    version: int  # tree version when matched
+    generation: int  # tree generation (reset count) when matched
+    # First page the match would continue with when it ended at the end of last_node and a
+    # whole page of the sequence remains; None otherwise. An added child under this key
+    # is the only insert that can lengthen the match.
+    extend_key: bytes | None
+    is_partial: bool  # ended inside last_node: a split of last_node may change it
+
+
+class RadixCache:
+    """Page-granular prefix cache. Sizes are in pages; the ``*_size()`` methods in tokens."""
+
+    def __init__(self, page_size: int, allocator: PageFreer | None = None) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be > 0, got {page_size}")
+        self.page_size = page_size
+        self._page_bytes = page_size * TOKEN_BYTES
+        # A KVPool frees through its allocator; None: values are not real pages (tests, bench).
+        self._allocator: PageFreer | None = getattr(allocator, "allocator", allocator)
+        self.version = 0
+        self.generation = 0
+        self._log: list[Event] = []
+        self._log_start = 0  # version of _log[0]
+        self._serial = 0
+        self._tick = 0
+        self._init_tree()
+
+    def _init_tree(self) -> None:
+        self.root = TreeNode(b"", [], None, self._next_serial())
+        self.root.lock_ref = 1  # never evicted
+        self.num_evictable_pages = 0
+        self.num_protected_pages = 0
+        self._evictable_leaves: set[TreeNode] = set()
+
+    # --- sizes -----------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.num_evictable_pages + self.num_protected_pages
+
+    def evictable_size(self) -> int:
+        """Tokens in unlocked nodes (what evict can free)."""
+        return self.num_evictable_pages * self.page_size
+
+    def protected_size(self) -> int:
+        """Tokens in nodes locked by running requests."""
+        return self.num_protected_pages * self.page_size
+
+    def total_size(self) -> int:
+        return self.num_pages * self.page_size
+
+    # --- match, insert -----------------------------------------------------------------------
+    def _as_key(self, token_ids: Sequence[int] | bytes) -> bytes:
+        if isinstance(token_ids, bytes):
+            if len(token_ids) % TOKEN_BYTES:
+                raise ValueError("a packed key must hold whole int32 token ids")
+            return token_ids
+        return token_key(token_ids)
+
+    def match_prefix(self, token_ids: Sequence[int] | bytes) -> MatchResult:
+        """The longest cached prefix in whole pages. Pure: changes nothing (not even LRU)."""
+        key = self._as_key(token_ids)
+        pb = self._page_bytes
+        end = len(key) - len(key) % pb
+        node, pos, pages, is_partial = self.root, 0, [], False
+        while pos < end:
+            child = node.children.get(key[pos : pos + pb])
+            if child is None:
+                break
+            ck = child.key
+            node = child
+            if key.startswith(ck, pos):
+                pages += child.value
+                pos += len(ck)
+                continue
+            n = _common_pages(key, pos, end, ck, pb)
+            pages += child.value[:n]
+            pos += n * pb
+            is_partial = True
+            break
+        extend_key = key[pos : pos + pb] if not is_partial and pos < end else None
+        return MatchResult(
+            pages, pos // TOKEN_BYTES, node, self.version, self.generation, extend_key, is_partial
+        )
+
+    def insert(self, token_ids: Sequence[int] | bytes, page_ids: Sequence[int]) -> int:
+        """Cache the whole pages of ``token_ids`` whose KV is in ``page_ids`` (one id per page,
+        extra ids ignored); return how many leading tokens were cached already.
+
+        Who frees what, with ``n = len(token_ids) // page_size`` and ``p = returned // page_size``:
+        ``page_ids[p:n]`` now belong to the tree (freed by evict). ``page_ids[:p]`` stay the
+        caller's: those that came from its own match (``req.prefix_indices``) are the tree's
+        pages anyway, the others duplicate cached pages and the caller frees them, i.e. free
+        ``page_ids[len(req.prefix_indices):p]``. ``page_ids[n:]`` (the page of a trailing
+        partial page of tokens) stay the caller's to free.
+        """
+        key = self._as_key(token_ids)
+        pb = self._page_bytes
+        num_pages = len(key) // pb
+        end = num_pages * pb
+        if len(page_ids) < num_pages:
+            raise ValueError(f"{num_pages} whole pages of tokens but {len(page_ids)} page ids")
+        tick = self._next_tick()
+        node, pos = self.root, 0
+        while pos < end:
+            first = key[pos : pos + pb]
+            child = node.children.get(first)
+            if child is None:
+                self._add_leaf(node, first, key[pos:end], list(page_ids[pos // pb : num_pages]))
+                node.children[first].last_access = tick
+                return pos // TOKEN_BYTES
+            ck = child.key
+            child.last_access = tick
+            if key.startswith(ck, pos):
+                node = child
+                pos += len(ck)
+                continue
+            n = _common_pages(key, pos, end, ck, pb)
+            if pos + n * pb == end:
+                break  # the whole key lies inside child: nothing to add
+            node = self._split(child, n)
+            pos += n * pb
+        return end // TOKEN_BYTES
+
+    def _add_leaf(self, parent: TreeNode, first: bytes, key: bytes, value: list[int]) -> None:
+        leaf = TreeNode(key, value, parent, self._next_serial())
+        if not parent.children and parent.lock_ref == 0:
+            self._evictable_leaves.discard(parent)
+        parent.children[first] = leaf
+        self._evictable_leaves.add(leaf)
+        self.num_evictable_pages += len(value)
+        self._log_event(EV_ADD, parent, first)
+
+    def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
+        """Cut child after num_pages pages; the new upper node takes its place (and serial)."""
+        pb = self._page_bytes
+        parent = child.parent
+        assert parent is not None
+        upper = TreeNode(child.key[: num_pages * pb], child.value[:num_pages], parent, child.serial)
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        parent.children[child.key[:pb]] = upper  # same key: keeps its place among siblings
+        child.serial = self._next_serial()
+        child.key = child.key[num_pages * pb :]
+        child.value = child.value[num_pages:]
+        child.parent = upper
+        upper.children[child.key[:pb]] = child
+        self._log_event(EV_SPLIT, child, b"")
+        return upper
+
+    # --- locks, eviction, LRU ----------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Protect node and its path to the root from eviction."""
+        if node.is_evicted:
+            raise StaleMatchError(f"{node} was evicted; match the request again")
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.num_evictable_pages -= len(node.value)
+                self.num_protected_pages += len(node.value)
+                self._evictable_leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one inc_lock_ref(node)."""
+        if node is not self.root and node.lock_ref <= 0:
+            raise ValueError(f"{node} is not locked")
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.num_evictable_pages += len(node.value)
+                self.num_protected_pages -= len(node.value)
+                if not node.children:
+                    self._evictable_leaves.add(node)
+            node = node.parent  # type: ignore[assignment]
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least num_pages pages (if there are) from unlocked leaves, least recently
+        used first, whole nodes at a time; return the number of pages freed."""
+        heap = [(n.last_access, n.serial, n) for n in self._evictable_leaves]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < num_pages and heap:
+            node = heapq.heappop(heap)[2]
+            parent = node.parent
+            assert parent is not None
+            freed += node.value
+            del parent.children[node.key[: self._page_bytes]]
+            self._evictable_leaves.discard(node)
+            self.num_evictable_pages -= len(node.value)
+            node.is_evicted = True
+            self._log_event(EV_EVICT, node, b"")
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                self._evictable_leaves.add(parent)
+                heapq.heappush(heap, (parent.last_access, parent.serial, parent))
+        if freed and self._allocator is not None:
+            self._allocator.free(freed)
+        return len(freed)
+
+    def touch(self, target: TreeNode | Sequence[int] | bytes) -> None:
+        """Mark a node's path (or a sequence's cached prefix) as just used."""
+        node = target if isinstance(target, TreeNode) else self.match_prefix(target).last_node
+        tick = self._next_tick()
+        while node is not None and not node.is_evicted:
+            node.last_access = tick
+            node = node.parent
+
+    def touch_paths(self, last_nodes: Sequence[TreeNode], *, is_ordered: bool = True) -> None:
+        """Touch many paths, the first most recently: LRU then evicts the paths of later
+        nodes first (same result as touching them one by one in reverse order). With
+        is_ordered False all paths get the same access time."""
+        step = 1 if is_ordered else 0
+        base = self._tick + len(last_nodes) * step
+        self._tick = base + 1
+        seen: set[TreeNode] = set()
+        for i, node in enumerate(last_nodes):
+            tick = base - i * step
+            while node is not self.root and node not in seen and not node.is_evicted:
+                seen.add(node)
+                node.last_access = tick
+                node = node.parent  # type: ignore[assignment]
+
+    # --- dfs-weight ------------------------------------------------------------------------
+    def dfs_weight_order(self, last_nodes: Sequence[TreeNode]) -> list[int]:
+        """Indices of last_nodes in SGLang's dfs-weight order: DFS from the root visiting
+        children with more requests in their subtree first (ties: insertion order), a node's
+        own requests after its children's, in input order."""
+        counts = Counter(last_nodes)
+        if any(node.is_evicted for node in counts):  # a stale match counts as no match
+            last_nodes = [self.root if n.is_evicted else n for n in last_nodes]
+            counts = Counter(last_nodes)
+        weight: dict[TreeNode, int] = {}
+        kids: dict[TreeNode, list[TreeNode]] = {}
+        for node, count in counts.items():
+            while node is not None:  # add count to the node and its ancestors
+                if node in weight:
+                    weight[node] += count
+                else:
+                    weight[node] = count
+                    if node.parent is not None:
+                        kids.setdefault(node.parent, []).append(node)
+                node = node.parent  # type: ignore[assignment]
+        rank: dict[TreeNode, int] = {}  # post-order position of each node
+        stack: list[tuple[TreeNode, bool]] = [(self.root, False)]
+        while stack:
+            node, is_visited = stack.pop()
+            if is_visited:
+                rank[node] = len(rank)
+                continue
+            stack.append((node, True))
+            children = kids.get(node)
+            if children:
+                children.sort(key=lambda c: (-weight[c], c.serial))
+                stack.extend((c, False) for c in reversed(children))
+        keys = list(map(rank.__getitem__, last_nodes))
+        return sorted(range(len(keys)), key=keys.__getitem__)  # stable: input order in a node
+
+    # --- versioning ------------------------------------------------------------------------
+    def events_since(self, version: int) -> list[Event] | None:
+        """Structural changes after ``version``; None when they are no longer logged."""
+        if version == self.version:
+            return []
+        if version < self._log_start or version > self.version:
+            return None
+        return self._log[version - self._log_start :]
+
+    def is_match_current(self, match: MatchResult) -> bool:
+        """Whether ``match`` is still what match_prefix would return (same pages and node)."""
+        if match.generation != self.generation:
+            return False
+        events = self.events_since(match.version)
+        if events is None:
+            return False
+        node = match.last_node
+        for kind, n, key in events:
+            if n is node and (
+                kind == EV_EVICT
+                or (kind == EV_SPLIT and match.is_partial)
+                or (kind == EV_ADD and key == match.extend_key)
+            ):
+                return False
+        return True
+
+    def _log_event(self, kind: int, node: TreeNode, key: bytes) -> None:
+        self._log.append((kind, node, key))
+        self.version += 1
+        if len(self._log) > 2 * _MAX_LOG:
+            del self._log[:_MAX_LOG]
+            self._log_start += _MAX_LOG
+
+    def _next_serial(self) -> int:
+        self._serial += 1
+        return self._serial
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    # --- whole tree ------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop every cached prefix, freeing its pages. Refused while any node is locked."""
+        if self.num_protected_pages:
+            raise RuntimeError(f"{self.num_protected_pages} cached pages are locked; unlock first")
+        pages = [p for node in self._nodes() for p in node.value]
+        if pages and self._allocator is not None:
+            self._allocator.free(pages)
+        for node in self._nodes():
+            node.is_evicted = True
+        self._init_tree()
+        self.generation += 1
+        self.version += 1
+        self._log.clear()
+        self._log_start = self.version
+
+    def _nodes(self) -> list[TreeNode]:
+        """Every node but the root, parents before children."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every invariant holds (tests and idle loops call it)."""
+        pb, seen_pages = self._page_bytes, set()
+        evictable = protected = 0
+        leaves = set()
+        for node in self._nodes():
+            parent = node.parent
+            _require(parent is not None and not node.is_evicted, f"{node} detached")
+            assert parent is not None
+            _require(parent.children.get(node.key[:pb]) is node, f"{node} not under its key")
+            _require(
+                len(node.key) > 0 and len(node.key) == len(node.value) * pb,
+                f"{node}: key length does not match its pages",
+            )
+            _require(node.lock_ref >= 0, f"{node} has a negative lock count")
+            _require(
+                parent is self.root or parent.lock_ref >= node.lock_ref,
+                f"{node} is locked more than its parent",
+            )
+            for p in node.value:
+                _require(p not in seen_pages, f"page {p} held by two nodes")
+                seen_pages.add(p)
+            if node.lock_ref:
+                protected += len(node.value)
+            else:
+                evictable += len(node.value)
+                if not node.children:
+                    leaves.add(node)
+        _require(
+            evictable == self.num_evictable_pages,
+            f"evictable {self.num_evictable_pages} pages, counted {evictable}",
+        )
+        _require(
+            protected == self.num_protected_pages,
+            f"protected {self.num_protected_pages} pages, counted {protected}",
+        )
+        _require(leaves == self._evictable_leaves, "evictable leaf set out of date")
+        _require(self.version == self._log_start + len(self._log), "event log out of step")
+
+
+def _common_pages(key: bytes, pos: int, end: int, node_key: bytes, pb: int) -> int:
+    """Whole pages node_key shares with key[pos:end], given that the first page matches."""
+    lo, hi = 1, min(len(node_key), end - pos) // pb
+    view = memoryview(node_key)  # slices without copies
+    while lo < hi:  # largest n with key[pos:] starting with node_key[:n pages]
+        mid = (lo + hi + 1) // 2
+        if key.startswith(view[: mid * pb], pos):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _require(is_ok: bool, message: str) -> None:
+    if not is_ok:
+        raise AssertionError(message)

@@ -1,0 +1,326 @@
+"""The order in which the prefill node tries waiting requests (SGLang's schedule_policy.py).
+
+Each round, before the PrefillAdder runs, ``SchedulePolicy.calc_priority`` sorts the
+waiting queue in place::
+
+    fallback? -> refresh matches -> in-batch dedup -> sort by policy -> waiting-prefix touch
+
+Cache-agnostic: fcfs (priority, then entry time, with --enable-priority-scheduling),
+lof, random, routing-key. Cache-aware: lpm, dfs-weight, hrrn, shortest-prefill-first;
+without a radix cache they run as fcfs, except shortest-prefill-first which refuses.
+Matches are incremental (``PrefixMatcher``), so the chosen policy stays in force at
+thousands of waiting requests; ``cache_aware_fallback_threshold`` (default: never) still
+turns lpm/hrrn into fcfs above a queue length, as SGLang does above 128.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from itertools import compress
+from operator import attrgetter, not_
+from typing import Any
+
+from common import metrics
+from common.config import PrefillConfig
+from common.request import Req
+from prefill_node.hrrn_order import HrrnOrder
+from prefill_node.in_batch_dedup import InBatchDedup
+from prefill_node.prefix_matcher import PrefixMatcher
+from prefill_node.radix_cache import MatchResult, RadixCache
+
+WAITING_PREFIX_REFRESH_INTERVAL = 32  # rounds between waiting-prefix touches
+_INF = float("inf")
+_IS_DEPRIORITIZED = attrgetter("is_deprioritized")
+_LAST_NODE = attrgetter("match.last_node")
+
+
+class CacheAwarePolicy(Enum):
+    LPM = "lpm"  # longest prefix match
+    DFS_WEIGHT = "dfs-weight"  # radix tree DFS, heaviest subtree first
+    HRRN = "hrrn"  # highest response ratio next, token-based aging
+    SHORTEST_PREFILL_FIRST = "shortest-prefill-first"
+
+
+class CacheAgnosticPolicy(Enum):
+    FCFS = "fcfs"
+    LOF = "lof"  # longest output first
+    RANDOM = "random"
+    ROUTING_KEY = "routing-key"  # keys already in the running batch first
+
+
+Policy = CacheAwarePolicy | CacheAgnosticPolicy
+_FALLBACK_POLICIES = (CacheAwarePolicy.LPM, CacheAwarePolicy.HRRN)  # as SGLang's 128 rule
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityResult:
+    """What one calc_priority round did."""
+
+    policy: str  # the policy applied this round
+    is_fallback: bool  # a cache-aware policy was replaced by fcfs this round
+    num_new_matches: int  # arrivals matched for the first time
+    num_rematches: int  # waiting requests matched again because the tree changed under them
+    num_deprioritized: int  # sent to the back by in-batch prefix dedup
+
+
+def prefill_work(req: Req) -> int:
+    """Tokens shortest-prefill-first charges a request: its uncached prompt, at least 1."""
+    return max(1, len(req.origin_input_ids) - req.prefix_len)
+
+
+class SchedulePolicy:
+    """Sorts a waiting queue in place each round; owns the prefix matches of its requests.
+
+    tree_cache None means the radix cache is disabled. Request fields read: see
+    ``common.request.Req``; ``req.match`` and ``req.is_deprioritized`` are written here.
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        tree_cache: RadixCache | None,
+        *,
+        enable_priority_scheduling: bool = False,
+        schedule_low_priority_values_first: bool = False,
+        in_batch_prefix_caching_check_threshold: int = 32,
+        in_batch_prefix_caching_deprioritize_threshold: int = 32,
+        cache_aware_fallback_threshold: int | None = None,
+        enable_cache_agnostic_in_batch_prefix_caching: bool = False,
+        waiting_prefix_refresh_interval: int = WAITING_PREFIX_REFRESH_INTERVAL,
+        random_seed: int | None = None,
+    ) -> None:
+        self.tree_cache = tree_cache
+        self.requested_policy = policy
+        self.policy: Policy = _validate_and_adjust_policy(policy, tree_cache)
+        self.enable_priority_scheduling = enable_priority_scheduling
+        # Ascending sort: -1 puts higher values first, +1 lower values first.
+        self.priority_sign = 1 if schedule_low_priority_values_first else -1
+        self.cache_aware_fallback_threshold = cache_aware_fallback_threshold
+        self.enable_cache_agnostic_in_batch = enable_cache_agnostic_in_batch_prefix_caching
+        self.waiting_prefix_refresh_interval = waiting_prefix_refresh_interval
+        self._rng = random.Random(random_seed)
+        self._matcher = PrefixMatcher(tree_cache) if tree_cache is not None else None
+        self._dedup = InBatchDedup(
+            in_batch_prefix_caching_check_threshold, in_batch_prefix_caching_deprioritize_threshold
+        )
+        self._deprioritized: set[Req] = set()
+        # Per-request sort keys that change only with the match or dedup (lpm, spf, hrrn).
+        self._static_key: dict[Req, Any] = {}
+        self._hrrn = HrrnOrder()
+        self._num_touch_rounds = 0
+        self._metric_children: dict[tuple[str, str], Any] = {}
+
+    @classmethod
+    def from_config(cls, config: PrefillConfig, tree_cache: RadixCache | None) -> SchedulePolicy:
+        return cls(
+            config.schedule_policy,
+            None if config.disable_radix_cache else tree_cache,
+            enable_priority_scheduling=config.enable_priority_scheduling,
+            schedule_low_priority_values_first=config.schedule_low_priority_values_first,
+            in_batch_prefix_caching_check_threshold=config.in_batch_prefix_caching_check_threshold,
+            in_batch_prefix_caching_deprioritize_threshold=(
+                config.in_batch_prefix_caching_deprioritize_threshold
+            ),
+            cache_aware_fallback_threshold=config.cache_aware_fallback_threshold,
+        )
+
+    @property
+    def is_shortest_prefill_first(self) -> bool:
+        """Under this policy the adder allows one unfinished chunked request only."""
+        return self.policy is CacheAwarePolicy.SHORTEST_PREFILL_FIRST
+
+    # --- the round -------------------------------------------------------------------------
+    def calc_priority(
+        self,
+        waiting_queue: list[Req],
+        running_batch: Iterable[Req] | None = None,
+        processed_tokens: int | None = None,
+    ) -> PriorityResult:
+        """Sort ``waiting_queue`` in place for this round and refresh every request's match.
+
+        running_batch: the running requests (routing-key counts their keys); processed_tokens:
+        the prefill-token counter now (hrrn's clock; None: no aging, rid order).
+        """
+        start = time.perf_counter()
+        policy = self._active_policy(waiting_queue)
+        is_fallback = policy is not self.policy
+        num_new = num_rematched = 0
+        if self._matcher is not None:
+            refreshed = self._matcher.refresh(waiting_queue)
+            num_new, num_rematched = refreshed.num_new, refreshed.num_rematched
+            self._dedup.update(refreshed.changed, refreshed.departed)
+            for r in refreshed.departed:
+                self._forget_keys(r)
+            is_dedup_on = self._is_dedup_on(policy)
+            deprioritized = self._dedup.deprioritized(waiting_queue) if is_dedup_on else set()
+            self._set_deprioritized(deprioritized, refreshed.changed)
+        self._sort(policy, waiting_queue, running_batch, processed_tokens)
+        if self._matcher is not None:
+            self._matcher.remember_order(waiting_queue)
+            self._touch_waiting_prefixes(waiting_queue)
+        labels = (metrics.ROLE, policy.value)
+        child = self._metric_children.get(labels)
+        if child is None:
+            child = metrics.CALC_PRIORITY_SECONDS.labels(role=labels[0], policy=labels[1])
+            self._metric_children[labels] = child
+        if is_fallback:
+            metrics.POLICY_FALLBACKS.labels(role=metrics.ROLE).inc()
+        child.observe(time.perf_counter() - start)
+        return PriorityResult(
+            policy.value, is_fallback, num_new, num_rematched, len(self._deprioritized)
+        )
+
+    def match_prefix_for_req(self, req: Req) -> MatchResult | None:
+        """The request's current match (memoized; the same object while the tree did not
+        change under it); None without a radix cache. The adder calls this right before
+        ``inc_lock_ref(req.last_node)``: anything it evicted since calc_priority is seen."""
+        if self._matcher is None:
+            return None
+        return self._matcher.match_req(req)
+
+    def shortest_prefill_chunk_limit(
+        self, remaining_tokens: int, waiting_queue: list[Req], budget: int, page_size: int
+    ) -> int | None:
+        """Cap for the continuing chunked request under shortest-prefill-first, reserving
+        chunk budget for shorter waiting requests; None: no cap.
+
+        remaining_tokens: the chunked request's tokens still to prefill; budget: this round's
+        chunk budget (rem_chunk_tokens); waiting_queue: as sorted by calc_priority.
+        """
+        if not self.is_shortest_prefill_first or budget < 2 * page_size:
+            return None
+        reserved = 0
+        for req in waiting_queue:
+            work = prefill_work(req)
+            charge = -(-work // page_size) * page_size
+            if work >= remaining_tokens or reserved + charge > budget - page_size:
+                break
+            reserved += charge
+        if not reserved:
+            return None
+        return (budget - reserved) // page_size * page_size
+
+    # --- steps -----------------------------------------------------------------------------
+    def _active_policy(self, waiting_queue: list[Req]) -> Policy:
+        limit = self.cache_aware_fallback_threshold
+        if limit is not None and self.policy in _FALLBACK_POLICIES and len(waiting_queue) > limit:
+            return CacheAgnosticPolicy.FCFS
+        return self.policy
+
+    def _is_dedup_on(self, policy: Policy) -> bool:
+        if isinstance(policy, CacheAwarePolicy):
+            return True
+        return policy is CacheAgnosticPolicy.FCFS and self.enable_cache_agnostic_in_batch
+
+    def _set_deprioritized(self, now: set[Req], changed: list[Req]) -> None:
+        before = self._deprioritized
+        moved = before ^ now
+        for r in moved:
+            r.is_deprioritized = r in now
+        self._deprioritized = now
+        # Keys that change only with a request's match or dedup status.
+        if self.policy is CacheAwarePolicy.LPM:
+            for r in moved.union(changed):
+                self._static_key[r] = _INF if r.is_deprioritized else -float(r.prefix_len)
+        elif self.policy is CacheAwarePolicy.SHORTEST_PREFILL_FIRST:
+            for r in moved.union(changed):
+                self._static_key[r] = (r.is_deprioritized, prefill_work(r), r.wait_queue_entry_time)
+        elif self.policy is CacheAwarePolicy.HRRN:
+            self._hrrn.update(moved.union(changed), now, moved)
+
+    def _forget_keys(self, r: Req) -> None:
+        self._static_key.pop(r, None)
+        self._hrrn.forget(r)
+        if r.is_deprioritized:
+            self._deprioritized.discard(r)
+            r.is_deprioritized = False
+
+    def _sort(
+        self,
+        policy: Policy,
+        queue: list[Req],
+        running_batch: Iterable[Req] | None,
+        processed_tokens: int | None,
+    ) -> None:
+        sign = self.priority_sign
+        if policy is CacheAgnosticPolicy.FCFS:
+            if self.enable_priority_scheduling:
+                queue.sort(key=lambda r: _priority_key(r, sign, r.wait_queue_entry_time))
+            if self.enable_cache_agnostic_in_batch and self._deprioritized:
+                queue.sort(key=attrgetter("is_deprioritized"))
+        elif policy is CacheAgnosticPolicy.LOF:
+            if self.enable_priority_scheduling:
+                queue.sort(key=lambda r: _priority_key(r, sign, -r.max_new_tokens))
+            else:
+                queue.sort(key=lambda r: -r.max_new_tokens)
+        elif policy is CacheAgnosticPolicy.RANDOM:
+            self._rng.shuffle(queue)
+        elif policy is CacheAgnosticPolicy.ROUTING_KEY:
+            _sort_by_routing_key(queue, running_batch)
+        elif policy is CacheAwarePolicy.HRRN:
+            self._hrrn.sort(queue, processed_tokens)
+        elif policy is CacheAwarePolicy.DFS_WEIGHT:
+            assert self.tree_cache is not None
+            ahead, behind = queue, []
+            if self._deprioritized:
+                flags = list(map(_IS_DEPRIORITIZED, queue))
+                ahead = list(compress(queue, map(not_, flags)))
+                behind = list(compress(queue, flags))
+            order = self.tree_cache.dfs_weight_order(list(map(_LAST_NODE, ahead)))
+            queue[:] = [*map(ahead.__getitem__, order), *behind]
+        else:  # lpm, shortest-prefill-first: keys kept up to date with matches and dedup
+            queue.sort(key=self._static_key.__getitem__)
+
+    def _touch_waiting_prefixes(self, queue: list[Req]) -> None:
+        """Every ``waiting_prefix_refresh_interval`` rounds with waiting requests, touch their
+        cached prefixes, head most recently, so LRU eviction spares the head of the queue.
+        SGLang does this for cache-agnostic policies only (its cache-aware ones rematch, so
+        touch, every round); ours rematch only on change, so every policy needs it."""
+        if self.tree_cache is None or not queue:
+            return
+        is_due = self._num_touch_rounds % self.waiting_prefix_refresh_interval == 0
+        self._num_touch_rounds += 1
+        if is_due:
+            self.tree_cache.touch_paths([r.match.last_node for r in queue])  # type: ignore[union-attr]
+
+
+def _validate_and_adjust_policy(policy: str, tree_cache: RadixCache | None) -> Policy:
+    try:
+        aware = CacheAwarePolicy(policy)
+    except ValueError:
+        try:
+            return CacheAgnosticPolicy(policy)
+        except ValueError:
+            raise ValueError(f"Unknown schedule_policy: {policy!r}") from None
+    if tree_cache is None:
+        if aware is CacheAwarePolicy.SHORTEST_PREFILL_FIRST:
+            raise ValueError("shortest-prefill-first requires the radix cache (prefix caching)")
+        return CacheAgnosticPolicy.FCFS
+    return aware
+
+
+def _priority_key(r: Req, sign: int, then: float) -> tuple[int, int, float]:
+    # Requests without a priority sort after every explicit one.
+    if r.priority is None:
+        return (1, 0, then)
+    return (0, r.priority * sign, then)
+
+
+def _sort_by_routing_key(queue: list[Req], running_batch: Iterable[Req] | None) -> None:
+    running = getattr(running_batch, "reqs", running_batch) or ()
+    counts = Counter(r.routing_key for r in running if r.routing_key)
+    if not counts:
+        return
+
+    def key(r: Req) -> tuple[int, int, str]:
+        k = r.routing_key
+        if k and k in counts:
+            return (0, -counts[k], k)
+        return (1, 0, k or "")
+
+    queue.sort(key=key)
