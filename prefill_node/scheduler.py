@@ -1,0 +1,256 @@
+"""The prefill node's loop: receive, bootstrap, schedule, run one chunk batch, send KV, finish.
+
+One step (`step()`), like nano-vllm's:
+  1. drain GenerateReq / AbortReq from the request socket into the bootstrap queue;
+  2. poll the KVManager (handshakes, TransferRequests, writes, leases, timeouts);
+  3. move bootstrapped requests to the waiting queue;
+  4. calc_priority + PrefillAdder pick this round's chunks (the chunked request first);
+  5. one model extend for the batch; each request's new whole pages go to its KVSender;
+     a request's last chunk samples its one token and sends the rest plus the aux data;
+  6. inflight requests whose transfer succeeded put their pages in the radix cache and
+     unlock it (the prefix stays cached); failed ones free what they hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+
+from common import messages as msg
+from common.config import PrefillConfig
+from common.ipc import PushPool, recv_messages
+from common.kv_pool import pages_needed
+from common.model.runner import ExtendRequest, ModelRunner
+from common.request import Req
+from common.sampler import Sampler, make_generator
+from common.sampling_params import SamplingParams
+from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
+from prefill_node.queues import BootstrapQueue, InflightQueue, PrefillState
+from prefill_node.radix_cache import RadixCache
+from prefill_node.schedule_policy import SchedulePolicy
+from prefill_node.stats import PrefillStats
+from transfer.kv_manager import KVManager
+from transfer.kv_sender import AuxData
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillScheduler:
+    def __init__(self, config: PrefillConfig, runner: ModelRunner, kv: KVManager,
+                 request_socket: zmq.Socket, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.runner = runner
+        self.kv = kv
+        self.allocator = runner.pool.allocator
+        self.page_size = runner.page_size
+        self.tree = None if config.disable_radix_cache else RadixCache(self.page_size, self.allocator)
+        self.policy = SchedulePolicy.from_config(config, self.tree)
+        self.request_socket = request_socket
+        self.push = PushPool(zmq.Context.instance())
+        self.clock = clock
+        self.sampler = Sampler()
+        self.bootstrap_queue = BootstrapQueue()
+        self.waiting_queue: list[Req] = []
+        self.inflight_queue = InflightQueue()
+        self.states: dict[str, PrefillState] = {}  # by rid, every request this node holds
+        self.chunked: PrefillState | None = None
+        self.processed_tokens = 0  # HRRN's clock: tokens prefilled so far
+        self.stats = PrefillStats(self)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One iteration; returns whether any model work ran (callers sleep briefly if not)."""
+        for m in recv_messages(self.request_socket, socket_name="prefill_requests", max_frames=512):
+            if isinstance(m, msg.GenerateReq):
+                self._add_request(m)
+            elif isinstance(m, msg.AbortReq):
+                self.abort(m.rid, m.room, m.reason)
+        self.kv.poll()
+        ready, failed = self.bootstrap_queue.pop_bootstrapped()
+        for s in ready:
+            s.req.enter_waiting_queue(self.clock(), self.processed_tokens)
+            self.waiting_queue.append(s.req)
+        for s in failed:
+            self._fail(s, 500, f"KV bootstrap failed: {s.sender.failure_reason}")
+        chunks = self._schedule()
+        if chunks:
+            self._run(chunks)
+        self._process_inflight()
+        self.stats.update()
+        return bool(chunks)
+
+    # ---- ingress -------------------------------------------------------------------------------
+
+    def _add_request(self, g: msg.GenerateReq) -> None:
+        n = len(g.input_ids)
+        error = None
+        if g.rid in self.states:
+            error = f"duplicate request id {g.rid}"
+        elif n == 0 or n >= self.runner.context_length:
+            error = f"prompt of {n} tokens; the context length is {self.runner.context_length}"
+        elif pages_needed(n, self.page_size) > self.runner.pool.num_pages:
+            error = f"prompt of {n} tokens does not fit this node's KV pool"
+        try:
+            sampling = SamplingParams.from_wire(g.sampling)
+            sampling.validate(self.runner.spec.vocab_size)
+        except ValueError as exc:
+            error = error or str(exc)
+        if error is not None:
+            self.push.send(g.reply_endpoint, msg.ReqFailed(rid=g.rid, status=400, error=error))
+            self.stats.finished("rejected")
+            return
+        # A prefill node computes exactly one token: no decode room to reserve.
+        req = Req(rid=g.rid, room=g.room, origin_input_ids=list(g.input_ids), max_new_tokens=1,
+                  priority=g.priority, routing_key=g.routing_key, arrival_time=g.arrival_time)
+        state = PrefillState(req, g, sampling, self.kv.create_sender(g.room, n))
+        self.states[g.rid] = state
+        self.bootstrap_queue.add(state)
+        self.stats.prompt_tokens(n)
+
+    # ---- scheduling ----------------------------------------------------------------------------
+
+    def _schedule(self) -> list[PrefillChunk]:
+        if not self.waiting_queue and self.chunked is None:
+            return []
+        self.policy.calc_priority(self.waiting_queue, None, self.processed_tokens)
+        adder = PrefillAdder(
+            self.page_size, self.allocator.num_free_pages * self.page_size, self.tree,
+            max_prefill_tokens=self.config.max_prefill_tokens,
+            chunked_prefill_size=self.config.effective_chunked_prefill_size,
+            prefill_max_requests=self.config.prefill_max_requests)
+        if self.chunked is not None:
+            s = self.chunked
+            limit = None
+            if adder.rem_chunk_tokens is not None:
+                limit = self.policy.shortest_prefill_chunk_limit(
+                    s.req.num_input_tokens - s.num_computed, self.waiting_queue,
+                    adder.rem_chunk_tokens, self.page_size)
+            still_chunked = adder.add_chunked_req(s.req, s.num_computed, limit)
+            self.chunked = s if still_chunked is not None else None
+        if self.chunked is None:
+            for req in list(self.waiting_queue):
+                match = self.policy.match_prefix_for_req(req)
+                prefix = match.num_tokens if match is not None else 0
+                prefix = min(prefix, (req.num_input_tokens - 1) // self.page_size * self.page_size)
+                node = match.last_node if match is not None and prefix > 0 else None
+                result = adder.add_one_req(req, prefix, node)
+                if adder.can_run_list and adder.can_run_list[-1].req is req:
+                    self._admit(req, match.page_ids[: prefix // self.page_size] if node else [],
+                                adder.can_run_list[-1])
+                if result is not AddReqResult.CONTINUE:
+                    break
+            if adder.new_chunked_req is not None:
+                self.chunked = self.states[adder.new_chunked_req.rid]
+        return [c for c in adder.can_run_list if self._allocate(c)]
+
+    def _admit(self, req: Req, prefix_pages: list[int], chunk: PrefillChunk) -> None:
+        self.waiting_queue.remove(req)
+        s = self.states[req.rid]
+        s.pages, s.num_prefix_pages = list(prefix_pages), len(prefix_pages)
+        s.num_computed = s.num_cached_tokens = chunk.start
+        s.locked_node = chunk.locked_node
+        self.stats.cache_hit_tokens(chunk.start)
+
+    def _allocate(self, chunk: PrefillChunk) -> bool:
+        s = self.states[chunk.req.rid]
+        need = pages_needed(chunk.end, self.page_size) - len(s.pages)
+        if need > self.allocator.num_free_pages and self.tree is not None:
+            self.tree.evict(need - self.allocator.num_free_pages)
+        if not self.allocator.can_allocate(need):
+            # The adder counted evictable pages a concurrent lock now protects: retry later.
+            logger.warning("room %d: %d pages short; deferring its chunk", s.req.room, need)
+            self._release(s)
+            if self.chunked is s:
+                self.chunked = None
+            s.num_computed = 0
+            self.waiting_queue.append(s.req)
+            return False
+        s.pages += self.allocator.allocate(need)
+        return True
+
+    # ---- model run and KV sending -----------------------------------------------------------
+
+    def _run(self, chunks: list[PrefillChunk]) -> None:
+        states = [self.states[c.req.rid] for c in chunks]
+        out = self.runner.extend([ExtendRequest(c.req.origin_input_ids[c.start : c.end], c.start, s.pages)
+                                  for c, s in zip(chunks, states)])
+        self.processed_tokens += sum(c.extend_len for c in chunks)
+        self.stats.prefill_tokens(sum(c.extend_len for c in chunks))
+        for i, (c, s) in enumerate(zip(chunks, states)):
+            s.num_computed = c.end
+            if not c.is_last:
+                s.sender.send(s.pages, c.end)
+                continue
+            sample = self.sampler.sample(out.logits[i : i + 1], [s.sampling],
+                                         [make_generator(s.sampling.seed)])
+            top = sample.top_logprobs[0] if sample.top_logprobs else []
+            logprob = sample.logprobs[0] if sample.logprobs else None
+            s.sender.send(s.pages, c.end, AuxData(first_token_id=sample.token_ids[0],
+                                                  room_echo=s.req.room, first_logprob=logprob,
+                                                  top_logprobs=list(top)))
+            self.inflight_queue.add(s)
+
+    def _process_inflight(self) -> None:
+        done, failed = self.inflight_queue.pop_done()
+        for s in done:
+            self._cache_and_release(s)
+            self.stats.finished("finished")
+        for s in failed:
+            self._fail(s, 500, f"KV transfer failed: {s.sender.failure_reason}")
+
+    def _cache_and_release(self, s: PrefillState) -> None:
+        """The transfer is done: keep the prompt's whole pages in the radix cache."""
+        if self.tree is not None:
+            num_cached = self.tree.insert(s.req.origin_input_ids, s.pages) // self.page_size
+            num_whole = s.req.num_input_tokens // self.page_size
+            # Pages the tree already had (beyond our own match) and a trailing partial page
+            # stay ours to free; pages [num_cached, num_whole) now belong to the tree.
+            self.allocator.free(s.pages[s.num_prefix_pages : num_cached] + s.pages[num_whole:])
+            s.pages, s.num_prefix_pages = s.pages[:num_whole], num_whole
+        self._release(s)
+        self._forget(s)
+
+    # ---- abort and failure ------------------------------------------------------------------
+
+    def abort(self, rid: str | None, room: int | None, reason: str) -> None:
+        s = self.states.get(rid or "") or next(
+            (x for x in self.states.values() if x.req.room == room), None)
+        if s is None:
+            return
+        s.sender.abort(f"aborted: {reason}")
+        self._fail(s, 499, f"aborted: {reason}", notify=False)
+
+    def _fail(self, s: PrefillState, status: int, error: str, notify: bool = True) -> None:
+        self.bootstrap_queue.remove(s)
+        self.inflight_queue.remove(s)
+        if s.req in self.waiting_queue:
+            self.waiting_queue.remove(s.req)
+        if self.chunked is s:
+            self.chunked = None
+        self._release(s)
+        self._forget(s)
+        if notify:
+            self.push.send(s.generate.reply_endpoint, msg.ReqFailed(rid=s.req.rid, status=status,
+                                                                     error=error))
+        self.stats.finished("aborted" if status == 499 else "error")
+
+    def _release(self, s: PrefillState) -> None:
+        """Free the request's own pages and unlock its cached prefix."""
+        if s.own_pages:
+            self.allocator.free(s.own_pages)
+        if s.locked_node is not None and self.tree is not None:
+            self.tree.dec_lock_ref(s.locked_node)
+        s.pages, s.num_prefix_pages, s.locked_node = [], 0, None
+
+    def _forget(self, s: PrefillState) -> None:
+        self.states.pop(s.req.rid, None)
+        s.sender.clear()
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+        if self.tree is not None:
+            self.tree.check_integrity()

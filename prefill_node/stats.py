@@ -1,0 +1,50 @@
+"""Prefill node metrics: queue lengths, KV pages used/held, token counters, request outcomes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from common import metrics
+
+if TYPE_CHECKING:
+    from prefill_node.scheduler import PrefillScheduler
+
+
+class PrefillStats:
+    def __init__(self, scheduler: PrefillScheduler) -> None:
+        self.s = scheduler
+        role = "prefill"
+        self._queues = {q: metrics.QUEUE_REQUESTS.labels(role=role, queue=q)
+                        for q in ("bootstrap", "waiting", "inflight")}
+        self._used = metrics.KV_PAGES_USED.labels(role=role)
+        self._held = metrics.KV_PAGES_HELD.labels(role=role)
+        metrics.KV_PAGES_TOTAL.labels(role=role).set(scheduler.allocator.num_pages)
+        self._prompt = metrics.PROMPT_TOKENS.labels(role=role)
+        self._prefill = metrics.PREFILL_TOKENS.labels(role=role)
+        self._hits = metrics.PREFIX_CACHE_HIT_TOKENS.labels(role=role)
+        self.role = role
+
+    def update(self) -> None:
+        s = self.s
+        self._queues["bootstrap"].set(len(s.bootstrap_queue))
+        self._queues["waiting"].set(len(s.waiting_queue))
+        self._queues["inflight"].set(len(s.inflight_queue))
+        self._used.set(s.allocator.num_used_pages)
+        self._held.set(self.num_held_pages())
+
+    def num_held_pages(self) -> int:
+        """Pages live requests hold: their own plus the cached prefixes they lock."""
+        return sum(len(st.pages) for st in self.s.states.values())
+
+    def prompt_tokens(self, n: int) -> None:
+        self._prompt.inc(n)
+
+    def prefill_tokens(self, n: int) -> None:
+        self._prefill.inc(n)
+
+    def cache_hit_tokens(self, n: int) -> None:
+        if n:
+            self._hits.inc(n)
+
+    def finished(self, outcome: str) -> None:
+        metrics.REQUESTS.labels(role=self.role, outcome=outcome).inc()

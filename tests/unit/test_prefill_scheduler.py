@@ -1,0 +1,189 @@
+"""The prefill loop in one process: tiny Llama, real zmq sockets, loopback KV transfer to a test receiver."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+import zmq
+
+from common import messages as msg
+from common.config import ModelConfig, PrefillConfig
+from common.ipc import bind_pull, recv_messages
+from common.kv_pool import KVPool, pages_needed
+from common.model.runner import ExtendRequest, ModelRunner
+from prefill_node.scheduler import PrefillScheduler
+from transfer.kv_manager import KVManager
+from transfer.kv_poll import KVPoll
+from transfer.loopback_backend import LoopbackBackend
+
+PAGE = 4
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from test_model_runner import _save_tiny
+
+    path = tmp_path_factory.mktemp("tiny")
+    _save_tiny(path, "llama")
+    return path
+
+
+class Harness:
+    def __init__(self, model_dir, num_pages=64, **cfg):
+        n = next(_ids)
+        cfg.setdefault("chunked_prefill_size", 64)
+        cfg.setdefault("max_prefill_tokens", 256)
+        self.config = PrefillConfig(model=ModelConfig(page_size=PAGE), **cfg)
+        self.runner = ModelRunner.from_path(str(model_dir), progress=False, page_size=PAGE,
+                                            num_pages=num_pages)
+        self.ref = ModelRunner.from_path(str(model_dir), progress=False, page_size=PAGE,
+                                         num_pages=num_pages)
+        ctx = zmq.Context.instance()
+        self.kv = KVManager(f"p{n}", "prefill", LoopbackBackend(f"p{n}"), self.runner.pool,
+                            backend_kind="loopback", lease_s=5)
+        self.dpool = KVPool(self.runner.layout, num_pages)
+        self.decode = KVManager(f"d{n}", "decode", LoopbackBackend(f"d{n}"), self.dpool,
+                                backend_kind="loopback", lease_s=5)
+        self.req_sock, self.req_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
+        self.reply_sock, self.reply_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
+        self.sched = PrefillScheduler(self.config, self.runner, self.kv, self.req_sock)
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.connect(self.req_endpoint)
+        self.replies: list = []
+
+    def submit(self, rid, room, ids, **kw):
+        sampling = {"max_new_tokens": 8, "temperature": 0.0}
+        self.push.send(msg.encode(msg.GenerateReq(
+            rid=rid, room=room, input_ids=ids, sampling=kw.pop("sampling", sampling),
+            priority=None, routing_key=None, prefill_node_id="p", decode_node_id="d",
+            reply_endpoint=self.reply_endpoint, arrival_time=time.time(), return_logprob=False)))
+
+    def receive(self, room, num_tokens):
+        r = self.decode.create_receiver(room, self.kv.control_endpoint)
+        self.run_until(lambda: r.poll() is KVPoll.WaitingForInput)
+        pages = self.dpool.allocator.allocate(pages_needed(num_tokens, PAGE))
+        r.send_metadata(pages)
+        return r, pages
+
+    def run_until(self, cond, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            self.sched.step()
+            self.decode.poll()
+            self.replies += recv_messages(self.reply_sock)
+            assert time.monotonic() < deadline, "condition not reached"
+
+    def reference(self, ids):
+        pages = self.ref.pool.allocator.allocate(pages_needed(len(ids), PAGE))
+        out = self.ref.extend([ExtendRequest(ids, 0, pages)])
+        kv = self.ref.pool.buffer[pages].clone()
+        self.ref.pool.allocator.free(pages)
+        return kv, int(out.logits[0].argmax())
+
+    def close(self):
+        self.push.close(0)
+        self.kv.close()
+        self.decode.close()
+
+
+@pytest.fixture
+def h(model_dir):
+    harness = Harness(model_dir)
+    yield harness
+    harness.close()
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _check_landed(h, receiver, pages, ids):
+    kv, first = h.reference(ids)
+    assert receiver.aux.first_token_id == first and receiver.aux.room_echo == receiver.room
+    lay = h.runner.layout
+
+    def tokens(pages_kv):  # [pages, L, 2, ps, kvh, hd] -> [L, 2, tokens, kvh * hd]
+        flat = pages_kv.permute(1, 2, 0, 3, 4, 5).reshape(lay.num_layers, 2, -1,
+                                                          lay.num_kv_heads * lay.head_dim)
+        return flat[:, :, : len(ids)]  # the tail of the last page holds no token
+
+    torch.testing.assert_close(tokens(h.dpool.buffer[pages]), tokens(kv), atol=1e-5, rtol=0)
+
+
+def test_prompt_kv_and_first_token_arrive_at_the_decode_side(h):
+    ids = _prompt(23, 1)
+    h.submit("a", 1, ids)
+    receiver, pages = h.receive(1, len(ids))
+    h.run_until(lambda: receiver.poll() is KVPoll.Success and not h.sched.states)
+    _check_landed(h, receiver, pages, ids)
+    assert h.sched.stats.num_held_pages() == 0
+    # The prompt's whole pages stay cached; nothing else is used.
+    assert h.runner.pool.allocator.num_used_pages == h.sched.tree.total_size() // PAGE == 5
+    h.sched.check_integrity()
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_still_lands_exactly(model_dir):
+    h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
+    try:
+        ids = _prompt(37, 2)
+        h.submit("long", 2, ids)
+        receiver, pages = h.receive(2, len(ids))
+        rounds = []
+        h.run_until(lambda: (rounds.append(1) if h.sched.chunked else None)
+                    or receiver.poll() is KVPoll.Success)
+        assert len(rounds) >= 4  # 37 tokens in chunks of 8
+        _check_landed(h, receiver, pages, ids)
+    finally:
+        h.close()
+
+
+def test_shared_prefix_is_served_from_the_radix_cache(h):
+    base = _prompt(32, 3)
+    first, second = base + _prompt(5, 4), base + _prompt(9, 5)
+    h.submit("one", 11, first)
+    r1, p1 = h.receive(11, len(first))
+    h.run_until(lambda: r1.poll() is KVPoll.Success and not h.sched.states)
+    computed_before = h.sched.processed_tokens
+    h.submit("two", 12, second)
+    r2, p2 = h.receive(12, len(second))
+    h.run_until(lambda: r2.poll() is KVPoll.Success and not h.sched.states)
+    assert h.sched.processed_tokens - computed_before == len(second) - 32
+    _check_landed(h, r2, p2, second)
+    h.sched.check_integrity()
+
+
+def test_abort_in_bootstrap_or_mid_chunk_or_from_decode_frees_everything(model_dir):
+    h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
+    try:
+        h.submit("x", 21, _prompt(12, 6))
+        h.run_until(lambda: "x" in h.sched.states)
+        h.sched.abort("x", None, "client went away")  # still in the bootstrap queue
+        assert not h.sched.states and len(h.sched.bootstrap_queue) == 0
+        ids = _prompt(37, 7)
+        h.submit("y", 22, ids)
+        r, _ = h.receive(22, len(ids))
+        h.run_until(lambda: h.sched.chunked is not None)  # mid-prompt, holding pages
+        assert h.runner.pool.allocator.num_used_pages > 0
+        h.sched.abort("y", None, "client went away")
+        h.run_until(lambda: r.poll() is KVPoll.Failed)
+        h.submit("z", 23, _prompt(20, 8))
+        rz, _ = h.receive(23, 20)
+        rz.abort()  # the decode side gives up before prefill ran
+        h.run_until(lambda: not h.sched.states)
+        assert h.sched.stats.num_held_pages() == 0
+        assert h.runner.pool.allocator.num_used_pages == h.sched.tree.total_size() // PAGE == 0
+        h.sched.check_integrity()
+    finally:
+        h.close()
+
+
+def test_prompt_longer_than_the_context_is_refused_with_400(h):
+    h.submit("big", 31, [1] * 300)
+    h.run_until(lambda: any(isinstance(m, msg.ReqFailed) for m in h.replies))
+    failed = next(m for m in h.replies if isinstance(m, msg.ReqFailed))
+    assert failed.rid == "big" and failed.status == 400 and "context length" in failed.error
+    assert not h.sched.states
