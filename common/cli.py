@@ -1,10 +1,17 @@
-"""The `pdserve` command: one subcommand per role (added as each role lands) plus `generate`."""
+"""The `pdserve` command: `prefill` / `decode` / `bootstrap` run one role, `generate` runs offline.
+
+Each role runs as its own interpreter (`python -m prefill_node ...`), so this module never
+imports a role package.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+
+ROLE_MODULES = {"prefill": "prefill_node", "decode": "decode_node", "bootstrap": "bootstrap"}
 
 from common.config import ConfigError, ModelConfig, add_model_args
 
@@ -38,9 +45,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def role_command(role: str, args: list[str]) -> list[str]:
+    """The argv that runs one role as its own process."""
+    return [sys.executable, "-m", ROLE_MODULES[role], *args]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+    for role, module in ROLE_MODULES.items():
+        sub.add_parser(role, help=f"run one {role} process (python -m {module}; see its --help)")
+    sub.add_parser("launch", help="run bootstrap + prefill + decode processes on this machine")
     gen = sub.add_parser("generate", help="generate offline from one prompt with one model runner")
     add_model_args(gen)
     gen.add_argument("prompt", nargs="+", help="the user message (chat template applied)")
@@ -55,6 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ROLE_MODULES:
+        # `pdserve prefill ...` is `python -m prefill_node ...` in this same process slot.
+        cmd = role_command(argv[0], argv[1:])
+        os.execv(cmd[0], cmd)
+    if argv and argv[0] == "launch":
+        from common.launcher import main as launch_main
+
+        return launch_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,164 @@
+"""`pdserve launch`: bootstrap + N prefill + M decode processes on this machine, up and down together.
+
+Flags of its own: --host, --port (API, 8000), --num-prefill (1), --num-decode (1),
+--model-path, --startup-timeout. Every other flag goes to each role whose own parser
+knows it (so `--schedule-policy lpm` reaches prefill only, `--auth-token` all three).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from common.cli import ROLE_MODULES
+from common.config import add_bootstrap_args, add_decode_args, add_prefill_args
+from common.node_process import READY_PREFIX, add_node_args
+
+ROLE_PARSERS = {"bootstrap": add_bootstrap_args, "prefill": add_prefill_args, "decode": add_decode_args}
+LAUNCH_OWNED = {"--host", "--port", "--model-path"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve launch", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="the OpenAI API port")
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--model-path", default=None, help="HF directory or .gguf (default: built-in)")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    return p
+
+
+def _role_parser(role: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    ROLE_PARSERS[role](parser)
+    if role != "bootstrap":
+        add_node_args(parser)
+    return parser
+
+
+def split_extra_args(extra: list[str]) -> dict[str, list[str]]:
+    """Give each `--flag [value]` to every role whose parser accepts it; unknown -> error."""
+    parsers = {role: _role_parser(role) for role in ROLE_PARSERS}
+    out: dict[str, list[str]] = {role: [] for role in ROLE_PARSERS}
+    i = 0
+    while i < len(extra):
+        flag = extra[i].split("=", 1)[0]
+        takers = [r for r, p in parsers.items() if flag in p._option_string_actions]
+        if not takers or flag in LAUNCH_OWNED:
+            raise SystemExit(f"pdserve launch: error: unknown or reserved flag {extra[i]}")
+        action = parsers[takers[0]]._option_string_actions[flag]
+        n = 1 if "=" in extra[i] or action.nargs == 0 else 2
+        for role in takers:
+            out[role] += extra[i : i + n]
+        i += n
+    return out
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1)
+        self.ready: dict[str, Any] | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(READY_PREFIX) and self.ready is None:
+                self.ready = json.loads(line[len(READY_PREFIX):])
+            else:
+                sys.stdout.write(f"[{self.name}] {line}")
+
+
+def _registered(url: str, token: str | None) -> list[dict[str, Any]]:
+    req = urllib.request.Request(url + "/nodes")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=2) as resp:
+        return json.loads(resp.read())["nodes"]
+
+
+def main(argv: list[str]) -> int:
+    args, extra = build_parser().parse_known_args(argv)
+    per_role = split_extra_args(extra)
+    registry_port = _value(per_role["bootstrap"], "--disaggregation-bootstrap-port", "8998")
+    token = _value(per_role["bootstrap"], "--auth-token", os.environ.get("PDSERVE_AUTH_TOKEN"))
+    registry = f"http://{args.host}:{registry_port}"
+    model = ["--model-path", args.model_path] if args.model_path else []
+    py = sys.executable
+    children = [Child("bootstrap", [py, "-m", "bootstrap", "--host", args.host, "--port",
+                                    str(args.port), *model, *per_role["bootstrap"]])]
+    for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
+        for i in range(count):
+            children.append(Child(f"{role}-{i}", [
+                py, "-m", ROLE_MODULES[role], "--host", args.host, "--port", "0",
+                "--node-id", f"{role}-{i}", "--bootstrap-url", registry, *model, *per_role[role]]))
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    try:
+        if not _wait_healthy(children, registry, token, args, stopping):
+            return 1
+        print(f"pdserve is up: OpenAI API at http://{args.host}:{args.port}/v1 "
+              f"({args.num_prefill} prefill, {args.num_decode} decode). Ctrl-C stops it.", flush=True)
+        while not stopping.is_set():
+            dead = [c.name for c in children if c.proc.poll() is not None]
+            if dead:
+                print(f"pdserve launch: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                return 1
+            stopping.wait(0.5)
+        return 0
+    finally:
+        _stop_all(children)
+
+
+def _wait_healthy(children: list[Child], registry: str, token: str | None,
+                  args: argparse.Namespace, stopping: threading.Event) -> bool:
+    deadline = time.monotonic() + args.startup_timeout
+    want = args.num_prefill + args.num_decode
+    while not stopping.is_set() and time.monotonic() < deadline:
+        dead = [c.name for c in children if c.proc.poll() is not None]
+        if dead:
+            print(f"pdserve launch: {', '.join(dead)} exited during start-up", file=sys.stderr)
+            return False
+        if all(c.ready for c in children):
+            try:
+                nodes = _registered(registry, token)
+                if sum(1 for n in nodes if n.get("healthy")) >= want:
+                    return True
+            except OSError:
+                pass
+        time.sleep(0.2)
+    if not stopping.is_set():
+        print("pdserve launch: start-up timed out", file=sys.stderr)
+    return False
+
+
+def _stop_all(children: list[Child], grace_s: float = 20.0) -> None:
+    for c in reversed(children):  # nodes first, the bootstrap service last
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for c in children:
+        try:
+            c.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+
+
+def _value(args: list[str], flag: str, default: str | None) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return default

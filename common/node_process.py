@@ -1,0 +1,142 @@
+"""What every node process (prefill, decode) shares: flags, model + pool, sockets, registry, the loop."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from common import messages as msg
+from common import metrics
+from common.config import ModelConfig
+from common.ipc import bind_pull
+from common.node_http import serve_status
+from common.registry_client import RegistryClient
+
+if TYPE_CHECKING:
+    from common.model.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+READY_PREFIX = "PDSERVE_READY "
+
+
+def add_node_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--node-id", default=None, help="unique node name (default: <role>-<host>-<pid>)")
+    add("--bootstrap-url", default=None,
+        help="registry URL, e.g. http://127.0.0.1:8998 (default: run standalone)")
+    add("--advertise-host", default=None, help="address peers use to reach this node (default: --host)")
+    add("--request-port", type=int, default=0, help="zmq port for requests (0: any free port)")
+    add("--control-port", type=int, default=0, help="zmq port for KV transfer control (0: any)")
+    add("--log-level", default="INFO")
+
+
+@dataclass(frozen=True)
+class NodeArgs:
+    role: str
+    node_id: str
+    bootstrap_url: str | None
+    host: str
+    advertise_host: str
+    request_port: int
+    control_port: int
+    http_port: int
+
+    @staticmethod
+    def from_args(role: str, ns: argparse.Namespace, host: str, http_port: int) -> NodeArgs:
+        node_id = ns.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        return NodeArgs(role, node_id, ns.bootstrap_url, host, ns.advertise_host or host,
+                        ns.request_port, ns.control_port, http_port)
+
+    def endpoint(self, port: int) -> str:
+        return f"tcp://{self.host}:{port}"
+
+
+def build_runner(model: ModelConfig, progress: bool = True) -> ModelRunner:
+    from common.model.runner import ModelRunner
+
+    budget = None if model.kv_cache_memory_gb is None else int(model.kv_cache_memory_gb * (1 << 30))
+    return ModelRunner.from_path(model.model_path, progress=progress, dtype=model.resolved_dtype(),
+                                 device=model.device, page_size=model.page_size,
+                                 max_total_tokens=model.max_total_tokens, kv_memory_bytes=budget,
+                                 context_length=model.context_length)
+
+
+def bind_request_socket(node: NodeArgs) -> tuple[zmq.Socket, str]:
+    sock, endpoint = bind_pull(zmq.Context.instance(), node.endpoint(node.request_port))
+    return sock, advertised(endpoint, node)
+
+
+def advertised(endpoint: str, node: NodeArgs) -> str:
+    """The endpoint as peers must dial it (bound on --host, reached on --advertise-host)."""
+    port = endpoint.rsplit(":", 1)[1]
+    return f"tcp://{node.advertise_host}:{port}"
+
+
+class NodeProcess:
+    """Runs a node's step() loop with its status server and registry link; stops on SIGTERM."""
+
+    def __init__(self, node: NodeArgs, step: Callable[[], bool], health: Callable[[], dict]) -> None:
+        self.node = node
+        self.step = step
+        self.health_extra = health
+        self.stopping = threading.Event()
+        self.registry: RegistryClient | None = None
+        self.http = serve_status(node.host, node.http_port, self.health)
+        self.http_url = f"http://{node.advertise_host}:{self.http.server_address[1]}"
+
+    def health(self) -> dict[str, Any]:
+        registered = self.registry is None or self.registry.is_registered
+        body = {"status": "ok" if registered and not self.stopping.is_set() else "unavailable",
+                "role": self.node.role, "node_id": self.node.node_id,
+                "registered": registered}
+        body.update(self.health_extra())
+        return body
+
+    def register(self, message: msg.RegisterNode, load: Callable[[], dict[str, Any]]) -> None:
+        if self.node.bootstrap_url:
+            self.registry = RegistryClient(self.node.bootstrap_url, message, load).start()
+
+    def announce(self, **fields: Any) -> None:
+        """One machine-readable line on stdout for launchers and tests."""
+        info = {"role": self.node.role, "node_id": self.node.node_id, "http_url": self.http_url,
+                **fields}
+        print(READY_PREFIX + json.dumps(info), flush=True)
+
+    def run(self, drain: Callable[[], bool] | None = None, grace_s: float = 30.0) -> None:
+        """Loop until SIGTERM/SIGINT; then deregister and let `drain()` finish in-flight work."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        idle = 0
+        while not self.stopping.is_set():
+            if self.step():
+                idle = 0
+            else:
+                idle += 1
+                # Spin briefly (transfers and tokens want sub-ms reaction), then nap.
+                if idle > 200:
+                    time.sleep(0.0005)
+        if self.registry is not None:
+            self.registry.stop(deregister=True)
+        deadline = time.monotonic() + grace_s
+        while drain is not None and not drain() and time.monotonic() < deadline:
+            self.step()
+        self.http.shutdown()
+
+
+def setup_logging(level: str, role: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    metrics.set_role(role)

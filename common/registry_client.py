@@ -1,0 +1,121 @@
+"""A node's link to the bootstrap registry: register, heartbeat, re-register, learn the peers.
+
+Runs on a daemon thread. Registration is retried with exponential back-off (0.5 s up to
+10 s), so a node started before the bootstrap service, or one that outlives a bootstrap
+restart, joins as soon as the registry answers. A heartbeat that gets 404 (the registry
+forgot us, e.g. after a restart) registers again. Each heartbeat's answer carries the
+current node table, which the node reads through `peers()`.
+
+Registry HTTP API (bootstrap/, port --disaggregation-bootstrap-port):
+  POST /register    RegisterNode (JSON)  -> 200 {"lease_s": float, "nodes": [...]}, 401, 400
+  POST /heartbeat   Heartbeat (JSON)     -> 200 {"lease_s": float, "nodes": [...]}, 404, 401
+  POST /deregister  Deregister (JSON)    -> 200
+  GET  /nodes                            -> 200 {"nodes": [...]}
+Each entry of "nodes": id, role, healthy, metrics_url, http_url, request_endpoint,
+control_endpoint, num_pages, load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from common import messages as msg
+
+logger = logging.getLogger(__name__)
+
+
+class RegistryClient:
+    def __init__(self, url: str, register: msg.RegisterNode,
+                 load: Callable[[], dict[str, Any]] = dict, *, timeout_s: float = 3.0) -> None:
+        self.url = url.rstrip("/")
+        self.register_msg = register
+        self.load = load
+        self.timeout_s = timeout_s
+        self.lease_s = 10.0
+        self.is_registered = False
+        self.last_error = ""
+        self._nodes: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="registry", daemon=True)
+
+    def start(self) -> RegistryClient:
+        self._thread.start()
+        return self
+
+    def peers(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return dict(self._nodes)
+
+    def peer(self, node_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            return self._nodes.get(node_id)
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        if deregister and self.is_registered:
+            try:
+                self._post("/deregister", msg.Deregister(node_id=self.register_msg.node_id,
+                                                         auth_token=self.register_msg.auth_token))
+            except (OSError, urllib.error.URLError) as exc:
+                logger.info("deregister failed: %s", exc)
+        self._thread.join(timeout=self.timeout_s + 1)
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                if self.is_registered:
+                    beat = msg.Heartbeat(node_id=self.register_msg.node_id, load=self.load(),
+                                         auth_token=self.register_msg.auth_token)
+                    self._accept(self._post("/heartbeat", beat))
+                else:
+                    self._accept(self._post("/register", self.register_msg))
+                    logger.info("registered %s with %s", self.register_msg.node_id, self.url)
+                    self.is_registered = True
+                backoff = 0.5
+                self._stop.wait(max(0.2, self.lease_s / 3))
+            except urllib.error.HTTPError as exc:
+                self.last_error = f"HTTP {exc.code}: {exc.read()[:200]!r}"
+                if exc.code == 404:
+                    self.is_registered = False  # the registry forgot us: register again now
+                    continue
+                logger.warning("registry %s refused us: %s", self.url, self.last_error)
+                self.is_registered = False
+                self._stop.wait(backoff)
+                backoff = min(10.0, backoff * 2)
+            except (OSError, urllib.error.URLError, ValueError) as exc:
+                self.last_error = str(exc)
+                self._stop.wait(backoff)
+                backoff = min(10.0, backoff * 2)
+
+    def _accept(self, body: dict[str, Any]) -> None:
+        self.lease_s = float(body.get("lease_s", self.lease_s))
+        nodes = {n["id"]: n for n in body.get("nodes", []) if isinstance(n, dict) and "id" in n}
+        with self._lock:
+            self._nodes = nodes
+
+    def _post(self, path: str, message: msg.Message) -> dict[str, Any]:
+        data = msg.encode_json(message).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.register_msg.auth_token:
+            headers["Authorization"] = f"Bearer {self.register_msg.auth_token}"
+        req = urllib.request.Request(self.url + path, data=data, headers=headers, method="POST")
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            return json.loads(resp.read() or b"{}")
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True

@@ -1,0 +1,96 @@
+"""`python -m prefill_node` (or `pdserve prefill`): one prefill node process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from common import messages as msg
+from common.config import ConfigError, PrefillConfig, add_prefill_args
+from common.node_process import (
+    NodeArgs,
+    NodeProcess,
+    add_node_args,
+    advertised,
+    bind_request_socket,
+    build_runner,
+    setup_logging,
+)
+from prefill_node.scheduler import PrefillScheduler
+from transfer.backends import make_backend
+from transfer.kv_manager import KVManager
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve prefill", description=__doc__)
+    add_prefill_args(parser)
+    add_node_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        config = PrefillConfig.from_args(ns)
+    except ConfigError as exc:
+        print(f"pdserve prefill: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(ns.log_level, "prefill")
+    node = NodeArgs.from_args("prefill", ns, config.host, config.port)
+    runner = build_runner(config.model)
+    backend = make_backend(config.transfer.backend, node.node_id)
+    kv = KVManager(
+        node.node_id,
+        "prefill",
+        backend,
+        runner.pool,
+        backend_kind=config.transfer.backend,
+        control_endpoint=node.endpoint(node.control_port),
+        auth_token=config.transfer.auth_token,
+        bootstrap_timeout_s=config.transfer.bootstrap_timeout_s,
+        waiting_timeout_s=config.transfer.waiting_timeout_s,
+        lease_s=config.transfer.lease_s,
+    )
+    request_socket, request_endpoint = bind_request_socket(node)
+    scheduler = PrefillScheduler(config, runner, kv, request_socket)
+
+    def load() -> dict:
+        return {
+            "waiting": len(scheduler.waiting_queue),
+            "bootstrap": len(scheduler.bootstrap_queue),
+            "inflight": len(scheduler.inflight_queue),
+            "free_pages": runner.pool.allocator.num_free_pages,
+            "evictable_pages": scheduler.tree.evictable_size() // runner.page_size
+            if scheduler.tree
+            else 0,
+        }
+
+    process = NodeProcess(
+        node, scheduler.step, lambda: {"kv_pages_held": scheduler.stats.num_held_pages(), **load()}
+    )
+    control_endpoint = advertised(kv.control_endpoint, node)
+    process.register(
+        msg.RegisterNode(
+            node_id=node.node_id,
+            role="prefill",
+            request_endpoint=request_endpoint,
+            control_endpoint=control_endpoint,
+            http_url=process.http_url,
+            backend=config.transfer.backend,
+            backend_metadata=b"",
+            kv_layout=runner.layout.to_dict(),
+            num_pages=runner.pool.num_pages,
+            max_running_requests=config.max_running_requests or 0,
+            protocol_version=msg.PROTOCOL_VERSION,
+            auth_token=config.transfer.auth_token,
+        ),
+        load,
+    )
+    process.announce(request_endpoint=request_endpoint, control_endpoint=control_endpoint)
+    process.run(drain=lambda: not scheduler.states)
+    kv.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
