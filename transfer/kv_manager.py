@@ -17,6 +17,7 @@ Control traffic (zmq PUSH/PULL, messages from common/messages.py):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -69,8 +70,15 @@ class KVManager:
         self._draining: list[KVSender] = []  # forgotten senders whose writes are in flight
         self._abort_acks: list[KVSender] = []  # aborted by the peer; ack once drained
         self._control = ControlDispatcher(self)
-        self._next_renew = 0.0
         self._next_housekeeping = 0.0
+        # Leases are renewed from a thread of their own: a long model step (seconds of
+        # prefill on a CPU) must not make a live node look dead to its peers. The loop
+        # publishes what to renew (an immutable snapshot); the thread only sends it.
+        self._lease_plan: tuple[tuple[str, tuple[int, ...]], ...] = ()
+        self._closed = threading.Event()
+        self._renewer = threading.Thread(target=self._renew_loop, name=f"{node_id}-leases",
+                                         daemon=True)
+        self._renewer.start()
 
     # ---- rooms ------------------------------------------------------------------------------
 
@@ -175,10 +183,8 @@ class KVManager:
             self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
             self._check_timeouts(now)
             self._control.resend_hellos(now)
+            self._lease_plan = self._plan_leases()
             self.metrics.rooms(self.senders.values(), self.receivers.values())
-        if now >= self._next_renew:
-            self._renew_leases(now)
-            self._next_renew = now + self.lease_s / 3
 
     def _progress_writes(self, now: float) -> None:
         for sender in list(self.senders.values()):
@@ -277,7 +283,8 @@ class KVManager:
             first_logprob=aux.first_logprob, top_logprobs=[[t, lp] for t, lp in aux.top_logprobs],
             room_echo=aux.room_echo, num_pages=len(sender.dst_pages)))
 
-    def _renew_leases(self, now: float) -> None:
+    def _plan_leases(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Per peer endpoint, the rooms we still want it to keep."""
         rooms_by_peer: dict[str, list[int]] = {}
         for s in self.senders.values():
             if s.status.state in (KVPoll.WaitingForInput, KVPoll.Transferring):
@@ -287,8 +294,19 @@ class KVManager:
         for r in self.receivers.values():
             if r.status.state is KVPoll.Transferring:
                 rooms_by_peer.setdefault(r.peer_endpoint, []).append(r.room)
-        for endpoint, rooms in rooms_by_peer.items():
-            self.send(endpoint, msg.LeaseRenew(node_id=self.node_id, rooms=rooms))
+        return tuple((endpoint, tuple(rooms)) for endpoint, rooms in rooms_by_peer.items())
+
+    def _renew_loop(self) -> None:
+        push = PushPool(self._ctx)  # this thread's own sockets (zmq sockets are per thread)
+        try:
+            while not self._closed.wait(self.lease_s / 3):
+                for endpoint, rooms in self._lease_plan:
+                    try:
+                        push.send(endpoint, msg.LeaseRenew(node_id=self.node_id, rooms=list(rooms)))
+                    except zmq.ZMQError as exc:
+                        logger.warning("lease renewal to %s failed: %s", endpoint, exc)
+        finally:
+            push.close()
 
     def _write_failed(self, sender: KVSender, peer: Peer | None, error: str, now: float) -> None:
         sender.fail(FailureReason.WRITE_ERROR, error, now)
@@ -333,6 +351,10 @@ class KVManager:
             logger.warning("control send to %s failed: %s", endpoint, exc)
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._renewer.join(timeout=5)
         self._push.close()
         self._sock.close(linger=0)
         self.backend.close()

@@ -178,12 +178,27 @@ def test_bootstrap_timeout_fails_a_sender_nobody_asks_for():
         decode.close()
 
 
+def test_a_busy_loop_keeps_its_leases(pair):
+    prefill, decode = make_pair(lease_s=0.3)
+    try:
+        sender, receiver = _ready_room(prefill, decode, 5)
+        end = time.monotonic() + 0.05
+        drive([prefill, decode], lambda: time.monotonic() > end)  # loops publish their leases
+        time.sleep(1.0)  # both loops stall (a long model step) for three leases
+        drive([prefill, decode], lambda: True)
+        assert sender.poll() is KVPoll.WaitingForInput and receiver.poll() is KVPoll.Transferring
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_silent_decode_makes_the_sender_release_within_the_lease():
     prefill, decode = make_pair(lease_s=0.3)
     try:
         sender, _ = _ready_room(prefill, decode, 6)
         start = time.monotonic()
-        drive([prefill], lambda: sender.poll() is KVPoll.Failed, timeout=3)  # decode stops polling
+        decode.close()  # the decode node dies: nobody renews its rooms any more
+        drive([prefill], lambda: sender.poll() is KVPoll.Failed, timeout=3)
         assert sender.status.reason == FailureReason.LEASE_EXPIRED
         assert time.monotonic() - start < 1.0
     finally:
@@ -195,6 +210,7 @@ def test_silent_prefill_makes_the_receiver_fail_and_its_pages_become_safe():
     prefill, decode = make_pair(lease_s=0.3)
     try:
         _, receiver = _ready_room(prefill, decode, 6)
+        prefill.close()  # the prefill node dies
         drive([decode], lambda: receiver.poll() is KVPoll.Failed, timeout=3)
         assert receiver.status.reason == FailureReason.LEASE_EXPIRED
         drive([decode], receiver.is_release_safe, timeout=3)
