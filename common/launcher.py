@@ -63,10 +63,20 @@ def split_extra_args(extra: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def child_env() -> dict[str, str]:
+    """Several torch processes share this machine's cores: OpenMP threads that spin while
+    waiting starve the other processes (two decode loops side by side ran 30x slower);
+    passive waiting costs a lone process ~40% but keeps a shared machine usable."""
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
 class Child:
     def __init__(self, name: str, argv: list[str]) -> None:
         self.name = name
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, text=True,
+                                     bufsize=1, env=child_env())
         self.ready: dict[str, Any] | None = None
         threading.Thread(target=self._read, daemon=True).start()
 

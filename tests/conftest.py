@@ -1,0 +1,16 @@
+"""Test-wide setup: the tests run several torch processes side by side on few cores."""
+
+import os
+import sys
+
+# Spinning OpenMP threads of one process starve the others (see common/launcher.py);
+# set before any test module imports torch, inherited by every process a test starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Test helpers (tests/unit/test_model_runner.py's tiny checkpoints, tests/integration/kv_node.py)
+# are imported by module name from sibling directories.
+for sub in ("unit", "integration"):
+    path = os.path.join(os.path.dirname(__file__), sub)
+    if path not in sys.path:
+        sys.path.insert(0, path)
