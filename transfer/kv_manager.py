@@ -138,11 +138,14 @@ class KVManager:
             sender.fail(FailureReason.PEER_UNREACHABLE, f"no transfer path to {sender.peer_node}", now)
             return
         notification = b""
-        if sender.is_last_sent and not any(self._pending(h) for h in sender.handles):
+        # The TransferDone rides on the last write when the backend carries notifications
+        # and no earlier write is still in flight; otherwise _finish_notification sends it
+        # once every write is done.
+        if (sender.is_last_sent and self.backend.carries_notifications
+                and not any(self._pending(h) for h in sender.handles)):
             notification = self._done_bytes(sender)
         try:
-            handle = self.backend.write(peer.agent, pairs, notification if
-                                        self.backend.carries_notifications else b"")
+            handle = self.backend.write(peer.agent, pairs, notification)
         except Exception as exc:  # noqa: BLE001 - any backend failure fails the room only
             self._write_failed(sender, peer, str(exc), now)
             return

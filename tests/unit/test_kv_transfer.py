@@ -96,6 +96,25 @@ def _ready_room(prefill, decode, room, tokens=8, dst=(0, 1)):
     return sender, receiver
 
 
+def test_fake_backend_completes_rooms_through_the_control_socket():
+    from transfer.fake_backend import FakeBackend
+
+    n = next(_names)
+    pool_p, pool_d = KVPool(LAYOUT, 8), KVPool(LAYOUT, 8)
+    prefill = KVManager(f"fp{n}", "prefill", FakeBackend(f"fp{n}"), pool_p, backend_kind="fake")
+    decode = KVManager(f"fd{n}", "decode", FakeBackend(f"fd{n}"), pool_d, backend_kind="fake")
+    try:
+        sender, receiver = _ready_room(prefill, decode, 41)
+        sender.send([0, 1], 5)
+        sender.send([0, 1], 8, AuxData(first_token_id=9, room_echo=41))
+        drive([prefill, decode], lambda: receiver.poll() is KVPoll.Success)
+        assert sender.poll() is KVPoll.Success and receiver.aux.first_token_id == 9
+        assert prefill.backend.num_pages_written == 2  # counted, nothing moved
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_room_echo_mismatch_is_detected(pair):
     prefill, decode = pair
     sender, receiver = _ready_room(prefill, decode, 7)

@@ -1,0 +1,102 @@
+"""Start pdserve role processes on loopback for integration tests and read their READY lines."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.node_process import READY_PREFIX
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    ready: dict[str, Any] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                return self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait(10)
+
+
+def start(name: str, module: str, *args: str) -> Proc:
+    popen = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, bufsize=1)
+    proc = Proc(name, popen)
+
+    def read() -> None:
+        assert popen.stdout is not None
+        for line in popen.stdout:
+            if line.startswith(READY_PREFIX) and not proc.ready:
+                proc.ready.update(json.loads(line[len(READY_PREFIX):]))
+            proc.lines.append(line)
+            del proc.lines[:-200]
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc
+
+
+def wait_ready(procs: list[Proc], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        while not p.ready:
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"{p.name} exited ({p.popen.returncode}):\n" + "".join(p.lines[-30:]))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{p.name} did not start:\n" + "".join(p.lines[-30:]))
+            time.sleep(0.1)
+
+
+def http(method: str, url: str, body: Any = None, token: str | None = None,
+         timeout: float = 30.0) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def metric(http_url: str, name: str, **labels: str) -> float:
+    """Sum of a metric's samples on a node's /metrics whose labels include `labels`."""
+    with urllib.request.urlopen(http_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if head.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total, found = total + float(value), True
+    if not found:
+        raise KeyError(f"{name}{labels} not exported by {http_url}")
+    return total
