@@ -99,6 +99,8 @@ class ControlDispatcher:
                                    now + req.lease_s, now)
         if sender.status.state is KVPoll.Failed:
             self.m.notify_peer_failed(sender)
+        elif sender.status.state is KVPoll.WaitingForInput:
+            self.m.lease_room(sender.room, self.m.peer_by_node[req.node_id].endpoint)
 
     def _on_AbortReq(self, abort: msg.AbortReq, now: float) -> None:
         m = self.m

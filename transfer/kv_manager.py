@@ -72,9 +72,11 @@ class KVManager:
         self._control = ControlDispatcher(self)
         self._next_housekeeping = 0.0
         # Leases are renewed from a thread of their own: a long model step (seconds of
-        # prefill on a CPU) must not make a live node look dead to its peers. The loop
-        # publishes what to renew (an immutable snapshot); the thread only sends it.
-        self._lease_plan: tuple[tuple[str, tuple[int, ...]], ...] = ()
+        # prefill on a CPU) must not make a live node look dead to its peers. A room is
+        # leased the moment it enters a state its peer holds pages for (lease_room), and
+        # unleased when it ends; the thread only sends what the table says.
+        self._leased: dict[int, str] = {}  # room -> endpoint of the peer that must keep it
+        self._lease_lock = threading.Lock()
         self._closed = threading.Event()
         self._renewer = threading.Thread(target=self._renew_loop, name=f"{node_id}-leases",
                                          daemon=True)
@@ -111,12 +113,14 @@ class KVManager:
     def remove_sender(self, sender: KVSender) -> None:
         if self.senders.get(sender.room) is sender:
             del self.senders[sender.room]
+            self.unlease_room(sender.room)
         if sender.handles and sender not in self._draining:
             self._draining.append(sender)
 
     def remove_receiver(self, receiver: KVReceiver) -> None:
         if self.receivers.get(receiver.room) is receiver:
             del self.receivers[receiver.room]
+            self.unlease_room(receiver.room)
 
     # ---- hooks used by senders and receivers ------------------------------------------------
 
@@ -154,6 +158,7 @@ class KVManager:
         sender.is_notified = bool(notification)
 
     def send_transfer_request(self, receiver: KVReceiver) -> None:
+        self.lease_room(receiver.room, receiver.peer_endpoint)
         self.send(receiver.peer_endpoint, msg.TransferRequest(
             room=receiver.room, node_id=self.node_id, dst_pages=receiver.dst_pages,
             aux_slot=receiver.aux_slot, lease_s=self.lease_s))
@@ -186,7 +191,7 @@ class KVManager:
             self._next_housekeeping = now + HOUSEKEEPING_INTERVAL_S
             self._check_timeouts(now)
             self._control.resend_hellos(now)
-            self._lease_plan = self._plan_leases()
+            self._prune_leases()
             self.metrics.rooms(self.senders.values(), self.receivers.values())
 
     def _progress_writes(self, now: float) -> None:
@@ -286,26 +291,37 @@ class KVManager:
             first_logprob=aux.first_logprob, top_logprobs=[[t, lp] for t, lp in aux.top_logprobs],
             room_echo=aux.room_echo, num_pages=len(sender.dst_pages)))
 
-    def _plan_leases(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """Per peer endpoint, the rooms we still want it to keep."""
-        rooms_by_peer: dict[str, list[int]] = {}
-        for s in self.senders.values():
-            if s.status.state in (KVPoll.WaitingForInput, KVPoll.Transferring):
-                peer = self.peer_by_node.get(s.peer_node or "")
-                if peer is not None:
-                    rooms_by_peer.setdefault(peer.endpoint, []).append(s.room)
-        for r in self.receivers.values():
-            if r.status.state is KVPoll.Transferring:
-                rooms_by_peer.setdefault(r.peer_endpoint, []).append(r.room)
-        return tuple((endpoint, tuple(rooms)) for endpoint, rooms in rooms_by_peer.items())
+    def lease_room(self, room: int, endpoint: str) -> None:
+        with self._lease_lock:
+            self._leased[room] = endpoint
+
+    def unlease_room(self, room: int) -> None:
+        with self._lease_lock:
+            self._leased.pop(room, None)
+
+    def _prune_leases(self) -> None:
+        """Stop renewing rooms that ended (their peer may free its pages now)."""
+        with self._lease_lock:
+            rooms = list(self._leased)
+        for room in rooms:
+            s, r = self.senders.get(room), self.receivers.get(room)
+            live = (s is not None and s.status.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
+                    ) or (r is not None and r.status.state is KVPoll.Transferring)
+            if not live:
+                self.unlease_room(room)
 
     def _renew_loop(self) -> None:
         push = PushPool(self._ctx)  # this thread's own sockets (zmq sockets are per thread)
         try:
             while not self._closed.wait(self.lease_s / 3):
-                for endpoint, rooms in self._lease_plan:
+                with self._lease_lock:
+                    leased = list(self._leased.items())
+                by_peer: dict[str, list[int]] = {}
+                for room, endpoint in leased:
+                    by_peer.setdefault(endpoint, []).append(room)
+                for endpoint, rooms in by_peer.items():
                     try:
-                        push.send(endpoint, msg.LeaseRenew(node_id=self.node_id, rooms=list(rooms)))
+                        push.send(endpoint, msg.LeaseRenew(node_id=self.node_id, rooms=rooms))
                     except zmq.ZMQError as exc:
                         logger.warning("lease renewal to %s failed: %s", endpoint, exc)
         finally:
