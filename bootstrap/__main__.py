@@ -1,0 +1,165 @@
+"""`python -m bootstrap` (or `pdserve bootstrap`): the registry, router and OpenAI API in one process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bootstrap.registry import DEFAULT_LEASE_S
+from bootstrap.router import DEFAULT_AFFINITY_TOKENS, DEFAULT_EPSILON
+from common import metrics
+from common.config import BootstrapConfig, ConfigError, add_bootstrap_args
+
+if TYPE_CHECKING:  # the service pulls in transformers and torch: import it after the flags check
+    from bootstrap.service import BootstrapService, GatewaySettings
+
+READY_PREFIX = "PDSERVE_READY "  # common.node_process.READY_PREFIX, without importing the runner
+
+logger = logging.getLogger("bootstrap")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve bootstrap", description=__doc__)
+    add_bootstrap_args(parser)
+    add = parser.add_argument
+    add(
+        "--lease-timeout",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        help="seconds without a heartbeat before a node is dropped and its requests fail",
+    )
+    add(
+        "--advertise-host",
+        default=None,
+        help="address nodes use to reach the gateway's reply socket (default: --host)",
+    )
+    add("--reply-port", type=int, default=0, help="zmq port for node replies (0: any free port)")
+    add(
+        "--prefix-affinity-tokens",
+        type=int,
+        default=DEFAULT_AFFINITY_TOKENS,
+        help="leading prompt tokens hashed for prefill affinity",
+    )
+    add(
+        "--load-balance-epsilon",
+        type=float,
+        default=DEFAULT_EPSILON,
+        help="bounded-load slack: a prefill node over (1+eps) x average load is skipped",
+    )
+    add("--served-model-name", default=None, help="model id in the API (default: from the path)")
+    add("--log-level", default="INFO")
+    return parser
+
+
+def _check_flags(ns: argparse.Namespace) -> None:
+    if ns.lease_timeout <= 0:
+        raise ConfigError(f"--lease-timeout must be > 0, got {ns.lease_timeout}")
+    if ns.prefix_affinity_tokens < 1:
+        raise ConfigError(f"--prefix-affinity-tokens must be >= 1, got {ns.prefix_affinity_tokens}")
+    if ns.load_balance_epsilon <= 0:
+        raise ConfigError(f"--load-balance-epsilon must be > 0, got {ns.load_balance_epsilon}")
+
+
+def _settings(ns: argparse.Namespace, config: BootstrapConfig) -> GatewaySettings:
+    from bootstrap.service import GatewaySettings
+
+    advertise = ns.advertise_host
+    if advertise is None and config.host in ("0.0.0.0", "::", ""):
+        advertise = socket.gethostbyname(socket.gethostname())
+    return GatewaySettings(
+        lease_s=ns.lease_timeout,
+        affinity_tokens=ns.prefix_affinity_tokens,
+        epsilon=ns.load_balance_epsilon,
+        reply_host=config.host or "127.0.0.1",
+        reply_port=ns.reply_port,
+        advertise_host=advertise,
+    )
+
+
+def _model_name(model_path: str | None) -> str:
+    if model_path is None:
+        from common.model.default_model import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    path = Path(model_path.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def build_service(
+    config: BootstrapConfig, settings: GatewaySettings, served_model_name: str | None = None
+) -> BootstrapService:
+    """Load the tokenizer of the model and compose the service."""
+    from bootstrap.service import BootstrapService
+    from common.model.loader import resolve_model_dir
+    from common.model.spec import ModelSpec
+    from common.tokenizer import Tokenizer
+
+    model_dir = resolve_model_dir(config.model_path)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    context_length = config.context_length or ModelSpec.from_dir(model_dir).context_length
+    return BootstrapService(
+        config,
+        tokenizer,
+        settings=settings,
+        context_length=context_length,
+        model_name=served_model_name or _model_name(config.model_path),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        config = BootstrapConfig.from_args(ns)
+        _check_flags(ns)
+    except ConfigError as exc:
+        print(f"pdserve bootstrap: error: {exc}", file=sys.stderr)
+        return 2
+    from bootstrap.server import BootstrapServer
+
+    settings = _settings(ns, config)
+    logging.basicConfig(
+        level=getattr(logging, ns.log_level.upper(), logging.INFO),
+        stream=sys.stderr,
+        format="%(asctime)s bootstrap %(levelname)s %(name)s: %(message)s",
+    )
+    metrics.set_role("bootstrap")
+    try:
+        service = build_service(config, settings, ns.served_model_name)
+    except (OSError, ValueError) as exc:
+        print(f"pdserve bootstrap: error: cannot load the tokenizer: {exc}", file=sys.stderr)
+        return 2
+    server = BootstrapServer(
+        service,
+        config.host,
+        config.port,
+        config.bootstrap_port,
+        log_level="warning" if ns.log_level.upper() != "DEBUG" else "debug",
+    )
+
+    def announce(info: dict[str, object]) -> None:
+        logger.info("API on %s, registry on %s", info["api_url"], info["registry_url"])
+        print(READY_PREFIX + json.dumps(info), flush=True)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, server.request_stop)
+        await server.run(on_ready=announce)
+
+    try:
+        asyncio.run(run())
+    except RuntimeError as exc:
+        print(f"pdserve bootstrap: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

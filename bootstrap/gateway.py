@@ -1,0 +1,204 @@
+"""The public API (port --port): OpenAI completions and chat, SGLang /generate, models, nodes, health.
+
+Per request: parse (strict types, 400), prepare (template, tokenize, lengths; 400), admit
+(429 when --max-queued-requests are in flight, 503 without nodes), then stream SSE from
+the first token on, or answer once at the end. A streaming response starts only when the
+first event arrives, so a failure before any token still gets its own status code. The
+cluster token, when set, is the API key (``Authorization: Bearer``) of every route except
+/health, /metrics and the OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from bootstrap.errors import APIError, install_error_handlers
+from bootstrap.gateway_metrics import count_request
+from bootstrap.generation import Generation, PreparedRequest
+from bootstrap.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from bootstrap.prepare import prepare_chat, prepare_completion, prepare_generate
+from bootstrap.registry import bearer_token, check_token
+from bootstrap.service import BootstrapService
+from bootstrap.streaming import (
+    ChatFormat,
+    CompletionFormat,
+    GenerateFormat,
+    OutputFormat,
+    collect,
+    sse_stream,
+)
+from common import metrics
+
+T = TypeVar("T")
+CLIENT_CLOSED_STATUS = 499
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T], gen: Generation) -> T:
+    """``work``'s result, or ClientGone (the request aborted on both nodes) if the client left."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, APIError):
+                await task
+            gen.abandon()  # also when the task never started its generator
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+def build_api_app(service: BootstrapService) -> FastAPI:
+    """The API app over ``service`` (shared with the registry app in the same process)."""
+    app = FastAPI(
+        title="pdserve",
+        summary="Prefill/decode disaggregated serving: OpenAI-compatible API",
+        version="0.1.0",
+    )
+    install_error_handlers(app, on_invalid=lambda: count_request("rejected"))
+
+    async def require_token(authorization: str | None = Header(default=None)) -> None:
+        if not check_token(service.config.auth_token, bearer_token(authorization)):
+            raise APIError(
+                401, "missing or wrong API key (the cluster token)", code="invalid_api_key"
+            )
+
+    auth = [Depends(require_token)]
+
+    def prepared_or_400(prepare: Any, body: Any, routing_key: str | None) -> PreparedRequest:
+        try:
+            result: PreparedRequest = prepare(
+                body, service.tokenizer, service.context_length, routing_key
+            )
+        except APIError:
+            count_request("rejected")
+            raise
+        return result
+
+    async def serve(
+        request: Request, prepared: PreparedRequest, fmt_of: Any, stream: bool, arrival: float
+    ) -> Response:
+        gen = service.admit(prepared, arrival)
+        fmt: OutputFormat = fmt_of(gen.rid)
+        try:
+            if not stream:
+                return JSONResponse(await _unless_disconnected(request, collect(gen, fmt), gen))
+            events = gen.events()
+            first = await _unless_disconnected(request, anext(events), gen)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        return StreamingResponse(
+            sse_stream(first, events, fmt), media_type="text/event-stream", headers=_SSE_HEADERS
+        )
+
+    @app.post("/v1/chat/completions", dependencies=auth, response_model=None)
+    async def chat_completions(
+        body: ChatCompletionRequest,
+        request: Request,
+        x_routing_key: str | None = Header(default=None),
+    ) -> Response:
+        arrival = time.monotonic()
+        prepared = prepared_or_400(prepare_chat, body, x_routing_key)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def fmt(rid: str) -> OutputFormat:
+            return ChatFormat(
+                rid,
+                body.model or service.model_name,
+                service.tokenizer,
+                include_usage=include_usage,
+            )
+
+        return await serve(request, prepared, fmt, body.stream, arrival)
+
+    @app.post("/v1/completions", dependencies=auth, response_model=None)
+    async def completions(
+        body: CompletionRequest,
+        request: Request,
+        x_routing_key: str | None = Header(default=None),
+    ) -> Response:
+        arrival = time.monotonic()
+        prepared = prepared_or_400(prepare_completion, body, x_routing_key)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def fmt(rid: str) -> OutputFormat:
+            return CompletionFormat(
+                rid,
+                body.model or service.model_name,
+                service.tokenizer,
+                include_usage=include_usage,
+            )
+
+        return await serve(request, prepared, fmt, body.stream, arrival)
+
+    @app.post("/generate", dependencies=auth, response_model=None)
+    async def generate(
+        body: GenerateRequest,
+        request: Request,
+        x_routing_key: str | None = Header(default=None),
+    ) -> Response:
+        arrival = time.monotonic()
+        prepared = prepared_or_400(prepare_generate, body, x_routing_key)
+
+        def fmt(rid: str) -> OutputFormat:
+            return GenerateFormat(
+                rid, service.model_name, service.tokenizer, include_usage=False, arrival=arrival
+            )
+
+        return await serve(request, prepared, fmt, body.stream, arrival)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": service.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pdserve",
+                    "max_model_len": service.context_length,
+                }
+            ],
+        }
+
+    @app.get("/nodes", dependencies=auth)
+    async def nodes() -> dict[str, Any]:
+        return {"nodes": service.registry.table()}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "role": "bootstrap",
+            "num_prefill_nodes": len(service.registry.views("prefill")),
+            "num_decode_nodes": len(service.registry.views("decode")),
+            "num_requests": service.num_active,
+        }
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        return Response(metrics.render_latest(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,200 @@
+"""One admitted request's output as the client sees it: incremental text, stop strings, timing.
+
+``Generation.events()`` turns the request's reply queue into ``Delta``s and one final
+``Finish``; a failure (ReqFailed, node lost, timeout) raises ``APIError``. Leaving the
+iteration early (client gone) aborts the request on both nodes. Client-side latency
+metrics (TTFT, inter-token, end-to-end) and the request outcome are recorded here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from bootstrap.dispatcher import Dispatcher, InflightReq, ReqState
+from bootstrap.errors import APIError
+from bootstrap.gateway_metrics import count_request
+from common import messages as msg
+from common import metrics
+from common.sampling_params import SamplingParams
+from common.stop import StopChecker
+from common.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request ready to route: prompt ids, sampling and routing hints."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    priority: int | None = None
+    routing_key: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's logprob and its alternatives, best first."""
+
+    token_id: int
+    logprob: float | None  # None: the node did not compute it (sent as NaN)
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Delta:
+    """What one reply adds: new text (stop strings held back or cut) and the new token ids."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How the request ended and its usage counts."""
+
+    finish_reason: str
+    matched_stop: int | str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _logprobs(chunk: msg.TokenChunk) -> list[TokenLogprob]:
+    """The chunk's logprobs; malformed alternatives are skipped, NaN becomes None (JSON has no NaN)."""
+    if chunk.logprobs is None:
+        return []
+    tops = chunk.top_logprobs or [[] for _ in chunk.token_ids]
+    out = []
+    for tid, lp, top in zip(chunk.token_ids, chunk.logprobs, tops, strict=False):
+        pairs = [
+            (p[0], float(p[1]))
+            for p in top
+            if isinstance(p, list)
+            and len(p) == 2
+            and isinstance(p[0], int)
+            and isinstance(p[1], (int, float))
+            and math.isfinite(p[1])
+        ]
+        out.append(TokenLogprob(tid, _finite(lp), pairs))
+    return out
+
+
+class Generation:
+    """The gateway side of one dispatched request, from its first reply to its end."""
+
+    def __init__(
+        self,
+        req: InflightReq,
+        dispatcher: Dispatcher,
+        tokenizer: Tokenizer,
+        prepared: PreparedRequest,
+        *,
+        arrival: float,
+        deadline: float,
+        on_end: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.req = req
+        self.rid = req.rid
+        self._dispatcher = dispatcher
+        self._prepared = prepared
+        self._detok = IncrementalDetokenizer(tokenizer, prepared.input_ids)
+        self._stop = StopChecker(prepared.sampling, tokenizer.eos_token_ids)
+        self._arrival = arrival
+        self._deadline = deadline
+        self._on_end = on_end
+        self._clock = clock
+        self._last_token_at: float | None = None
+        self._num_output_tokens = 0
+        self._has_ended = False
+
+    async def events(self) -> AsyncIterator[Delta | Finish]:
+        """Deltas as replies arrive, then one Finish; raises APIError when the request fails."""
+        try:
+            while True:
+                m = await self._next_message()
+                if isinstance(m, msg.TokenChunk):
+                    delta, is_stopped = self._on_chunk(m)
+                    if delta.text or delta.token_ids:
+                        yield delta
+                    if is_stopped:  # a stop string matched here before the node saw it
+                        self._dispatcher.end(self.req, ReqState.FINISHED, "stop string matched")
+                        yield self._finish("stop", self._stop.matched_stop, None)
+                        return
+                elif isinstance(m, msg.ReqFinished):
+                    tail = self._stop.feed(self._detok.flush())[0] + self._stop.flush()
+                    if tail:
+                        yield Delta(tail, [])
+                    yield self._finish(m.finish_reason, m.matched_stop, m)
+                    return
+                elif isinstance(m, msg.ReqFailed):
+                    self._end("error")
+                    status = m.status if 400 <= m.status < 600 and m.status != 499 else 500
+                    raise APIError(status, m.error, code="request_failed")
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """The consumer left before the end (client gone): abort on both nodes. Idempotent."""
+        if not self._has_ended:
+            self._dispatcher.end(self.req, ReqState.ABORTED, "client disconnected")
+            self._end("aborted")
+
+    async def _next_message(self) -> msg.Message:
+        timeout = self._deadline - self._clock()
+        try:
+            if timeout <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(self.req.queue.get(), timeout)
+        except TimeoutError:
+            self._dispatcher.end(self.req, ReqState.ABORTED, "request timeout")
+            self._end("error")
+            raise APIError(
+                504, "the request timed out (--request-timeout)", code="timeout"
+            ) from None
+
+    def _on_chunk(self, chunk: msg.TokenChunk) -> tuple[Delta, bool]:
+        now = self._clock()
+        if self._last_token_at is None:
+            metrics.TIME_TO_FIRST_TOKEN_SECONDS.labels(**metrics.role_labels()).observe(
+                now - self._arrival
+            )
+        else:
+            metrics.INTER_TOKEN_LATENCY_SECONDS.labels(**metrics.role_labels()).observe(
+                now - self._last_token_at
+            )
+        self._last_token_at = now
+        self._num_output_tokens += len(chunk.token_ids)
+        text, is_stopped = self._stop.feed(self._detok.add(chunk.token_ids))
+        return Delta(text, list(chunk.token_ids), _logprobs(chunk)), is_stopped
+
+    def _finish(
+        self, reason: str, matched: int | str | None, done: msg.ReqFinished | None
+    ) -> Finish:
+        self._end("finished")
+        return Finish(
+            finish_reason=reason,
+            matched_stop=matched,
+            num_prompt_tokens=len(self._prepared.input_ids),
+            num_output_tokens=self._num_output_tokens if done is None else done.num_output_tokens,
+            num_cached_tokens=0 if done is None else done.num_cached_tokens,
+        )
+
+    def _end(self, outcome: str) -> None:
+        if self._has_ended:
+            return
+        self._has_ended = True
+        if outcome == "finished":
+            metrics.E2E_REQUEST_LATENCY_SECONDS.labels(**metrics.role_labels()).observe(
+                self._clock() - self._arrival
+            )
+        count_request(outcome)
+        self._on_end()

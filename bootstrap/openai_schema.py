@@ -1,0 +1,80 @@
+"""Request bodies of the public API (OpenAI's completions and chat, SGLang's /generate).
+
+Strict types (a string is not a number, "yes" is not a boolean: 400), unknown fields ignored.
+Values are checked later, in ``bootstrap.prepare``, where the tokenizer and context are known.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Body):
+    """Fields completions and chat share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(
+        default=None, description="unset: 16 (completions), the rest of the context (chat)"
+    )
+    temperature: float | None = Field(default=None, description="0: greedy; unset: 1")
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, description="-1 or 0: disabled")
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, description="only 1 is served")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int | None = Field(default=None, description="prefill scheduling priority")
+    routing_key: str | None = Field(
+        default=None, description="prefix-affinity key (also header x-routing-key)"
+    )
+    frequency_penalty: float | None = Field(default=None, description="only 0 is served")
+    presence_penalty: float | None = Field(default=None, description="only 0 is served")
+    repetition_penalty: float | None = Field(default=None, description="only 1 is served")
+    logit_bias: dict[str, float] | None = Field(default=None, description="not served")
+    user: str | None = None
+
+
+class CompletionRequest(_OpenAISampling):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, description="top logprobs per token, 0-20")
+    echo: bool = Field(default=False, description="not served")
+    best_of: int | None = Field(default=None, description="only 1 is served")
+    suffix: str | None = Field(default=None, description="not served")
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class GenerateRequest(_Body):
+    """POST /generate, SGLang's native shape: text or input_ids plus sampling_params."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    priority: int | None = None
+    routing_key: str | None = None

@@ -1,0 +1,186 @@
+"""From a parsed body to a PreparedRequest: template, tokenize, check values and lengths (400s)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bootstrap.errors import bad_request
+from bootstrap.generation import PreparedRequest
+from bootstrap.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_GENERATE_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
+_SAMPLING_FIELDS = frozenset(SamplingParams().to_wire())
+# Accepted only at their neutral value: this server does not implement them.
+_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def _check_served(values: dict[str, Any]) -> None:
+    n = values.get("n")
+    if n is not None and n != 1:
+        raise bad_request(f"n={n!r:.20} is not served; only n=1", "n")
+    for name, neutral in _NEUTRAL.items():
+        value = values.get(name)
+        if value is not None and value != neutral:
+            raise bad_request(f"{name} is not served; omit it or pass {neutral:g}", name)
+    if values.get("logit_bias"):
+        raise bad_request("logit_bias is not served", "logit_bias")
+
+
+def _sampling(params: dict[str, Any], vocab_size: int, *, is_openai: bool) -> SamplingParams:
+    """SamplingParams from known keys (types and values checked); ValueError becomes 400."""
+    try:
+        sampling = SamplingParams.from_wire(params)
+        sampling.validate(vocab_size)
+    except ValueError as exc:
+        text = str(exc)
+        field = text.removeprefix("sampling params: ").split(" ", 1)[0].split("[", 1)[0]
+        if is_openai and field == "max_new_tokens":
+            field = "max_tokens"
+        raise bad_request(text.removeprefix("sampling params: "), field or None) from None
+    return sampling
+
+
+def _check_lengths(num_prompt: int, max_new_tokens: int, context_length: int, param: str) -> None:
+    if num_prompt == 0:
+        raise bad_request("the prompt is empty", param)
+    if num_prompt + max_new_tokens > context_length:
+        raise bad_request(
+            f"this model's maximum context length is {context_length} tokens; the prompt has "
+            f"{num_prompt} tokens and {max_new_tokens} more were asked for",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    for i, tid in enumerate(ids):
+        if not 0 <= tid < vocab_size:
+            raise bad_request(f"{param}[{i}] = {tid} is not a token id in [0, {vocab_size})", param)
+
+
+def _max_tokens(value: int | None, default: int, param: str) -> int:
+    if value is None:
+        return default
+    if value < 1:
+        raise bad_request(f"{param} must be at least 1, got {value}", param)
+    return value
+
+
+def _openai_sampling(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    top_logprobs: int,
+    tokenizer: Tokenizer,
+) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    params: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "stop": stop,
+        "stop_token_ids": body.stop_token_ids or [],
+        "ignore_eos": body.ignore_eos,
+        "seed": body.seed,
+    }
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        if getattr(body, name) is not None:
+            params[name] = getattr(body, name)
+    if isinstance(body, ChatCompletionRequest):
+        params["logprobs"] = body.logprobs
+    else:
+        params["logprobs"] = body.logprobs is not None
+    params["top_logprobs"] = top_logprobs
+    return _sampling(params, tokenizer.vocab_size, is_openai=True)
+
+
+def _routing_key(body_key: str | None, header_key: str | None) -> str | None:
+    return body_key if body_key is not None else (header_key or None)
+
+
+def prepare_completion(
+    body: CompletionRequest, tokenizer: Tokenizer, context_length: int, header_key: str | None
+) -> PreparedRequest:
+    _check_served(body.model_dump())
+    if body.echo:
+        raise bad_request("echo is not served", "echo")
+    if body.suffix:
+        raise bad_request("suffix is not served", "suffix")
+    if body.best_of not in (None, 1):
+        raise bad_request("only best_of=1 is served", "best_of")
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise bad_request("one prompt per request is served (got a batch)", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        input_ids = tokenizer.encode(prompt)
+    else:
+        input_ids = list(prompt)
+        _check_ids(input_ids, tokenizer.vocab_size, "prompt")
+    max_tokens = _max_tokens(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
+    _check_lengths(len(input_ids), max_tokens, context_length, "prompt")
+    top = body.logprobs or 0
+    sampling = _openai_sampling(body, max_tokens, top, tokenizer)
+    return PreparedRequest(
+        input_ids, sampling, body.priority, _routing_key(body.routing_key, header_key)
+    )
+
+
+def prepare_chat(
+    body: ChatCompletionRequest, tokenizer: Tokenizer, context_length: int, header_key: str | None
+) -> PreparedRequest:
+    _check_served(body.model_dump())
+    if not body.messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    # OpenAI's newer name for the system role; chat templates know only "system".
+    messages = [
+        {**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+        for m in body.messages
+    ]
+    try:
+        input_ids = tokenizer.apply_chat_template(messages)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
+    if not input_ids:
+        raise bad_request("the messages render to an empty prompt", "messages")
+    if len(input_ids) >= context_length:
+        _check_lengths(len(input_ids), 1, context_length, "messages")
+    asked = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = _max_tokens(asked, context_length - len(input_ids), param)
+    _check_lengths(len(input_ids), max_tokens, context_length, "messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    sampling = _openai_sampling(body, max_tokens, body.top_logprobs or 0, tokenizer)
+    return PreparedRequest(
+        input_ids, sampling, body.priority, _routing_key(body.routing_key, header_key)
+    )
+
+
+def prepare_generate(
+    body: GenerateRequest, tokenizer: Tokenizer, context_length: int, header_key: str | None
+) -> PreparedRequest:
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("pass exactly one of text and input_ids", "text")
+    _check_served(body.sampling_params)
+    if body.text is not None:
+        input_ids = tokenizer.encode(body.text)
+    else:
+        input_ids = list(body.input_ids or [])
+        _check_ids(input_ids, tokenizer.vocab_size, "input_ids")
+    params = {k: v for k, v in body.sampling_params.items() if k in _SAMPLING_FIELDS}
+    if isinstance(params.get("stop"), str):
+        params["stop"] = [params["stop"]]
+    params.setdefault("max_new_tokens", DEFAULT_GENERATE_MAX_NEW_TOKENS)
+    params["logprobs"] = body.return_logprob
+    params["top_logprobs"] = body.top_logprobs_num
+    sampling = _sampling(params, tokenizer.vocab_size, is_openai=False)
+    if sampling.max_new_tokens < 1:
+        raise bad_request("max_new_tokens must be at least 1", "max_new_tokens")
+    _check_lengths(len(input_ids), sampling.max_new_tokens, context_length, "input_ids")
+    return PreparedRequest(
+        input_ids, sampling, body.priority, _routing_key(body.routing_key, header_key)
+    )

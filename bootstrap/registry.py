@@ -1,0 +1,238 @@
+"""The node registry: registration with the cluster token and protocol check, leases, node table.
+
+One owner of the table. A node's entry lives from ``register`` until it deregisters, its
+lease expires (no heartbeat for ``lease_s``), or it registers again (a new incarnation):
+
+    register ──▶ LIVE ──heartbeat──▶ LIVE
+                  │ expire() / register again / deregister
+                  ▼
+               removed  (listeners hear (node_id, reason) unless it deregistered)
+
+A removal other than a deregistration is a loss: listeners (the gateway) fail the rooms
+routed to the node at once. A deregistering node drains its in-flight work itself.
+The clock is injected; ``expire()`` is called by the service's timer.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from common import messages as msg
+
+logger = logging.getLogger(__name__)
+
+NODE_ROLES = ("prefill", "decode")
+DEFAULT_LEASE_S = 10.0
+# A node is reported unhealthy once it missed about two heartbeats (they come every lease/3).
+UNHEALTHY_AFTER_LEASE_FRACTION = 2.0 / 3.0
+
+NodeLostListener = Callable[[str, str], None]
+
+
+class RegistryError(Exception):
+    """A refused registry call: the HTTP status and a one-line reason."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+@dataclass
+class NodeEntry:
+    """A live node: its registration, its last reported load and when it was last heard."""
+
+    info: msg.RegisterNode
+    registered_at: float
+    last_seen: float
+    load: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A snapshot of one live node for the router and the gateway."""
+
+    node_id: str
+    role: str
+    is_healthy: bool
+    request_endpoint: str
+    control_endpoint: str
+    num_pages: int
+    load: dict[str, Any]
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value, if that is its shape."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
+
+
+def check_token(expected: str | None, *candidates: str | None) -> bool:
+    """Whether one of ``candidates`` is the cluster token (always true when none is set)."""
+    if expected is None:
+        return True
+    want = expected.encode()
+    return any(c is not None and hmac.compare_digest(c.encode(), want) for c in candidates)
+
+
+class NodeRegistry:
+    """Registered nodes with leases; the only owner of the node table."""
+
+    def __init__(
+        self,
+        auth_token: str | None,
+        lease_s: float = DEFAULT_LEASE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self.auth_token = auth_token
+        self.lease_s = lease_s
+        self._clock = clock
+        self._nodes: dict[str, NodeEntry] = {}
+        self._lost_listeners: list[NodeLostListener] = []
+
+    def add_lost_listener(self, listener: NodeLostListener) -> None:
+        """Call ``listener(node_id, reason)`` whenever a node is lost (not on deregister)."""
+        self._lost_listeners.append(listener)
+
+    # ---- calls from nodes ----------------------------------------------------------------
+
+    def register(self, m: msg.RegisterNode, header_token: str | None = None) -> None:
+        """Add (or replace) a node; raises RegistryError 401 or 400."""
+        self._authorize(m.auth_token, header_token)
+        if not msg.is_supported_protocol(m.protocol_version):
+            raise RegistryError(
+                400,
+                f"protocol version {m.protocol_version} is not supported; this bootstrap "
+                f"speaks version {msg.PROTOCOL_VERSION}: run matching pdserve builds",
+                "protocol_version_mismatch",
+            )
+        if m.role not in NODE_ROLES:
+            raise RegistryError(
+                400, f"role must be one of {', '.join(NODE_ROLES)}, got {m.role!r:.40}", "bad_role"
+            )
+        for name in ("node_id", "request_endpoint"):
+            if not getattr(m, name):
+                raise RegistryError(400, f"{name} must not be empty", "bad_field")
+        if m.num_pages < 0 or m.max_running_requests < 0:
+            raise RegistryError(400, "num_pages and max_running_requests must be >= 0", "bad_field")
+        now = self._clock()
+        old = self._nodes.get(m.node_id)
+        self._nodes[m.node_id] = NodeEntry(info=m, registered_at=now, last_seen=now, load={})
+        if old is not None:
+            # The node restarted (or lost our answer): what the old incarnation held is gone.
+            logger.warning("node %s registered again; failing its earlier requests", m.node_id)
+            self._notify_lost(m.node_id, "the node restarted and registered again")
+        logger.info("registered %s node %s at %s", m.role, m.node_id, m.request_endpoint)
+
+    def heartbeat(self, m: msg.Heartbeat, header_token: str | None = None) -> None:
+        """Renew a lease and store the load; raises RegistryError 401 or 404 (register again)."""
+        self._authorize(m.auth_token, header_token)
+        entry = self._nodes.get(m.node_id)
+        if entry is None:
+            raise RegistryError(
+                404, f"unknown node {m.node_id!r:.80}; register again", "unknown_node"
+            )
+        entry.last_seen = self._clock()
+        entry.load = dict(m.load)
+
+    def deregister(self, m: msg.Deregister, header_token: str | None = None) -> bool:
+        """Remove a node that is leaving; whether it was registered. Raises RegistryError 401."""
+        self._authorize(m.auth_token, header_token)
+        entry = self._nodes.pop(m.node_id, None)
+        if entry is not None:
+            logger.info("node %s deregistered", m.node_id)
+        return entry is not None
+
+    def _authorize(self, body_token: str | None, header_token: str | None) -> None:
+        if not check_token(self.auth_token, body_token, header_token):
+            raise RegistryError(
+                401,
+                "missing or wrong cluster token (--auth-token / PDSERVE_AUTH_TOKEN)",
+                "invalid_auth_token",
+            )
+
+    # ---- leases --------------------------------------------------------------------------
+
+    def expire(self) -> list[str]:
+        """Remove every node whose lease ran out; their ids (listeners are told)."""
+        now = self._clock()
+        expired = [i for i, e in self._nodes.items() if now - e.last_seen > self.lease_s]
+        for node_id in expired:
+            del self._nodes[node_id]
+            logger.warning("node %s lost: no heartbeat for %.1f s", node_id, self.lease_s)
+            self._notify_lost(node_id, f"node {node_id} lost: its lease expired")
+        return expired
+
+    def _notify_lost(self, node_id: str, reason: str) -> None:
+        for listener in self._lost_listeners:
+            try:
+                listener(node_id, reason)
+            except Exception:  # a listener's bug must not corrupt the table
+                logger.exception("node-lost listener failed for %s", node_id)
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def views(self, role: str | None = None) -> list[NodeView]:
+        """Snapshots of the live nodes (of ``role``), in registration order."""
+        now = self._clock()
+        return [
+            NodeView(
+                node_id=node_id,
+                role=e.info.role,
+                is_healthy=self._is_healthy(e, now),
+                request_endpoint=e.info.request_endpoint,
+                control_endpoint=e.info.control_endpoint,
+                num_pages=e.info.num_pages,
+                load=e.load,
+            )
+            for node_id, e in self._nodes.items()
+            if role is None or e.info.role == role
+        ]
+
+    def _is_healthy(self, entry: NodeEntry, now: float) -> bool:
+        return now - entry.last_seen <= self.lease_s * UNHEALTHY_AFTER_LEASE_FRACTION
+
+    def table(self) -> list[dict[str, Any]]:
+        """The node table as JSON objects (the shape of ``GET /nodes``); never the token."""
+        now = self._clock()
+        rows = []
+        for node_id, e in self._nodes.items():
+            info = e.info
+            http_url = info.http_url.rstrip("/")
+            rows.append(
+                {
+                    "id": node_id,
+                    "role": info.role,
+                    "healthy": self._is_healthy(e, now),
+                    "metrics_url": f"{http_url}/metrics" if http_url else "",
+                    "http_url": http_url,
+                    "request_endpoint": info.request_endpoint,
+                    "control_endpoint": info.control_endpoint,
+                    "num_pages": info.num_pages,
+                    "max_running_requests": info.max_running_requests,
+                    "load": e.load,
+                    "backend": info.backend,
+                    "backend_metadata": base64.b64encode(info.backend_metadata).decode("ascii"),
+                    "kv_layout": info.kv_layout,
+                    "protocol_version": info.protocol_version,
+                    "registered_s_ago": round(now - e.registered_at, 3),
+                    "last_heartbeat_s_ago": round(now - e.last_seen, 3),
+                }
+            )
+        return rows

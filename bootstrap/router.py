@@ -1,0 +1,242 @@
+"""Pair choice: prefill by prefix affinity (consistent hashing with bounded loads), decode by least load.
+
+Pure decisions: every call takes a snapshot of the candidate nodes and returns a decision;
+no sockets, clocks or metrics here (the gateway counts what the decisions say).
+
+Prefill: the affinity key is a stable 64-bit hash of the request's ``routing_key`` when one
+is given, else of its leading prompt tokens (the first ``affinity_tokens``, whole pages
+only once the prompt has one), so prompts that share a system prompt share a key. Keys
+and nodes live on a hash ring (``virtual_nodes`` points per node); the key's home is the
+first node clockwise. Bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): with ``m``
+requests already pending prefill over ``n`` nodes, no node takes the new one while it
+holds ``ceil((1 + epsilon) * (m + 1) / n)`` or more; the walk goes on clockwise. A hot
+prefix therefore fills its home node up to the bound, then spreads to its ring neighbours.
+
+Decode: the node with the fewest requests in flight; more free KV pages (as a fraction of
+its pool) breaks ties; a node that reported a full pool is skipped while another is not.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+import struct
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+DEFAULT_AFFINITY_TOKENS = 32  # two pages of 16 tokens
+DEFAULT_VIRTUAL_NODES = 64
+DEFAULT_EPSILON = 0.25
+# How many affinity keys the router remembers to tell an affinity hit from a first sight.
+AFFINITY_MEMORY = 65_536
+ROOM_BITS = 63
+
+
+def _hash64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def affinity_key(
+    input_ids: Sequence[int],
+    routing_key: str | None,
+    affinity_tokens: int = DEFAULT_AFFINITY_TOKENS,
+    page_size: int = 16,
+) -> int:
+    """The stable 64-bit key a request is placed on the ring by (same in every process)."""
+    if routing_key is not None:
+        return _hash64(b"k:" + routing_key.encode())
+    n = min(len(input_ids), affinity_tokens)
+    if n >= page_size:
+        n -= n % page_size  # a radix cache shares whole pages only
+    lead = input_ids[:n]
+    return _hash64(b"t:" + struct.pack(f"<{n}q", *lead))
+
+
+class HashRing:
+    """Nodes placed at ``virtual_nodes`` points each on a 64-bit ring."""
+
+    def __init__(self, node_ids: Sequence[str], virtual_nodes: int = DEFAULT_VIRTUAL_NODES):
+        if virtual_nodes < 1:
+            raise ValueError(f"virtual_nodes must be >= 1, got {virtual_nodes}")
+        points = sorted(
+            (_hash64(f"{node_id}#{i}".encode()), node_id)
+            for node_id in set(node_ids)
+            for i in range(virtual_nodes)
+        )
+        self.node_ids = frozenset(node_ids)
+        self._hashes = [h for h, _ in points]
+        self._owners = [node_id for _, node_id in points]
+
+    def walk(self, key: int) -> Iterator[str]:
+        """Each node once, clockwise from ``key``: the key's home first."""
+        if not self._hashes:
+            return
+        start = bisect.bisect_left(self._hashes, key)
+        seen: set[str] = set()
+        for i in range(len(self._hashes)):
+            node_id = self._owners[(start + i) % len(self._owners)]
+            if node_id not in seen:
+                seen.add(node_id)
+                yield node_id
+                if len(seen) == len(self.node_ids):
+                    return
+
+
+def bounded_load_capacity(total_load: int, num_nodes: int, epsilon: float) -> int:
+    """The most requests a node may already hold and still take the next one."""
+    return math.ceil((1.0 + epsilon) * (total_load + 1) / num_nodes)
+
+
+@dataclass(frozen=True)
+class PrefillCandidate:
+    """A live prefill node and the requests routed to it that have not prefilled yet."""
+
+    node_id: str
+    num_pending: int
+
+
+@dataclass(frozen=True)
+class DecodeCandidate:
+    """A live decode node: requests in flight on it, and its pool as last reported."""
+
+    node_id: str
+    num_inflight: int
+    num_pages: int = 0
+    free_pages: int | None = None  # None: not reported yet
+
+    @property
+    def free_fraction(self) -> float:
+        if self.free_pages is None or self.num_pages <= 0:
+            return 1.0
+        return self.free_pages / self.num_pages
+
+    @property
+    def is_full(self) -> bool:
+        return self.free_pages is not None and self.free_pages <= 0
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    """Where a key goes on the ring and why."""
+
+    node_id: str
+    home_id: str  # the key's first node on the ring
+    is_spilled: bool  # the home node was over the load bound
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """The chosen (prefill, decode) pair of one request and what the choice was based on."""
+
+    prefill_id: str
+    decode_id: str
+    key: int
+    is_routing_key: bool
+    is_spilled: bool
+    # The key was last routed to this same prefill node: its prefix is likely cached there.
+    is_affinity_hit: bool
+
+
+def choose_prefill(
+    ring: HashRing, key: int, candidates: Sequence[PrefillCandidate], epsilon: float
+) -> PrefillChoice:
+    """Consistent hashing with bounded loads over ``candidates`` (all must be on ``ring``)."""
+    if not candidates:
+        raise ValueError("no prefill candidate")
+    load = {c.node_id: c.num_pending for c in candidates}
+    capacity = bounded_load_capacity(sum(load.values()), len(load), epsilon)
+    order = [node_id for node_id in ring.walk(key) if node_id in load]
+    home = order[0]
+    for node_id in order:
+        if load[node_id] < capacity:
+            return PrefillChoice(node_id, home, is_spilled=node_id != home)
+    # Unreachable while capacity * n > total load; kept for floats at the edge.
+    best = min(order, key=lambda node_id: load[node_id])
+    return PrefillChoice(best, home, is_spilled=best != home)
+
+
+def choose_decode(candidates: Sequence[DecodeCandidate]) -> str:
+    """Least loaded decode node: fewest in flight, then most free pages, then id."""
+    if not candidates:
+        raise ValueError("no decode candidate")
+    open_nodes = [c for c in candidates if not c.is_full] or list(candidates)
+    best = min(open_nodes, key=lambda c: (c.num_inflight, -c.free_fraction, c.node_id))
+    return best.node_id
+
+
+class Router:
+    """Chooses pairs; keeps the ring of the current prefill nodes and recent key placements."""
+
+    def __init__(
+        self,
+        *,
+        affinity_tokens: int = DEFAULT_AFFINITY_TOKENS,
+        page_size: int = 16,
+        virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
+        epsilon: float = DEFAULT_EPSILON,
+        affinity_memory: int = AFFINITY_MEMORY,
+    ) -> None:
+        if epsilon <= 0:
+            raise ValueError(f"epsilon must be > 0, got {epsilon}")
+        self.affinity_tokens = affinity_tokens
+        self.page_size = page_size
+        self.virtual_nodes = virtual_nodes
+        self.epsilon = epsilon
+        self._ring = HashRing((), virtual_nodes)
+        self._last_node_of_key: OrderedDict[int, str] = OrderedDict()
+        self._affinity_memory = affinity_memory
+
+    def route(
+        self,
+        input_ids: Sequence[int],
+        routing_key: str | None,
+        prefills: Sequence[PrefillCandidate],
+        decodes: Sequence[DecodeCandidate],
+    ) -> RouteDecision:
+        """The pair for one request; both candidate lists must be non-empty."""
+        node_ids = frozenset(c.node_id for c in prefills)
+        if node_ids != self._ring.node_ids:
+            self._ring = HashRing(sorted(node_ids), self.virtual_nodes)
+        key = affinity_key(input_ids, routing_key, self.affinity_tokens, self.page_size)
+        prefill = choose_prefill(self._ring, key, prefills, self.epsilon)
+        decode_id = choose_decode(decodes)
+        is_hit = self._last_node_of_key.get(key) == prefill.node_id
+        self._remember(key, prefill.node_id)
+        return RouteDecision(
+            prefill_id=prefill.node_id,
+            decode_id=decode_id,
+            key=key,
+            is_routing_key=routing_key is not None,
+            is_spilled=prefill.is_spilled,
+            is_affinity_hit=is_hit,
+        )
+
+    def _remember(self, key: int, node_id: str) -> None:
+        self._last_node_of_key[key] = node_id
+        self._last_node_of_key.move_to_end(key)
+        while len(self._last_node_of_key) > self._affinity_memory:
+            self._last_node_of_key.popitem(last=False)
+
+
+class RoomAllocator:
+    """Unique 63-bit room ids: a counter from a random start (no repeat for 2**63 rooms).
+
+    The random start keeps rooms of a restarted bootstrap apart from the old one's.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        rng = random.Random(seed) if seed is not None else random.SystemRandom()
+        self._next = rng.getrandbits(ROOM_BITS)
+        self.num_allocated = 0
+
+    def allocate(self) -> int:
+        room = self._next
+        self._next = (self._next + 1) % (1 << ROOM_BITS)
+        if room == 0:  # 0 reads as "no room" too easily; skip it
+            room = self._next
+            self._next += 1
+        self.num_allocated += 1
+        return room

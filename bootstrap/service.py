@@ -1,0 +1,201 @@
+"""The bootstrap service: registry, router, rooms and dispatcher composed; admits requests.
+
+``admit`` is the whole front half of a request: limit check (429), live nodes (503), the
+router's pair, a fresh room, GenerateReq to both nodes. The lease timer runs here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from bootstrap import gateway_metrics as gm
+from bootstrap.dispatcher import Dispatcher, NodeQueueFull
+from bootstrap.errors import APIError
+from bootstrap.generation import Generation, PreparedRequest
+from bootstrap.registry import DEFAULT_LEASE_S, NodeRegistry, NodeView
+from bootstrap.router import (
+    DEFAULT_AFFINITY_TOKENS,
+    DEFAULT_EPSILON,
+    DEFAULT_VIRTUAL_NODES,
+    DecodeCandidate,
+    PrefillCandidate,
+    RoomAllocator,
+    Router,
+)
+from common import messages as msg
+from common import metrics
+from common.config import BootstrapConfig
+from common.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Bootstrap knobs beyond BootstrapConfig: leases, router and the reply socket."""
+
+    lease_s: float = DEFAULT_LEASE_S
+    affinity_tokens: int = DEFAULT_AFFINITY_TOKENS
+    epsilon: float = DEFAULT_EPSILON
+    virtual_nodes: int = DEFAULT_VIRTUAL_NODES
+    reply_host: str = "127.0.0.1"  # where the reply PULL socket binds
+    reply_port: int = 0  # 0: any free port
+    advertise_host: str | None = None  # how nodes reach the reply socket; None: reply_host
+    gateway_id: str = "bootstrap"
+
+
+def _live(views: list[NodeView]) -> list[NodeView]:
+    """Healthy nodes; nodes that merely missed a heartbeat only when no healthy one is left."""
+    return [v for v in views if v.is_healthy] or views
+
+
+def _int_load(view: NodeView, name: str) -> int | None:
+    value = view.load.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class BootstrapService:
+    """Everything the two HTTP apps share."""
+
+    def __init__(
+        self,
+        config: BootstrapConfig,
+        tokenizer: Tokenizer,
+        *,
+        model_name: str,
+        context_length: int,
+        settings: GatewaySettings | None = None,
+    ) -> None:
+        self.config = config
+        self.settings = settings = settings or GatewaySettings()
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.context_length = context_length
+        self.registry = NodeRegistry(config.auth_token, settings.lease_s)
+        self.router = Router(
+            affinity_tokens=settings.affinity_tokens,
+            virtual_nodes=settings.virtual_nodes,
+            epsilon=settings.epsilon,
+        )
+        self.rooms = RoomAllocator()
+        self.dispatcher = Dispatcher(
+            settings.gateway_id,
+            f"tcp://{settings.reply_host}:{settings.reply_port}",
+            settings.advertise_host,
+        )
+        self.registry.add_lost_listener(self._on_node_lost)
+        self.num_active = 0  # admitted and not yet ended at the gateway
+        self._timer: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.dispatcher.start()
+        self._timer = asyncio.create_task(self._lease_timer(), name="lease-timer")
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+        self.dispatcher.close()
+
+    async def _lease_timer(self) -> None:
+        interval = min(1.0, self.settings.lease_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            self.registry.expire()
+            for role in ("prefill", "decode"):
+                num = len(self.registry.views(role))
+                gm.REGISTERED_NODES.labels(**metrics.role_labels(node_role=role)).set(num)
+
+    def _on_node_lost(self, node_id: str, reason: str) -> None:
+        gm.NODES_LOST.labels(**metrics.role_labels()).inc()
+        self.dispatcher.fail_node(node_id, reason)
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def admit(self, prepared: PreparedRequest, arrival: float) -> Generation:
+        """Route and dispatch one request; raises APIError 429 or 503 (counted as rejected)."""
+        try:
+            return self._admit(prepared, arrival)
+        except APIError:
+            gm.count_request("rejected")
+            raise
+
+    def _admit(self, prepared: PreparedRequest, arrival: float) -> Generation:
+        limit = self.config.max_queued_requests
+        if limit is not None and self.num_active >= limit:
+            raise APIError(
+                429,
+                f"the gateway has {self.num_active} requests in flight, its limit "
+                f"(--max-queued-requests {limit}); retry later",
+                code="queue_full",
+            )
+        prefills = _live(self.registry.views("prefill"))
+        decodes = _live(self.registry.views("decode"))
+        for role, views in (("prefill", prefills), ("decode", decodes)):
+            if not views:
+                raise APIError(503, f"no {role} node is registered", code="no_" + role + "_node")
+        decision = self.router.route(
+            prepared.input_ids,
+            prepared.routing_key,
+            [
+                PrefillCandidate(v.node_id, self.dispatcher.num_pending_prefill(v.node_id))
+                for v in prefills
+            ],
+            [
+                DecodeCandidate(
+                    v.node_id,
+                    self.dispatcher.num_inflight(v.node_id),
+                    v.num_pages,
+                    _int_load(v, "free_pages"),
+                )
+                for v in decodes
+            ],
+        )
+        prefill = next(v for v in prefills if v.node_id == decision.prefill_id)
+        decode = next(v for v in decodes if v.node_id == decision.decode_id)
+        gen = msg.GenerateReq(
+            rid=uuid.uuid4().hex,
+            room=self.rooms.allocate(),
+            input_ids=prepared.input_ids,
+            sampling=prepared.sampling.to_wire(),
+            priority=prepared.priority,
+            routing_key=prepared.routing_key,
+            prefill_node_id=prefill.node_id,
+            decode_node_id=decode.node_id,
+            reply_endpoint=self.dispatcher.reply_endpoint,
+            arrival_time=time.time(),
+            return_logprob=prepared.sampling.logprobs,
+        )
+        try:
+            req = self.dispatcher.dispatch(gen, prefill.request_endpoint, decode.request_endpoint)
+        except NodeQueueFull as exc:
+            raise APIError(503, str(exc), code="node_queue_full") from None
+        kind = (
+            "routing_key"
+            if decision.is_routing_key
+            else "spilled"
+            if decision.is_spilled
+            else "affinity"
+        )
+        gm.count_decision(kind, decision.is_affinity_hit)
+        self.num_active += 1
+        gm.GATEWAY_INFLIGHT.labels(**metrics.role_labels()).set(self.num_active)
+        return Generation(
+            req,
+            self.dispatcher,
+            self.tokenizer,
+            prepared,
+            arrival=arrival,
+            deadline=arrival + self.config.request_timeout_s,
+            on_end=self._on_generation_end,
+        )
+
+    def _on_generation_end(self) -> None:
+        self.num_active -= 1
+        gm.GATEWAY_INFLIGHT.labels(**metrics.role_labels()).set(self.num_active)

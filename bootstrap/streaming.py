@@ -1,0 +1,255 @@
+"""Response shapes: OpenAI chat and completion objects and chunks, SGLang /generate, and SSE.
+
+A format turns a Generation's Deltas and Finish into stream chunks (``start``, ``delta``,
+``finish``) and, having seen them all, into the non-streaming ``response``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from bootstrap.errors import APIError
+from bootstrap.generation import Delta, Finish, Generation, TokenLogprob
+from common.tokenizer import Tokenizer
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage(finish: Finish) -> dict[str, Any]:
+    return {
+        "prompt_tokens": finish.num_prompt_tokens,
+        "completion_tokens": finish.num_output_tokens,
+        "total_tokens": finish.num_prompt_tokens + finish.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": finish.num_cached_tokens},
+    }
+
+
+class OutputFormat:
+    """Accumulates the output; subclasses shape it for one API."""
+
+    def __init__(self, rid: str, model: str, tokenizer: Tokenizer, *, include_usage: bool) -> None:
+        self.rid = rid
+        self.model = model
+        self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.include_usage = include_usage
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+
+    def add(self, delta: Delta) -> None:
+        self.text_parts.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def delta(self, delta: Delta) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def finish(self, finish: Finish) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def response(self, finish: Finish) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ChatFormat(OutputFormat):
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": f"chatcmpl-{self.rid}",
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    def _logprobs(self, items: list[TokenLogprob]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
+            token = self.token_text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {
+            "content": [
+                {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                for t in items
+            ]
+        }
+
+    def start(self) -> list[dict[str, Any]]:
+        delta = {"role": "assistant", "content": ""}
+        return [self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})]
+
+    def delta(self, delta: Delta) -> list[dict[str, Any]]:
+        self.add(delta)
+        logprobs = self._logprobs(delta.logprobs) if delta.logprobs else None
+        if not delta.text and logprobs is None:
+            return []
+        return [
+            self._chunk(
+                {
+                    "index": 0,
+                    "delta": {"content": delta.text},
+                    "logprobs": logprobs,
+                    "finish_reason": None,
+                }
+            )
+        ]
+
+    def finish(self, finish: Finish) -> list[dict[str, Any]]:
+        chunks = [
+            self._chunk(
+                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish.finish_reason}
+            )
+        ]
+        if self.include_usage:
+            chunks.append({**self._chunk({}), "choices": [], "usage": usage(finish)})
+        return chunks
+
+    def response(self, finish: Finish) -> dict[str, Any]:
+        return {
+            "id": f"chatcmpl-{self.rid}",
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": self.text},
+                    "logprobs": self._logprobs(self.logprobs) if self.logprobs else None,
+                    "finish_reason": finish.finish_reason,
+                }
+            ],
+            "usage": usage(finish),
+        }
+
+
+class CompletionFormat(OutputFormat):
+    def _chunk(self, text: str, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
+        return {
+            "id": f"cmpl-{self.rid}",
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            ],
+        }
+
+    def _logprobs(self, items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        tokens = [self.token_text(t.token_id) for t in items]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [t.logprob for t in items],
+            "top_logprobs": [{self.token_text(i): lp for i, lp in t.top} for t in items],
+            "text_offset": offsets,
+        }
+
+    def delta(self, delta: Delta) -> list[dict[str, Any]]:
+        offset = len(self.text)
+        self.add(delta)
+        logprobs = self._logprobs(delta.logprobs, offset) if delta.logprobs else None
+        if not delta.text and logprobs is None:
+            return []
+        return [self._chunk(delta.text, logprobs, None)]
+
+    def finish(self, finish: Finish) -> list[dict[str, Any]]:
+        chunks = [self._chunk("", None, finish.finish_reason)]
+        if self.include_usage:
+            chunks.append({**chunks[0], "choices": [], "usage": usage(finish)})
+        return chunks
+
+    def response(self, finish: Finish) -> dict[str, Any]:
+        chunk = self._chunk(
+            self.text,
+            self._logprobs(self.logprobs, 0) if self.logprobs else None,
+            finish.finish_reason,
+        )
+        return {**chunk, "usage": usage(finish)}
+
+
+class GenerateFormat(OutputFormat):
+    """SGLang's /generate: cumulative text and output_ids with a meta_info block."""
+
+    def __init__(self, *args: Any, arrival: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.arrival = arrival
+
+    def _obj(self, finish: Finish | None) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": None
+            if finish is None
+            else {"type": finish.finish_reason, "matched": finish.matched_stop},
+            "prompt_tokens": None if finish is None else finish.num_prompt_tokens,
+            "completion_tokens": len(self.token_ids),
+            "cached_tokens": 0 if finish is None else finish.num_cached_tokens,
+            "e2e_latency": time.monotonic() - self.arrival,
+        }
+        if self.logprobs:
+            meta["output_token_logprobs"] = [[t.logprob, t.token_id, None] for t in self.logprobs]
+            meta["output_top_logprobs"] = [
+                [[lp, i, None] for i, lp in t.top] for t in self.logprobs
+            ]
+        return {"text": self.text, "output_ids": list(self.token_ids), "meta_info": meta}
+
+    def delta(self, delta: Delta) -> list[dict[str, Any]]:
+        self.add(delta)
+        return [self._obj(None)]
+
+    def finish(self, finish: Finish) -> list[dict[str, Any]]:
+        return [self._obj(finish)]
+
+    def response(self, finish: Finish) -> dict[str, Any]:
+        return self._obj(finish)
+
+
+async def collect(gen: Generation, fmt: OutputFormat) -> dict[str, Any]:
+    """The non-streaming response; raises APIError when the request fails."""
+    async for event in gen.events():
+        if isinstance(event, Delta):
+            fmt.add(event)
+        else:
+            return fmt.response(event)
+    raise APIError(500, "the request ended without a result")
+
+
+async def sse_stream(
+    first: Delta | Finish, rest: AsyncIterator[Delta | Finish], fmt: OutputFormat
+) -> AsyncIterator[bytes]:
+    """SSE bytes from the first event on; a failure becomes an error event, then [DONE]."""
+    for chunk in fmt.start():
+        yield sse(chunk)
+    try:
+        event: Delta | Finish | None = first
+        while event is not None:
+            chunks = fmt.delta(event) if isinstance(event, Delta) else fmt.finish(event)
+            for chunk in chunks:
+                yield sse(chunk)
+            if isinstance(event, Finish):
+                break
+            event = await anext(rest, None)
+    except APIError as exc:
+        yield sse(exc.body())
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+    yield SSE_DONE

@@ -1,0 +1,253 @@
+"""Gateway failures: bad input (400), token (401), full (429), no nodes (503), timeout (504),
+client disconnect (AbortReq to both nodes), ReqFailed mid-stream, a node's lease running out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import test_gateway_harness as harness
+from openai.types.chat import ChatCompletionMessageParam
+from test_gateway_harness import (
+    Gateway,
+    fail_after,
+    reply_ids,
+    silent,
+    stream_tokens,
+)
+
+from common.registry_client import wait_until
+from common.tokenizer import Tokenizer
+
+# The harness's fixtures, used here by name.
+gateway_factory = harness.gateway_factory
+tokenizer = harness.tokenizer
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+OK_MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def gw(tokenizer: Tokenizer) -> Iterator[Gateway]:
+    """One gateway for the bad-input tests: none of their requests reaches a node."""
+    gw = harness.start_gateway(tokenizer)
+    gw.node("prefill")
+    gw.node("decode", stream_tokens(reply_ids(tokenizer)))
+    yield gw
+    gw.stop()
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+BAD_CHAT = [
+    ({"messages": []}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": OK_MESSAGES, "max_tokens": -1}, "max_tokens"),
+    ({"messages": OK_MESSAGES, "max_tokens": 0}, "max_tokens"),
+    ({"messages": OK_MESSAGES, "max_tokens": "ten"}, "max_tokens"),
+    ({"messages": OK_MESSAGES, "max_tokens": 1.5}, "max_tokens"),
+    ({"messages": OK_MESSAGES, "max_tokens": 10**6}, "messages"),
+    ({"messages": OK_MESSAGES, "temperature": "hot"}, "temperature"),
+    ({"messages": OK_MESSAGES, "temperature": -1}, "temperature"),
+    ({"messages": OK_MESSAGES, "top_p": 0}, "top_p"),
+    ({"messages": OK_MESSAGES, "top_k": -5}, "top_k"),
+    ({"messages": OK_MESSAGES, "seed": -1}, "seed"),
+    ({"messages": OK_MESSAGES, "stream": "yes"}, "stream"),
+    ({"messages": OK_MESSAGES, "stop": 3}, "stop"),
+    ({"messages": OK_MESSAGES, "n": 2}, "n"),
+    ({"messages": OK_MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"messages": OK_MESSAGES, "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"messages": OK_MESSAGES, "priority": "high"}, "priority"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_CHAT)
+def test_bad_chat_input_is_400_in_openai_shape(gw: Gateway, body: dict, param: str) -> None:
+    assert_error(httpx.post(gw.api_url + CHAT, json=body), 400, param)
+
+
+def test_more_bad_input(gw: Gateway, tokenizer: Tokenizer) -> None:
+    url = gw.api_url
+    assert_error(
+        httpx.post(url + CHAT, content=b"{not json", headers={"content-type": "application/json"}),
+        400,
+    )
+    long_prompt = "word " * 3000  # over the 2048-token context
+    error = assert_error(httpx.post(url + COMPLETIONS, json={"prompt": long_prompt}), 400, "prompt")
+    assert error["code"] == "context_length_exceeded"
+    assert_error(httpx.post(url + COMPLETIONS, json={"prompt": [1, -2]}), 400, "prompt")
+    assert_error(httpx.post(url + COMPLETIONS, json={"prompt": [10**9]}), 400, "prompt")
+    assert_error(httpx.post(url + COMPLETIONS, json={"prompt": ""}), 400, "prompt")
+    assert_error(httpx.post(url + COMPLETIONS, json={"prompt": ["a", "b"]}), 400, "prompt")
+    assert_error(httpx.post(url + "/generate", json={"sampling_params": {}}), 400, "text")
+    assert_error(
+        httpx.post(
+            url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": "9"}}
+        ),
+        400,
+        "max_new_tokens",
+    )
+    assert_error(httpx.post(url + "/generate", json={"text": "x", "input_ids": [1]}), 400)
+    # Nothing reached a node, and every rejection was counted.
+    assert not gw.nodes[0].generates() and not gw.nodes[1].generates()
+    # Unknown fields are tolerated.
+    ok = httpx.post(url + CHAT, json={"messages": OK_MESSAGES, "max_tokens": 2, "foo": {"bar": 1}})
+    assert ok.status_code == 200, ok.text
+
+
+def test_token_required_on_api_and_registry(
+    gateway_factory: Callable[..., Gateway],
+    tokenizer: Tokenizer,
+) -> None:
+    gw = gateway_factory(auth_token="s3cret")
+    gw.node("prefill")
+    gw.node("decode", stream_tokens(reply_ids(tokenizer)))
+    c = openai.OpenAI(base_url=gw.api_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        c.chat.completions.create(model="m", messages=OK_MESSAGES)
+    error = assert_error(httpx.post(gw.api_url + CHAT, json={"messages": OK_MESSAGES}), 401)
+    assert error["type"] == "authentication_error"
+    assert_error(httpx.get(gw.api_url + "/v1/models"), 401)
+    assert_error(httpx.get(gw.api_url + "/nodes"), 401)
+    assert_error(httpx.get(gw.registry_url + "/nodes"), 401)
+    assert httpx.get(gw.api_url + "/health").status_code == 200
+    good = openai.OpenAI(base_url=gw.api_url + "/v1", api_key="s3cret", max_retries=0)
+    out = good.chat.completions.create(model="m", messages=OK_MESSAGES, max_tokens=3)
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_no_nodes_is_503(gateway_factory: Callable[..., Gateway]) -> None:
+    gw = gateway_factory()
+    error = assert_error(httpx.post(gw.api_url + CHAT, json={"messages": OK_MESSAGES}), 503)
+    assert error["code"] == "no_prefill_node"
+    gw.node("prefill")
+    error = assert_error(httpx.post(gw.api_url + CHAT, json={"messages": OK_MESSAGES}), 503)
+    assert error["code"] == "no_decode_node"
+
+
+def test_full_gateway_is_429(
+    gateway_factory: Callable[..., Gateway],
+    tokenizer: Tokenizer,
+) -> None:
+    gw = gateway_factory(max_queued_requests=1)
+    gw.node("prefill")
+    gw.node("decode", stream_tokens(reply_ids(tokenizer)[:1], finish=False))  # never finishes
+    with httpx.stream(
+        "POST", gw.api_url + CHAT, json={"messages": OK_MESSAGES, "stream": True}
+    ) as held:
+        assert held.status_code == 200
+        error = assert_error(httpx.post(gw.api_url + CHAT, json={"messages": OK_MESSAGES}), 429)
+        assert error["type"] == "rate_limit_error"
+    # The held request's client left: the slot frees.
+    assert wait_until(lambda: gw.service.num_active == 0, 5)
+
+
+def test_timeout_is_504_and_aborts_both_nodes(gateway_factory: Callable[..., Gateway]) -> None:
+    gw = gateway_factory(request_timeout_s=0.5)
+    prefill, decode = gw.node("prefill"), gw.node("decode", silent)
+    t0 = time.monotonic()
+    error = assert_error(httpx.post(gw.api_url + CHAT, json={"messages": OK_MESSAGES}), 504)
+    assert error["type"] == "timeout_error" and time.monotonic() - t0 < 3
+    room = decode.generates()[0].room
+    assert wait_until(lambda: bool(prefill.aborts() and decode.aborts()), 5)
+    assert prefill.aborts()[0].room == decode.aborts()[0].room == room
+
+
+def test_client_disconnect_mid_stream_aborts_both_nodes(
+    gateway_factory: Callable[..., Gateway],
+    tokenizer: Tokenizer,
+) -> None:
+    gw = gateway_factory()
+    prefill = gw.node("prefill")
+    decode = gw.node("decode", stream_tokens(reply_ids(tokenizer)[:2], finish=False))
+    c = openai.OpenAI(base_url=gw.api_url + "/v1", api_key="x", max_retries=0)
+    stream = c.chat.completions.create(model="m", messages=OK_MESSAGES, stream=True)
+    next(iter(stream))
+    stream.close()
+    assert wait_until(lambda: bool(prefill.aborts() and decode.aborts()), 5)
+    (gen,) = decode.generates()
+    for node in (prefill, decode):
+        (abort,) = node.aborts()
+        assert (abort.rid, abort.room) == (gen.rid, gen.room)
+    assert wait_until(lambda: gw.service.num_active == 0, 5)
+    assert 'outcome="aborted"' in httpx.get(gw.api_url + "/metrics").text
+
+
+def test_client_gone_before_any_token_aborts_both_nodes(
+    gateway_factory: Callable[..., Gateway],
+) -> None:
+    gw = gateway_factory()
+    prefill, decode = gw.node("prefill"), gw.node("decode", silent)
+    for stream in (False, True):
+        with pytest.raises(httpx.ReadTimeout):
+            body = {"messages": OK_MESSAGES, "stream": stream}
+            httpx.post(gw.api_url + CHAT, json=body, timeout=0.5)
+    assert wait_until(lambda: len(prefill.aborts()) == len(decode.aborts()) == 2, 5)
+    assert [a.rid for a in decode.aborts()] == [g.rid for g in decode.generates()]
+    assert wait_until(lambda: gw.service.num_active == 0, 5)
+
+
+def test_req_failed_mid_stream_ends_with_an_error_event(
+    gateway_factory: Callable[..., Gateway],
+    tokenizer: Tokenizer,
+) -> None:
+    gw = gateway_factory()
+    prefill = gw.node("prefill")
+    gw.node("decode", fail_after(reply_ids(tokenizer)[:3]))
+    with httpx.stream(
+        "POST", gw.api_url + CHAT, json={"messages": OK_MESSAGES, "stream": True}
+    ) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2] and "decode blew up" in lines[-2]
+    # The official client raises on the error event.
+    c = openai.OpenAI(base_url=gw.api_url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIError, match="decode blew up"):
+        list(c.chat.completions.create(model="m", messages=OK_MESSAGES, stream=True))
+    assert wait_until(lambda: len(prefill.aborts()) == 2, 5)  # the other node frees the room
+
+
+def test_req_failed_before_any_token_keeps_its_status(
+    gateway_factory: Callable[..., Gateway],
+) -> None:
+    gw = gateway_factory()
+    gw.node("prefill")
+    gw.node("decode", fail_after([], status=400, error="prompt does not fit the KV pool"))
+    for stream in (False, True):
+        body = {"messages": OK_MESSAGES, "stream": stream}
+        error = assert_error(httpx.post(gw.api_url + CHAT, json=body), 400)
+        assert "KV pool" in error["message"]
+
+
+def test_lost_node_fails_its_requests_fast(
+    gateway_factory: Callable[..., Gateway],
+    tokenizer: Tokenizer,
+) -> None:
+    gw = gateway_factory(lease_s=0.6)
+    gw.node("prefill")
+    decode = gw.node("decode", stream_tokens(reply_ids(tokenizer)[:1], finish=False))
+    with httpx.stream(
+        "POST", gw.api_url + CHAT, json={"messages": OK_MESSAGES, "stream": True}, timeout=10
+    ) as r:
+        decode.registry.stop(deregister=False)  # the node goes silent: its lease runs out
+        t0 = time.monotonic()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert time.monotonic() - t0 < 3
+    assert "lease expired" in lines[-2] and lines[-1] == "data: [DONE]"
+    assert [n["role"] for n in httpx.get(gw.api_url + "/nodes").json()["nodes"]] == ["prefill"]
