@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 # Token ids are packed as int32 into a bytes key: slicing, hashing (cached by bytes)
 # and prefix comparison (memcmp) then run in C, which is what keeps matching cheap.
@@ -31,7 +31,7 @@ class PrefixMatch(Protocol):
     @property
     def num_tokens(self) -> int: ...
     @property
-    def last_node(self) -> object: ...
+    def last_node(self) -> Any: ...  # a prefill_node.radix_cache.TreeNode
     @property
     def version(self) -> int: ...
 
@@ -87,7 +87,7 @@ class Req:
     num_cached_tokens = prefix_len
 
     @property
-    def last_node(self) -> object | None:
+    def last_node(self) -> Any:
         """The deepest radix node holding matched pages: what inc_lock_ref takes."""
         return self.match.last_node if self.match is not None else None
 

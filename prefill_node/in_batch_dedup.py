@@ -7,10 +7,12 @@ tree; a match of at least ``deprioritize_threshold`` (D) tokens deprioritizes it
 its tokens are inserted. A match of at least D tokens means some inserted request has
 the same first D tokens, and whoever shares the first D tokens with an inserted request
 is itself never inserted; so, among the low-match requests with at least D tokens, the
-deprioritized ones are exactly those that are not the first of their group of equal
-D-token prefixes. We keep those groups (keyed by the packed D-token prefix) as matches
-change, and per round only pick each multi-member group's leader: no tree, no per-token
-work, O(members of shared groups).
+deprioritized ones are exactly those that are not the first (the leader) of their group
+of equal D-token prefixes. We keep those groups (keyed by the packed D-token prefix) as
+matches change, with their leaders: a leader stays first while the queue only loses
+requests and gains arrivals at its tail and the last sort kept leaders ahead (deprioritized
+requests sort last). Only a group whose leader left, or that a request joined from inside
+the queue, is looked up again in queue order: no tree, no per-token work.
 """
 
 from __future__ import annotations
@@ -28,54 +30,104 @@ class InBatchDedup:
         self.check_threshold = check_threshold  # < 0 disables dedup
         self.deprioritize_threshold = deprioritize_threshold
         self._key_bytes = max(0, deprioritize_threshold) * TOKEN_BYTES
+        # Threshold <= 0: every in-queue match reaches it, so every member is deprioritized.
+        self._is_all = deprioritize_threshold <= 0
         self._group_of: dict[Req, bytes] = {}
         self._groups: dict[bytes, set[Req]] = {}
-        self._shared: set[bytes] = set()  # keys of groups with two members or more
+        self._leader: dict[bytes, Req] = {}  # first in queue order, unless the group is unsure
+        self._unsure: set[bytes] = set()  # groups whose leader must be looked up again
+        self._deprioritized: set[Req] = set()  # the non-leaders of sure groups
+        self._moved: set[Req] = set()  # entered or left _deprioritized since the last round
 
-    def update(self, changed: Iterable[Req], departed: Iterable[Req]) -> None:
-        """Follow new matches (``changed``) and requests that left the queue (``departed``)."""
+    def update(
+        self,
+        arrivals: Iterable[Req],
+        rematched: Iterable[Req],
+        departed: Iterable[Req],
+        is_order_kept: bool,
+    ) -> None:
+        """Follow the queue: ``arrivals`` were appended at its tail, ``rematched`` have a new
+        match, ``departed`` left. is_order_kept: apart from that, the queue is in the order
+        of the last round's sort, and that sort put every group's leader ahead."""
+        if not is_order_kept and not self._is_all:
+            self._unsure.update(self._groups)
         for r in departed:
             self._leave(r)
-        limit, nbytes = self.check_threshold, self._key_bytes
-        for r in changed:
-            key = None
-            if r.prefix_len <= limit and len(r.key) >= nbytes:
-                key = r.key[:nbytes]
-            if self._group_of.get(r) != key:
-                self._leave(r)
-                if key is not None:
-                    self._join(r, key)
+        for r in rematched:
+            self._follow(r, is_arrival=False)
+        for r in arrivals:  # at the tail only when the order is kept
+            self._follow(r, is_arrival=is_order_kept)
 
-    def deprioritized(self, queue: list[Req]) -> set[Req]:
-        """This round's deprioritized requests: in each shared group all but the first in
-        ``queue`` order. One C-level pass over the queue when any group is shared."""
-        if self.deprioritize_threshold <= 0:  # every in-queue match reaches the threshold
-            return set(compress(queue, map(self._group_of.__contains__, queue)))
-        if not self._shared:
-            return set()
+    def deprioritized(self, queue: list[Req]) -> tuple[set[Req], set[Req]]:
+        """(this round's deprioritized requests, those whose status changed since the last
+        call). The first set is live: read it, don't keep or change it."""
+        if self._unsure:
+            self._find_leaders(queue)
+        moved, self._moved = self._moved, set()
+        return self._deprioritized, moved
+
+    def _find_leaders(self, queue: list[Req]) -> None:
+        keys, self._unsure = self._unsure, set()
         groups = self._groups
-        members = set().union(*(groups[key] for key in self._shared))
+        members = set().union(*(groups[key] for key in keys))
         in_order = list(compress(queue, map(members.__contains__, queue)))
-        keys = map(self._group_of.__getitem__, reversed(in_order))
-        leaders = dict(zip(keys, reversed(in_order)))  # the first in queue order wins
-        out = set(in_order)
-        out.difference_update(leaders.values())
-        return out
+        first = dict(zip(map(self._group_of.__getitem__, reversed(in_order)), reversed(in_order)))
+        for key in keys:
+            leader = self._leader[key] = first[key]
+            for r in groups[key]:
+                self._flag(r, r is not leader)
 
-    def _join(self, r: Req, key: bytes) -> None:
+    def _follow(self, r: Req, is_arrival: bool) -> None:
+        key = None
+        if r.prefix_len <= self.check_threshold and len(r.key) >= self._key_bytes:
+            key = r.key[: self._key_bytes]
+        if self._group_of.get(r) == key:
+            return
+        self._leave(r)
+        if key is None:
+            return
         self._group_of[r] = key
         members = self._groups.setdefault(key, set())
         members.add(r)
-        if len(members) == 2:
-            self._shared.add(key)
+        if self._is_all:
+            self._flag(r, True)
+        elif len(members) == 1:
+            self._leader[key] = r
+        elif key in self._unsure:
+            pass
+        elif is_arrival:  # behind the leader in queue order
+            self._flag(r, True)
+        else:
+            self._unsure.add(key)
 
     def _leave(self, r: Req) -> None:
         key = self._group_of.pop(r, None)
         if key is None:
             return
+        self._flag(r, False)
         members = self._groups[key]
         members.discard(r)
-        if len(members) == 1:
-            self._shared.discard(key)
-        elif not members:
+        if not members:
             del self._groups[key]
+            self._leader.pop(key, None)
+            self._unsure.discard(key)
+        elif not self._is_all and self._leader[key] is r:
+            if len(members) == 1:
+                (last,) = members
+                self._leader[key] = last
+                self._flag(last, False)
+                self._unsure.discard(key)
+            else:
+                self._unsure.add(key)
+
+    def _flag(self, r: Req, is_deprioritized: bool) -> None:
+        if is_deprioritized == (r in self._deprioritized):
+            return
+        if is_deprioritized:
+            self._deprioritized.add(r)
+        else:
+            self._deprioritized.discard(r)
+        if r in self._moved:  # back where it was at the last round
+            self._moved.discard(r)
+        else:
+            self._moved.add(r)

@@ -6,7 +6,8 @@ into fcfs above 128 waiting requests. Here a request's ``MatchResult`` is kept a
 indexes say which tree changes concern it:
 
 - ``by_node[n]``: requests whose match ends in node ``n``. Evicting ``n`` drops pages of
-  those matches; splitting ``n`` moves the end of those that end inside it.
+  those matches; splitting ``n`` moves to the new upper node the end of those that end
+  inside it at or above the cut (the split event carries the cut's depth).
 - ``by_extend[(n, page)]``: requests whose match ends exactly at the end of ``n`` and
   whose next page is ``page``. Only a child added to ``n`` under that page can lengthen
   such a match (children are keyed by their first page).
@@ -25,17 +26,24 @@ from dataclasses import dataclass
 from itertools import filterfalse
 
 from common.request import Req
-from prefill_node.radix_cache import EV_ADD, EV_SPLIT, MatchResult, RadixCache, TreeNode
+from prefill_node.radix_cache import RadixCache
+from prefill_node.radix_node import EV_ADD, EV_SPLIT, MatchResult, TreeNode
 
 
 @dataclass(frozen=True, slots=True)
 class RefreshResult:
     """What one ``PrefixMatcher.refresh`` did."""
 
-    changed: list[Req]  # requests with a new MatchResult since the last refresh
-    departed: list[Req]  # requests tracked last round that left the queue
-    num_new: int  # arrivals matched for the first time
-    num_rematched: int  # tracked requests matched again because the tree changed under them
+    arrivals: list[Req]  # matched for the first time, in queue order
+    rematched: list[Req]  # tracked requests with a new match since the last refresh
+    departed: list[Req]  # tracked last round, no longer in the queue
+    # The queue is last round's remembered order minus some head plus appended arrivals.
+    is_order_kept: bool
+    num_rematched: int  # matches recomputed this call because the tree changed under them
+
+    @property
+    def changed(self) -> list[Req]:
+        return self.arrivals + self.rematched
 
 
 class PrefixMatcher:
@@ -62,30 +70,33 @@ class PrefixMatcher:
     def refresh(self, queue: list[Req]) -> RefreshResult:
         """Bring every request of ``queue`` up to date; forget those no longer in it."""
         self._sync()
-        arrivals, departed = self._diff(queue)
+        arrivals, departed, is_order_kept = self._diff(queue)
         for r in departed:
             self.forget(r)
         stale = list(self._dirty)
         self._dirty.clear()
         for r in arrivals:
             self._tracked[r] = None
-        changed = arrivals + stale
-        for r in changed:
+        for r in arrivals:
             self._rematch(r)
-        if changed:
-            self.tree.touch_paths([r.match.last_node for r in changed], is_ordered=False)  # type: ignore[union-attr]
+        for r in stale:
+            self._rematch(r)
+        if arrivals or stale:
+            touched = [r.match.last_node for r in (*arrivals, *stale)]  # type: ignore[union-attr]
+            self.tree.touch_paths(touched, is_ordered=False)
+        rematched = stale
         if self._matched_between:  # the departed were forgotten above: the rest are waiting
-            changed += self._matched_between.difference(changed)
+            rematched = stale + list(self._matched_between.difference(stale))
             self._matched_between.clear()
-        return RefreshResult(changed, departed, len(arrivals), len(stale))
+        return RefreshResult(arrivals, rematched, departed, is_order_kept, len(stale))
 
     def remember_order(self, queue: list[Req]) -> None:
         """Note the queue's order after this round's sort. Next round, a queue that is this
         one minus a head plus appended arrivals (the usual case) is diffed without a scan."""
         self._order = queue[:]
 
-    def _diff(self, queue: list[Req]) -> tuple[list[Req], list[Req]]:
-        """(arrivals in queue order, departed) since the last refresh."""
+    def _diff(self, queue: list[Req]) -> tuple[list[Req], list[Req], bool]:
+        """(arrivals in queue order, departed, is_order_kept) since the last refresh."""
         tracked, last = self._tracked, self._order
         self._order = []
         if last and queue:
@@ -94,16 +105,16 @@ class PrefixMatcher:
             except ValueError:
                 head = -1
             kept = len(last) - head
-            # Fast path: requests compare by identity, so this is a C-level pointer scan.
+            # Requests compare by identity, so this is a C-level pointer scan.
             if head >= 0 and queue[:kept] == last[head:] and len(tracked) == len(last):
                 arrivals = queue[kept:]
                 if not any(map(tracked.__contains__, arrivals)):
-                    return arrivals, last[:head]
+                    return arrivals, last[:head], True
         arrivals = list(filterfalse(tracked.__contains__, queue))
         if len(queue) - len(arrivals) == len(tracked):
-            return arrivals, []
+            return arrivals, [], False
         waiting = set(queue)
-        return arrivals, list(filterfalse(waiting.__contains__, tracked))
+        return arrivals, list(filterfalse(waiting.__contains__, tracked)), False
 
     def match_req(self, req: Req) -> MatchResult:
         """The current match of one request, memoized: the same object while the tree did
@@ -142,13 +153,13 @@ class PrefixMatcher:
         dirty, by_node, by_extend = self._dirty, self._by_node, self._by_extend
         for kind, node, key in events:
             if kind == EV_ADD:
-                reqs = by_extend.pop((node, key), None)
+                reqs = by_extend.pop((node, key), None)  # type: ignore[arg-type]
                 if reqs:
                     dirty |= reqs
-            elif kind == EV_SPLIT:
+            elif kind == EV_SPLIT:  # only matches ending inside the cut-off part move
                 reqs = by_node.get(node)
                 if reqs:
-                    dirty.update(r for r in reqs if r.match.is_partial)  # type: ignore[union-attr]
+                    dirty.update(r for r in reqs if _ends_by(r.match, key))  # type: ignore[arg-type]
             else:  # EV_EVICT
                 reqs = by_node.pop(node, None)
                 if reqs:
@@ -179,3 +190,7 @@ class PrefixMatcher:
                 reqs.discard(req)
                 if not reqs:
                     del self._by_extend[watch]
+
+
+def _ends_by(match: MatchResult, depth: int) -> bool:
+    return match.is_partial and match.num_tokens <= depth

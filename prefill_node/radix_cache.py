@@ -15,68 +15,23 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Mapping, Sequence
 
 from common.request import TOKEN_BYTES, token_key
+from prefill_node.radix_node import (
+    EV_ADD,
+    EV_EVICT,
+    EV_SPLIT,
+    Event,
+    MatchResult,
+    PageFreer,
+    StaleMatchError,
+    TreeNode,
+)
 
-# Structural events: (kind, node, first-page key of the added child, or b"").
-EV_ADD, EV_SPLIT, EV_EVICT = 0, 1, 2
-Event = tuple[int, "TreeNode", bytes]
-_MAX_LOG = 1 << 16
+__all__ = ["MatchResult", "PageFreer", "RadixCache", "StaleMatchError", "TreeNode"]
 
-
-class PageFreer(Protocol):
-    def free(self, pages: Iterable[int]) -> None: ...
-
-
-class StaleMatchError(RuntimeError):
-    """A match was used after the tree evicted part of it; match again."""
-
-
-class TreeNode:
-    """One edge of the tree: whole pages of tokens and their page ids."""
-
-    __slots__ = (
-        "children",
-        "is_evicted",
-        "key",
-        "last_access",
-        "lock_ref",
-        "parent",
-        "serial",
-        "value",
-    )
-
-    def __init__(self, key: bytes, value: list[int], parent: TreeNode | None, serial: int):
-        self.key = key
-        self.value = value
-        self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}
-        self.lock_ref = 0
-        self.last_access = 0
-        # Order of insertion among siblings (dfs-weight's tie-break, as dict order in SGLang).
-        self.serial = serial
-        self.is_evicted = False
-
-    def __repr__(self) -> str:
-        return f"TreeNode(#{self.serial}, pages={len(self.value)}, lock={self.lock_ref})"
-
-
-class MatchResult(NamedTuple):
-    """The cached prefix of a token sequence. ``page_ids`` belong to the tree: lock
-    ``last_node`` (``inc_lock_ref``) before using them and unlock when done."""
-
-    page_ids: list[int]
-    num_tokens: int  # a multiple of page_size
-    last_node: TreeNode  # deepest node holding matched pages (the match may end inside it)
-    version: int  # tree version when matched
-    generation: int  # tree generation (reset count) when matched
-    # First page the match would continue with when it ended at the end of last_node and a
-    # whole page of the sequence remains; None otherwise. An added child under this key
-    # is the only insert that can lengthen the match.
-    extend_key: bytes | None
-    is_partial: bool  # ended inside last_node: a split of last_node may change it
+_MAX_LOG = 1 << 16  # events kept for revalidating matches
 
 
 class RadixCache:
@@ -216,7 +171,12 @@ class RadixCache:
         child.value = child.value[num_pages:]
         child.parent = upper
         upper.children[child.key[:pb]] = child
-        self._log_event(EV_SPLIT, child, b"")
+        depth, above = len(upper.key), parent.parent
+        depth += len(parent.key)
+        while above is not None:
+            depth += len(above.key)
+            above = above.parent
+        self._log_event(EV_SPLIT, child, depth // TOKEN_BYTES)
         return upper
 
     # --- locks, eviction, LRU ----------------------------------------------------------------
@@ -260,7 +220,7 @@ class RadixCache:
             self._evictable_leaves.discard(node)
             self.num_evictable_pages -= len(node.value)
             node.is_evicted = True
-            self._log_event(EV_EVICT, node, b"")
+            self._log_event(EV_EVICT, node, None)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 self._evictable_leaves.add(parent)
                 heapq.heappush(heap, (parent.last_access, parent.serial, parent))
@@ -270,7 +230,9 @@ class RadixCache:
 
     def touch(self, target: TreeNode | Sequence[int] | bytes) -> None:
         """Mark a node's path (or a sequence's cached prefix) as just used."""
-        node = target if isinstance(target, TreeNode) else self.match_prefix(target).last_node
+        node: TreeNode | None = target if isinstance(target, TreeNode) else None
+        if node is None:
+            node = self.match_prefix(target).last_node  # type: ignore[arg-type]
         tick = self._next_tick()
         while node is not None and not node.is_evicted:
             node.last_access = tick
@@ -296,10 +258,14 @@ class RadixCache:
         """Indices of last_nodes in SGLang's dfs-weight order: DFS from the root visiting
         children with more requests in their subtree first (ties: insertion order), a node's
         own requests after its children's, in input order."""
-        counts = Counter(last_nodes)
-        if any(node.is_evicted for node in counts):  # a stale match counts as no match
-            last_nodes = [self.root if n.is_evicted else n for n in last_nodes]
-            counts = Counter(last_nodes)
+        nodes = [self.root if n.is_evicted else n for n in last_nodes]  # stale: no match
+        rank = self.dfs_node_ranks(Counter(nodes))
+        keys = list(map(rank.__getitem__, nodes))
+        return sorted(range(len(keys)), key=keys.__getitem__)  # stable: input order in a node
+
+    def dfs_node_ranks(self, counts: Mapping[TreeNode, int]) -> dict[TreeNode, int]:
+        """Post-order position, in dfs-weight order, of every node with a positive count
+        (requests ending there) and of its ancestors. Cost: those nodes times depth."""
         weight: dict[TreeNode, int] = {}
         kids: dict[TreeNode, list[TreeNode]] = {}
         for node, count in counts.items():
@@ -311,7 +277,7 @@ class RadixCache:
                     if node.parent is not None:
                         kids.setdefault(node.parent, []).append(node)
                 node = node.parent  # type: ignore[assignment]
-        rank: dict[TreeNode, int] = {}  # post-order position of each node
+        rank: dict[TreeNode, int] = {}
         stack: list[tuple[TreeNode, bool]] = [(self.root, False)]
         while stack:
             node, is_visited = stack.pop()
@@ -323,8 +289,7 @@ class RadixCache:
             if children:
                 children.sort(key=lambda c: (-weight[c], c.serial))
                 stack.extend((c, False) for c in reversed(children))
-        keys = list(map(rank.__getitem__, last_nodes))
-        return sorted(range(len(keys)), key=keys.__getitem__)  # stable: input order in a node
+        return rank
 
     # --- versioning ------------------------------------------------------------------------
     def events_since(self, version: int) -> list[Event] | None:
@@ -343,17 +308,17 @@ class RadixCache:
         if events is None:
             return False
         node = match.last_node
-        for kind, n, key in events:
+        for kind, n, detail in events:
             if n is node and (
                 kind == EV_EVICT
-                or (kind == EV_SPLIT and match.is_partial)
-                or (kind == EV_ADD and key == match.extend_key)
+                or (kind == EV_SPLIT and match.is_partial and match.num_tokens <= detail)  # type: ignore[operator]
+                or (kind == EV_ADD and detail == match.extend_key)
             ):
                 return False
         return True
 
-    def _log_event(self, kind: int, node: TreeNode, key: bytes) -> None:
-        self._log.append((kind, node, key))
+    def _log_event(self, kind: int, node: TreeNode, detail: bytes | int | None) -> None:
+        self._log.append((kind, node, detail))
         self.version += 1
         if len(self._log) > 2 * _MAX_LOG:
             del self._log[:_MAX_LOG]

@@ -11,6 +11,14 @@ without a radix cache they run as fcfs, except shortest-prefill-first which refu
 Matches are incremental (``PrefixMatcher``), so the chosen policy stays in force at
 thousands of waiting requests; ``cache_aware_fallback_threshold`` (default: never) still
 turns lpm/hrrn into fcfs above a queue length, as SGLang does above 128.
+
+The loop, each round (requests enter the queue after ``req.enter_waiting_queue``)::
+
+    policy.calc_priority(waiting_queue, running_reqs, processed_tokens)
+    limit = policy.shortest_prefill_chunk_limit(remaining, waiting_queue, rem_chunk, page)
+    for req in waiting_queue:                      # in this order, until the adder stops
+        match = policy.match_prefix_for_req(req)   # current even after an evict; None: no cache
+        tree.inc_lock_ref(match.last_node)         # then use match.page_ids / num_tokens
 """
 
 from __future__ import annotations
@@ -21,16 +29,20 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
-from itertools import compress
-from operator import attrgetter, not_
+from operator import attrgetter
 from typing import Any
 
 from common import metrics
 from common.config import PrefillConfig
 from common.request import Req
-from prefill_node.hrrn_order import HrrnOrder
+from prefill_node.cache_aware_orders import (
+    CacheAwareOrder,
+    DfsWeightOrder,
+    HrrnOrder,
+    StaticKeyOrder,
+)
 from prefill_node.in_batch_dedup import InBatchDedup
-from prefill_node.prefix_matcher import PrefixMatcher
+from prefill_node.prefix_matcher import PrefixMatcher, RefreshResult
 from prefill_node.radix_cache import MatchResult, RadixCache
 
 WAITING_PREFIX_REFRESH_INTERVAL = 32  # rounds between waiting-prefix touches
@@ -73,11 +85,19 @@ def prefill_work(req: Req) -> int:
     return max(1, len(req.origin_input_ids) - req.prefix_len)
 
 
+def _lpm_key(r: Req) -> float:
+    return _INF if r.is_deprioritized else -float(r.prefix_len)
+
+
+def _spf_key(r: Req) -> tuple[bool, int, float]:
+    return (r.is_deprioritized, prefill_work(r), r.wait_queue_entry_time)
+
+
 class SchedulePolicy:
     """Sorts a waiting queue in place each round; owns the prefix matches of its requests.
 
-    tree_cache None means the radix cache is disabled. Request fields read: see
-    ``common.request.Req``; ``req.match`` and ``req.is_deprioritized`` are written here.
+    tree_cache None means the radix cache is disabled. Reads the ``Req`` fields; writes
+    ``req.match`` and ``req.is_deprioritized``. One policy per waiting queue.
     """
 
     def __init__(
@@ -105,13 +125,17 @@ class SchedulePolicy:
         self.waiting_prefix_refresh_interval = waiting_prefix_refresh_interval
         self._rng = random.Random(random_seed)
         self._matcher = PrefixMatcher(tree_cache) if tree_cache is not None else None
-        self._dedup = InBatchDedup(
-            in_batch_prefix_caching_check_threshold, in_batch_prefix_caching_deprioritize_threshold
-        )
-        self._deprioritized: set[Req] = set()
-        # Per-request sort keys that change only with the match or dedup (lpm, spf, hrrn).
-        self._static_key: dict[Req, Any] = {}
-        self._hrrn = HrrnOrder()
+        self._order = _cache_aware_order(self.policy, tree_cache)
+        # Dedup runs when this policy can apply it: cache-aware, or fcfs with the flag.
+        self._dedup: InBatchDedup | None = None
+        if tree_cache is not None and (self._order is not None or self._fcfs_dedup):
+            self._dedup = InBatchDedup(
+                in_batch_prefix_caching_check_threshold,
+                in_batch_prefix_caching_deprioritize_threshold,
+            )
+        self._flagged: set[Req] = set()  # requests whose is_deprioritized we set
+        # Whether last round's sort kept dedup leaders ahead of their groups.
+        self._is_last_sort_dedup_safe = False
         self._num_touch_rounds = 0
         self._metric_children: dict[tuple[str, str], Any] = {}
 
@@ -134,6 +158,10 @@ class SchedulePolicy:
         """Under this policy the adder allows one unfinished chunked request only."""
         return self.policy is CacheAwarePolicy.SHORTEST_PREFILL_FIRST
 
+    @property
+    def _fcfs_dedup(self) -> bool:
+        return self.policy is CacheAgnosticPolicy.FCFS and self.enable_cache_agnostic_in_batch
+
     # --- the round -------------------------------------------------------------------------
     def calc_priority(
         self,
@@ -149,17 +177,20 @@ class SchedulePolicy:
         start = time.perf_counter()
         policy = self._active_policy(waiting_queue)
         is_fallback = policy is not self.policy
+        is_dedup_on = self._dedup is not None and (policy is self.policy)
         num_new = num_rematched = 0
         if self._matcher is not None:
             refreshed = self._matcher.refresh(waiting_queue)
-            num_new, num_rematched = refreshed.num_new, refreshed.num_rematched
-            self._dedup.update(refreshed.changed, refreshed.departed)
+            num_new, num_rematched = len(refreshed.arrivals), refreshed.num_rematched
             for r in refreshed.departed:
-                self._forget_keys(r)
-            is_dedup_on = self._is_dedup_on(policy)
-            deprioritized = self._dedup.deprioritized(waiting_queue) if is_dedup_on else set()
-            self._set_deprioritized(deprioritized, refreshed.changed)
+                self._forget(r)
+            flipped = self._dedup_round(waiting_queue, refreshed, is_dedup_on)
+            if self._order is not None:
+                self._order.update(flipped.union(refreshed.changed))
         self._sort(policy, waiting_queue, running_batch, processed_tokens)
+        self._is_last_sort_dedup_safe = is_dedup_on or (
+            policy is CacheAgnosticPolicy.FCFS and not self.enable_priority_scheduling
+        )
         if self._matcher is not None:
             self._matcher.remember_order(waiting_queue)
             self._touch_waiting_prefixes(waiting_queue)
@@ -171,9 +202,7 @@ class SchedulePolicy:
         if is_fallback:
             metrics.POLICY_FALLBACKS.labels(role=metrics.ROLE).inc()
         child.observe(time.perf_counter() - start)
-        return PriorityResult(
-            policy.value, is_fallback, num_new, num_rematched, len(self._deprioritized)
-        )
+        return PriorityResult(policy.value, is_fallback, num_new, num_rematched, len(self._flagged))
 
     def match_prefix_for_req(self, req: Req) -> MatchResult | None:
         """The request's current match (memoized; the same object while the tree did not
@@ -212,32 +241,32 @@ class SchedulePolicy:
             return CacheAgnosticPolicy.FCFS
         return self.policy
 
-    def _is_dedup_on(self, policy: Policy) -> bool:
-        if isinstance(policy, CacheAwarePolicy):
-            return True
-        return policy is CacheAgnosticPolicy.FCFS and self.enable_cache_agnostic_in_batch
+    def _dedup_round(self, queue: list[Req], refreshed: RefreshResult, is_on: bool) -> set[Req]:
+        """Update the in-batch dedup and each request's is_deprioritized; return the
+        requests whose flag changed."""
+        if self._dedup is None:
+            return set()
+        self._dedup.update(
+            refreshed.arrivals,
+            refreshed.rematched,
+            refreshed.departed,
+            refreshed.is_order_kept and self._is_last_sort_dedup_safe,
+        )
+        now, moved = self._dedup.deprioritized(queue)
+        if not is_on:
+            now = set()
+        # _flagged may be the dedup's live set, already updated: what left it is in moved.
+        candidates = moved if self._flagged is now else self._flagged | moved | now
+        flipped = {r for r in candidates if r.is_deprioritized != (r in now)}
+        for r in flipped:
+            r.is_deprioritized = not r.is_deprioritized
+        self._flagged = now
+        return flipped
 
-    def _set_deprioritized(self, now: set[Req], changed: list[Req]) -> None:
-        before = self._deprioritized
-        moved = before ^ now
-        for r in moved:
-            r.is_deprioritized = r in now
-        self._deprioritized = now
-        # Keys that change only with a request's match or dedup status.
-        if self.policy is CacheAwarePolicy.LPM:
-            for r in moved.union(changed):
-                self._static_key[r] = _INF if r.is_deprioritized else -float(r.prefix_len)
-        elif self.policy is CacheAwarePolicy.SHORTEST_PREFILL_FIRST:
-            for r in moved.union(changed):
-                self._static_key[r] = (r.is_deprioritized, prefill_work(r), r.wait_queue_entry_time)
-        elif self.policy is CacheAwarePolicy.HRRN:
-            self._hrrn.update(moved.union(changed), now, moved)
-
-    def _forget_keys(self, r: Req) -> None:
-        self._static_key.pop(r, None)
-        self._hrrn.forget(r)
-        if r.is_deprioritized:
-            self._deprioritized.discard(r)
+    def _forget(self, r: Req) -> None:
+        if self._order is not None:
+            self._order.forget(r)
+        if r in self._flagged:
             r.is_deprioritized = False
 
     def _sort(
@@ -251,8 +280,8 @@ class SchedulePolicy:
         if policy is CacheAgnosticPolicy.FCFS:
             if self.enable_priority_scheduling:
                 queue.sort(key=lambda r: _priority_key(r, sign, r.wait_queue_entry_time))
-            if self.enable_cache_agnostic_in_batch and self._deprioritized:
-                queue.sort(key=attrgetter("is_deprioritized"))
+            if self._fcfs_dedup and self._flagged:
+                queue.sort(key=_IS_DEPRIORITIZED)
         elif policy is CacheAgnosticPolicy.LOF:
             if self.enable_priority_scheduling:
                 queue.sort(key=lambda r: _priority_key(r, sign, -r.max_new_tokens))
@@ -262,19 +291,9 @@ class SchedulePolicy:
             self._rng.shuffle(queue)
         elif policy is CacheAgnosticPolicy.ROUTING_KEY:
             _sort_by_routing_key(queue, running_batch)
-        elif policy is CacheAwarePolicy.HRRN:
-            self._hrrn.sort(queue, processed_tokens)
-        elif policy is CacheAwarePolicy.DFS_WEIGHT:
-            assert self.tree_cache is not None
-            ahead, behind = queue, []
-            if self._deprioritized:
-                flags = list(map(_IS_DEPRIORITIZED, queue))
-                ahead = list(compress(queue, map(not_, flags)))
-                behind = list(compress(queue, flags))
-            order = self.tree_cache.dfs_weight_order(list(map(_LAST_NODE, ahead)))
-            queue[:] = [*map(ahead.__getitem__, order), *behind]
-        else:  # lpm, shortest-prefill-first: keys kept up to date with matches and dedup
-            queue.sort(key=self._static_key.__getitem__)
+        else:
+            assert self._order is not None
+            self._order.sort(queue, processed_tokens)
 
     def _touch_waiting_prefixes(self, queue: list[Req]) -> None:
         """Every ``waiting_prefix_refresh_interval`` rounds with waiting requests, touch their
@@ -286,7 +305,20 @@ class SchedulePolicy:
         is_due = self._num_touch_rounds % self.waiting_prefix_refresh_interval == 0
         self._num_touch_rounds += 1
         if is_due:
-            self.tree_cache.touch_paths([r.match.last_node for r in queue])  # type: ignore[union-attr]
+            self.tree_cache.touch_paths(list(map(_LAST_NODE, queue)))
+
+
+def _cache_aware_order(policy: Policy, tree: RadixCache | None) -> CacheAwareOrder | None:
+    if policy is CacheAwarePolicy.LPM:
+        return StaticKeyOrder(_lpm_key)
+    if policy is CacheAwarePolicy.SHORTEST_PREFILL_FIRST:
+        return StaticKeyOrder(_spf_key)
+    if policy is CacheAwarePolicy.HRRN:
+        return HrrnOrder()
+    if policy is CacheAwarePolicy.DFS_WEIGHT:
+        assert tree is not None
+        return DfsWeightOrder(tree)
+    return None
 
 
 def _validate_and_adjust_policy(policy: str, tree_cache: RadixCache | None) -> Policy:

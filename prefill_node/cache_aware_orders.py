@@ -1,0 +1,169 @@
+"""Sort orders of the cache-aware policies, kept per request between rounds.
+
+Each order is told which requests got a new match or dedup status (``update``) and which
+left the queue (``forget``), so a round's ``sort`` does C-level passes over the queue
+instead of calling Python per request:
+
+- ``StaticKeyOrder``: lpm and shortest-prefill-first, whose keys only change with those.
+- ``HrrnOrder``: the ratios move every round, so they are computed with numpy.
+- ``DfsWeightOrder``: request counts per radix node, ranked by one DFS over those nodes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Callable, Iterable
+from operator import attrgetter
+from typing import Any, Protocol
+
+import numpy as np
+
+from common.request import Req
+from prefill_node.radix_cache import RadixCache
+from prefill_node.radix_node import TreeNode
+
+_RID = attrgetter("rid")
+_BEHIND = TreeNode(b"", [], None, -1)  # dfs-weight's stand-in node of deprioritized requests
+
+
+class CacheAwareOrder(Protocol):
+    def update(self, reqs: Iterable[Req]) -> None: ...
+    def forget(self, r: Req) -> None: ...
+    def sort(self, queue: list[Req], processed_tokens: int | None) -> None: ...
+
+
+class StaticKeyOrder:
+    """A stable sort on a per-request key that changes only with the match or dedup."""
+
+    def __init__(self, key: Callable[[Req], Any]) -> None:
+        self._make_key = key
+        self._key: dict[Req, Any] = {}
+
+    def update(self, reqs: Iterable[Req]) -> None:
+        for r in reqs:
+            self._key[r] = self._make_key(r)
+
+    def forget(self, r: Req) -> None:
+        self._key.pop(r, None)
+
+    def sort(self, queue: list[Req], processed_tokens: int | None) -> None:
+        queue.sort(key=self._key.__getitem__)
+
+
+class HrrnOrder:
+    """SGLang's hrrn key, ascending: ``(+inf, rid)`` when deprioritized, ``(-inf, rid)``
+    when nothing is left to prefill (drains first), else ``(-(processed -
+    arrival_processed) / uncached, rid)`` with the waited tokens clamped at 0. Without a
+    counter (None) nothing ages: rid order within a class."""
+
+    _DRAIN, _DEPRIORITIZED = 0.0, -1.0  # codes besides a positive uncached token count
+    VECTOR_MIN = 256  # shorter queues sort with a Python key: numpy's fixed cost dominates
+
+    def __init__(self) -> None:
+        # complex(arrival_processed_tokens, uncached or a code): one C-level pass a round.
+        self._state: dict[Req, complex] = {}
+        self._deprioritized_by_rid: list[Req] = []  # the +inf class, already in key order
+
+    def update(self, reqs: Iterable[Req]) -> None:
+        flips = []
+        for r in reqs:
+            was = r in self._state and self._state[r].imag == self._DEPRIORITIZED
+            uncached = len(r.origin_input_ids) - r.prefix_len
+            if r.is_deprioritized:
+                code = self._DEPRIORITIZED
+            else:
+                code = float(uncached) if uncached > 0 else self._DRAIN
+            self._state[r] = complex(r.arrival_processed_tokens, code)
+            if was != r.is_deprioritized:
+                flips.append(r)
+        ordered = self._deprioritized_by_rid
+        if len(flips) > 256:  # e.g. the first round: sort once rather than insert each
+            code = self._DEPRIORITIZED
+            ordered[:] = sorted((r for r, s in self._state.items() if s.imag == code), key=_RID)
+            return
+        for r in flips:
+            if r.is_deprioritized:
+                bisect.insort(ordered, r, key=_RID)
+            else:
+                ordered.remove(r)
+
+    def forget(self, r: Req) -> None:
+        state = self._state.pop(r, None)
+        if state is not None and state.imag == self._DEPRIORITIZED:
+            self._deprioritized_by_rid.remove(r)
+
+    def sort(self, queue: list[Req], processed_tokens: int | None) -> None:
+        n = len(queue)
+        if n < self.VECTOR_MIN:
+            queue.sort(key=self._key_function(processed_tokens))
+            return
+        state = np.fromiter(map(self._state.__getitem__, queue), np.complex128, n)
+        uncached = state.imag
+        if processed_tokens is None:
+            ratio = np.zeros(n)
+        else:
+            waited = np.maximum(float(processed_tokens) - state.real, 0.0)
+            ratio = waited / np.where(uncached > 0, uncached, 1.0)
+        drain_or_last = np.where(uncached == self._DRAIN, -np.inf, np.inf)
+        key = np.where(uncached > 0, -ratio, drain_or_last)
+        order = np.argsort(key, kind="stable")
+        num_ahead = n - len(self._deprioritized_by_rid)  # +inf sorts last
+        index: list[int] = order[:num_ahead].tolist()
+        ranked = key[order[:num_ahead]]
+        is_tie = ranked[1:] == ranked[:-1]
+        if is_tie.any():  # equal keys (the drain class, equal ratios): rid order
+            starts = is_tie & ~np.concatenate(([False], is_tie[:-1]))
+            ends = is_tie & ~np.concatenate((is_tie[1:], [False]))
+            for lo, hi in zip(np.flatnonzero(starts), np.flatnonzero(ends) + 2, strict=True):
+                index[lo:hi] = sorted(index[lo:hi], key=lambda i: queue[i].rid)
+        queue[:] = [*map(queue.__getitem__, index), *self._deprioritized_by_rid]
+
+    def _key_function(self, processed_tokens: int | None) -> Callable[[Req], tuple[float, str]]:
+        """The same order as the vectorized sort, as a key for a plain sort."""
+        state, now = self._state, 0.0 if processed_tokens is None else float(processed_tokens)
+        is_aging = processed_tokens is not None
+
+        def key(r: Req) -> tuple[float, str]:
+            s = state[r]
+            if s.imag > 0:
+                return (-(max(now - s.real, 0.0) / s.imag if is_aging else 0.0), r.rid)
+            return (-np.inf if s.imag == self._DRAIN else np.inf, r.rid)
+
+        return key
+
+
+class DfsWeightOrder:
+    """SGLang's dfs-weight order (``RadixCache.dfs_weight_order``) over the requests that
+    are not deprioritized, then the deprioritized ones in queue order."""
+
+    def __init__(self, tree: RadixCache) -> None:
+        self.tree = tree
+        self._node_of: dict[Req, TreeNode] = {}  # _BEHIND: deprioritized
+        self._counts: Counter[TreeNode] = Counter()
+
+    def update(self, reqs: Iterable[Req]) -> None:
+        for r in reqs:
+            self._drop(r)
+            if r.is_deprioritized:
+                self._node_of[r] = _BEHIND
+            else:
+                node = self._node_of[r] = r.match.last_node  # type: ignore[union-attr]
+                self._counts[node] += 1
+
+    def forget(self, r: Req) -> None:
+        self._drop(r)
+
+    def _drop(self, r: Req) -> None:
+        node = self._node_of.pop(r, _BEHIND)
+        if node is not _BEHIND:
+            self._counts[node] -= 1
+            if not self._counts[node]:
+                del self._counts[node]
+
+    def sort(self, queue: list[Req], processed_tokens: int | None) -> None:
+        rank = self.tree.dfs_node_ranks(self._counts)
+        rank[_BEHIND] = len(rank)
+        keys = list(map(rank.__getitem__, map(self._node_of.__getitem__, queue)))
+        order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: queue order in a node
+        queue[:] = list(map(queue.__getitem__, order))
