@@ -32,6 +32,8 @@ class PrefillState:
     num_computed: int = 0
     num_cached_tokens: int = 0
     locked_node: object | None = None
+    # Own pages whose tokens another request cached first; freed when this request ends.
+    duplicate_pages: list[int] = field(default_factory=list)
 
     @property
     def own_pages(self) -> list[int]:

@@ -182,6 +182,7 @@ class PrefillScheduler:
         self.stats.prefill_tokens(sum(c.extend_len for c in chunks))
         for i, (c, s) in enumerate(zip(chunks, states)):
             s.num_computed = c.end
+            self._cache_prefix(s)
             if not c.is_last:
                 s.sender.send(s.pages, c.end)
                 continue
@@ -202,15 +203,32 @@ class PrefillScheduler:
         for s in failed:
             self._fail(s, 500, f"KV transfer failed: {s.sender.failure_reason}")
 
+    def _cache_prefix(self, s: PrefillState) -> None:
+        """Put the whole pages computed so far into the radix cache right away (as SGLang's
+        cache_unfinished_req does), so requests scheduled next round share them even while
+        this one is still chunking or transferring; its lock moves to the new node."""
+        if self.tree is None:
+            return
+        ps = self.page_size
+        num_whole = s.num_computed // ps
+        if num_whole <= s.num_prefix_pages:
+            return
+        key = s.req.origin_input_ids[: num_whole * ps]
+        self.tree.insert(key, s.pages[:num_whole])
+        match = self.tree.match_prefix(key)
+        # Pages another request cached first are duplicates: ours may still be the source
+        # of a write in flight, so they are freed only when the request ends.
+        s.duplicate_pages += [own for own, cached in zip(s.pages[s.num_prefix_pages:num_whole],
+                                                         match.page_ids[s.num_prefix_pages:])
+                              if own != cached]
+        self.tree.inc_lock_ref(match.last_node)
+        if s.locked_node is not None:
+            self.tree.dec_lock_ref(s.locked_node)
+        s.pages[:num_whole] = match.page_ids
+        s.num_prefix_pages, s.locked_node = num_whole, match.last_node
+
     def _cache_and_release(self, s: PrefillState) -> None:
-        """The transfer is done: keep the prompt's whole pages in the radix cache."""
-        if self.tree is not None:
-            num_cached = self.tree.insert(s.req.origin_input_ids, s.pages) // self.page_size
-            num_whole = s.req.num_input_tokens // self.page_size
-            # Pages the tree already had (beyond our own match) and a trailing partial page
-            # stay ours to free; pages [num_cached, num_whole) now belong to the tree.
-            self.allocator.free(s.pages[s.num_prefix_pages : num_cached] + s.pages[num_whole:])
-            s.pages, s.num_prefix_pages = s.pages[:num_whole], num_whole
+        """The transfer is done: unlock the prompt's cached pages (they stay cached)."""
         self._release(s)
         self._forget(s)
 
@@ -240,11 +258,11 @@ class PrefillScheduler:
 
     def _release(self, s: PrefillState) -> None:
         """Free the request's own pages and unlock its cached prefix."""
-        if s.own_pages:
-            self.allocator.free(s.own_pages)
+        if s.own_pages or s.duplicate_pages:
+            self.allocator.free(s.own_pages + s.duplicate_pages)
         if s.locked_node is not None and self.tree is not None:
             self.tree.dec_lock_ref(s.locked_node)
-        s.pages, s.num_prefix_pages, s.locked_node = [], 0, None
+        s.pages, s.num_prefix_pages, s.locked_node, s.duplicate_pages = [], 0, None, []
 
     def _forget(self, s: PrefillState) -> None:
         self.states.pop(s.req.rid, None)

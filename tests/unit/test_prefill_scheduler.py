@@ -175,7 +175,28 @@ def test_abort_in_bootstrap_or_mid_chunk_or_from_decode_frees_everything(model_d
         rz.abort()  # the decode side gives up before prefill ran
         h.run_until(lambda: not h.sched.states)
         assert h.sched.stats.num_held_pages() == 0
-        assert h.runner.pool.allocator.num_used_pages == h.sched.tree.total_size() // PAGE == 0
+        # Only what the radix cache keeps (the chunks computed before the abort) is used.
+        assert h.runner.pool.allocator.num_used_pages == h.sched.tree.total_size() // PAGE
+        assert h.sched.tree.protected_size() == 0
+        h.sched.check_integrity()
+    finally:
+        h.close()
+
+
+def test_a_prefix_is_shared_as_soon_as_it_is_computed_not_after_its_transfer(model_dir):
+    h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
+    try:
+        base = _prompt(32, 9)
+        first, second = base + _prompt(5, 10), base + _prompt(9, 11)
+        h.submit("first", 41, first)
+        h.submit("second", 42, second)
+        r1, _ = h.receive(41, len(first))
+        r2, p2 = h.receive(42, len(second))
+        h.run_until(lambda: r1.poll() is KVPoll.Success and r2.poll() is KVPoll.Success
+                    and not h.sched.states)
+        # "second" ran while "first" was still in flight, and reused its 32 cached tokens.
+        assert h.sched.processed_tokens == len(first) + len(second) - 32
+        _check_landed(h, r2, p2, second)
         h.sched.check_integrity()
     finally:
         h.close()
