@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from collections.abc import Callable
 
 import zmq
@@ -97,6 +98,8 @@ class PrefillScheduler:
         try:
             sampling = SamplingParams.from_wire(g.sampling)
             sampling.validate(self.runner.spec.vocab_size)
+            if g.return_logprob and not sampling.logprobs:
+                sampling = replace(sampling, logprobs=True)  # the first token's logprob
         except ValueError as exc:
             error = error or str(exc)
         if error is not None:

@@ -107,8 +107,9 @@ def test_fake_backend_completes_rooms_through_the_control_socket():
         sender, receiver = _ready_room(prefill, decode, 41)
         sender.send([0, 1], 5)
         sender.send([0, 1], 8, AuxData(first_token_id=9, room_echo=41))
-        drive([prefill, decode], lambda: receiver.poll() is KVPoll.Success)
-        assert sender.poll() is KVPoll.Success and receiver.aux.first_token_id == 9
+        drive([prefill, decode], lambda: receiver.poll() is KVPoll.Success
+              and sender.poll() is KVPoll.Success)
+        assert receiver.aux.first_token_id == 9
         assert prefill.backend.num_pages_written == 2  # counted, nothing moved
     finally:
         prefill.close()

@@ -1,0 +1,46 @@
+"""Committing one output token to a decode request: stop conditions and the gateway messages."""
+
+from __future__ import annotations
+
+from common import messages as msg
+from common.stop import FinishReason
+from decode_node.req import DecodeReq
+
+
+def append_token(req: DecodeReq, token_id: int) -> FinishReason | None:
+    """Add `token_id` to the output; the finish reason if it ends the request.
+
+    Checks, in order: stop token ids and eos (unless ignore_eos), max_new_tokens, then
+    stop strings through the incremental detokenizer (a match wins), then the context.
+    """
+    req.output_ids.append(token_id)
+    num = len(req.output_ids)
+    finish = req.stop.check_token(token_id, num)
+    if req.detokenizer is not None:
+        _, is_matched = req.stop.feed(req.detokenizer.add([token_id]))
+        if is_matched:
+            finish = FinishReason.stop(req.stop.matched_stop or "")
+    if finish is None and num >= req.max_new_tokens:
+        finish = FinishReason.length()  # max_new_tokens was clipped to the context
+    return finish
+
+
+def token_chunk(req: DecodeReq, token_id: int, logprob: float | None,
+                top: list[tuple[int, float]] | None) -> msg.TokenChunk:
+    """One new token for the gateway, with its logprobs when the request asked for them."""
+    if not req.is_logprob:
+        return msg.TokenChunk(rid=req.rid, token_ids=[token_id], logprobs=None, top_logprobs=None)
+    # A prefill node that did not compute the first token's logprob reports none: NaN.
+    lp = float("nan") if logprob is None else float(logprob)
+    tops = None
+    if req.sampling.top_logprobs > 0:
+        tops = [[[int(t), float(v)] for t, v in (top or [])]]
+    return msg.TokenChunk(rid=req.rid, token_ids=[token_id], logprobs=[lp], top_logprobs=tops)
+
+
+def req_finished(req: DecodeReq, finish: FinishReason) -> msg.ReqFinished:
+    return msg.ReqFinished(
+        rid=req.rid, finish_reason=finish.kind.value, matched_stop=finish.matched,
+        num_prompt_tokens=req.num_input_tokens, num_output_tokens=len(req.output_ids),
+        # Prefix-cache hits happen on the prefill node, which does not report them here.
+        num_cached_tokens=0)

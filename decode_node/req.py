@@ -1,0 +1,122 @@
+"""One request on the decode node: its lifecycle state machine and everything it holds.
+
+    PREALLOC ──▶ TRANSFER ──▶ WAITING ──▶ RUNNING ──▶ FINISHED
+                    │            ▲           │
+                    │            └─RETRACTED◀┘      retract: KV to host; resume: KV back
+                    └───────────────────────────────▶ FINISHED  (the first token ended it)
+    every state above but FINISHED ──▶ FAILED         (abort, handshake or transfer failure)
+
+PREALLOC   receiver created; waits for the handshake and for the KV budget
+TRANSFER   destination pages allocated and sent to the prefill node; KV arriving
+WAITING    KV and first token committed; waits for a slot in the running batch
+RUNNING    decoded one token per iteration
+RETRACTED  device pages freed, KV kept in host memory, output and sampler state kept
+FINISHED / FAILED are terminal: nothing leaves them and they hold no pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from common import messages as msg
+from common.sampling_params import SamplingParams
+from common.stop import StopChecker
+from common.tokenizer import IncrementalDetokenizer
+from transfer.kv_receiver import KVReceiver
+
+
+class DecodeState(Enum):
+    PREALLOC = "prealloc"
+    TRANSFER = "transfer"
+    WAITING = "waiting"
+    RUNNING = "running"
+    RETRACTED = "retracted"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (DecodeState.FINISHED, DecodeState.FAILED)
+
+
+_TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
+    DecodeState.PREALLOC: frozenset({DecodeState.TRANSFER, DecodeState.FAILED}),
+    DecodeState.TRANSFER: frozenset({DecodeState.WAITING, DecodeState.FINISHED,
+                                     DecodeState.FAILED}),
+    DecodeState.WAITING: frozenset({DecodeState.RUNNING, DecodeState.FAILED}),
+    DecodeState.RUNNING: frozenset({DecodeState.RETRACTED, DecodeState.FINISHED,
+                                    DecodeState.FAILED}),
+    DecodeState.RETRACTED: frozenset({DecodeState.WAITING, DecodeState.FAILED}),
+    DecodeState.FINISHED: frozenset(),
+    DecodeState.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A state change the lifecycle above does not allow (a scheduler bug)."""
+
+
+@dataclass(eq=False)
+class DecodeReq:
+    """What the decode node holds for one request. Hashable by identity."""
+
+    generate: msg.GenerateReq
+    sampling: SamplingParams
+    stop: StopChecker
+    # Tokens the request may still produce, counting the first: max_new_tokens clipped
+    # so that prompt + output stays inside the context.
+    max_new_tokens: int
+    receiver: KVReceiver | None = None
+    detokenizer: IncrementalDetokenizer | None = None  # only when there are stop strings
+    generator: torch.Generator | None = None  # None: greedy
+    is_logprob: bool = False
+    arrival: float = 0.0  # node clock
+    state: DecodeState = DecodeState.PREALLOC
+    # Device pages in order; they hold KV for the first kv_len tokens.
+    pages: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    last_token_at: float | None = None
+    num_retractions: int = 0
+
+    @property
+    def rid(self) -> str:
+        return self.generate.rid
+
+    @property
+    def room(self) -> int:
+        return self.generate.room
+
+    @property
+    def origin_input_ids(self) -> list[int]:
+        return self.generate.input_ids
+
+    @property
+    def num_input_tokens(self) -> int:
+        return len(self.generate.input_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def priority(self) -> int | None:
+        return self.generate.priority
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV is in pages: the prompt plus every output token but the last."""
+        return self.num_input_tokens + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the sequence; the next step feeds the last one at position seq_len - 1."""
+        return self.num_input_tokens + len(self.output_ids)
+
+    def advance(self, new: DecodeState) -> None:
+        """The one place a request changes state; illegal moves raise."""
+        if new not in _TRANSITIONS[self.state]:
+            raise IllegalTransition(f"request {self.rid}: {self.state.name} -> {new.name}")
+        self.state = new

@@ -1,0 +1,79 @@
+"""Retracted requests: their KV in host memory, their device pages freed, resumed first in order.
+
+    running ──retract()──▶ retracted_queue (KV copied to HostKVStore, device pages freed)
+    retracted_queue ──resume(n)──▶ waiting (pages allocated, KV written back, host copy dropped)
+    retracted_queue ──remove()──▶ gone (abort: the host copy is dropped)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from common.kv_pool import KVPool, pages_needed
+from decode_node.host_pool import HostKVStore
+from decode_node.req import DecodeReq, DecodeState
+
+
+class RetractedQueue:
+    def __init__(self, pool: KVPool, *, pin_memory: bool = False) -> None:
+        self.pool = pool
+        self.allocator = pool.allocator
+        self.host = HostKVStore(pin_memory=pin_memory)
+        self.queue: list[DecodeReq] = []
+
+    def retract(self, r: DecodeReq) -> None:
+        """Copy r's KV to host memory and free its device pages; its output stays.
+
+        The caller has taken r out of the running batch.
+        """
+        kv_pages = r.pages[: pages_needed(r.kv_len, self.pool.page_size)]
+        self.host.offload(r.rid, self.pool, kv_pages)
+        self.allocator.free(r.pages)
+        r.pages = []
+        r.advance(DecodeState.RETRACTED)
+        r.num_retractions += 1
+        self.queue.append(r)
+
+    def resume(self, num: int) -> list[DecodeReq]:
+        """Bring back up to `num` requests from the head (fewer if pages run short), WAITING."""
+        resumed = []
+        for r in self.queue[:num]:
+            num_pages = pages_needed(r.kv_len, self.pool.page_size)
+            if not self.allocator.can_allocate(num_pages):
+                break
+            r.pages = self.allocator.allocate(num_pages)
+            self.host.load(r.rid, self.pool, r.pages)
+            r.advance(DecodeState.WAITING)
+            resumed.append(r)
+        del self.queue[: len(resumed)]
+        return resumed
+
+    def remove(self, r: DecodeReq) -> bool:
+        """Forget r (aborted) and drop its host copy."""
+        if r not in self.queue:
+            return False
+        self.queue.remove(r)
+        self.host.drop(r.rid)
+        return True
+
+    def check_integrity(self) -> None:
+        if self.host.rids() != {r.rid for r in self.queue}:
+            raise AssertionError("host KV copies and retracted requests disagree")
+        for r in self.queue:
+            if r.pages or r.state is not DecodeState.RETRACTED:
+                raise AssertionError(f"retracted request {r.rid} is {r.state.value} "
+                                     f"with {len(r.pages)} device pages")
+            if self.host.num_pages_of(r.rid) != pages_needed(r.kv_len, self.pool.page_size):
+                raise AssertionError(f"retracted request {r.rid}: host copy has the wrong size")
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def __bool__(self) -> bool:
+        return bool(self.queue)
+
+    def __iter__(self) -> Iterator[DecodeReq]:
+        return iter(self.queue)
+
+    def __getitem__(self, i: int) -> DecodeReq:
+        return self.queue[i]

@@ -1,0 +1,363 @@
+"""The decode node's loop: receive, preallocate, collect transfers, decode one batch step, stream.
+
+One step (`step()`), like nano-vllm's:
+  1. drain GenerateReq / AbortReq from the request socket; a valid request gets a
+     KVReceiver for its room (prefill node from the registry) and enters the prealloc queue;
+  2. resume retracted requests first (KV back from host memory); only when none is left
+     retracted, admit prealloc requests under the KV budget: allocate destination pages
+     and send them to the prefill node (send_metadata);
+  3. poll the KVManager (handshakes, TransferDone, leases, timeouts);
+  4. transfer queue: commit the first token of each finished room and stream it; failed
+     rooms fail their request, their pages are freed once no write can land any more;
+  5. waiting -> running up to max_running_requests; if the pool cannot hold the next
+     token of every running request, retract (policy order) until the rest can run
+     RETRACT_DECODE_STEPS more steps; one runner.decode for the whole batch; sample,
+     check stop conditions, stream TokenChunk / ReqFinished.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+
+from common import messages as msg
+from common.config import DecodeConfig
+from common.ipc import PushPool, recv_messages
+from common.kv_pool import pages_needed
+from common.model.runner import ModelRunner
+from common.sampling_params import SamplingParams
+from common.stop import FinishReason
+from common.tokenizer import Tokenizer
+from decode_node.ingress import NodeLimits, Rejection, build_request, check_request
+from decode_node.output import append_token, req_finished, token_chunk
+from decode_node.prealloc_queue import (
+    BudgetReq,
+    DecodeBudget,
+    DecodePreallocQueue,
+    resume_retracted,
+)
+from decode_node.req import DecodeReq, DecodeState
+from decode_node.retract import NewTokenRatio
+from decode_node.retracted_queue import RetractedQueue
+from decode_node.running_batch import RunningBatch
+from decode_node.stats import DecodeStats
+from decode_node.transfer_queue import DecodeTransferQueue, ReleaseQueue
+from transfer.kv_manager import KVManager
+
+logger = logging.getLogger(__name__)
+
+MAX_RUNNING_REQUESTS_CAP = 4096
+# The decode node's copy of the node table can lag the gateway's by a heartbeat: a request
+# naming a prefill node not known here yet waits this long in the prealloc queue.
+PREFILL_LOOKUP_TIMEOUT_S = 30.0
+
+
+def default_max_running_requests(num_pages: int, page_size: int) -> int:
+    """SGLang's default (half the pool's tokens), at most one request per page and 4096."""
+    return max(1, min(num_pages, num_pages * page_size // 2, MAX_RUNNING_REQUESTS_CAP))
+
+
+class DecodeScheduler:
+    def __init__(self, config: DecodeConfig, runner: ModelRunner, kv: KVManager,
+                 request_socket: zmq.Socket, tokenizer: Tokenizer,
+                 prefill_endpoint_for: Callable[[str], str | None], *,
+                 clock: Callable[[], float] = time.monotonic,
+                 prefill_lookup_timeout_s: float = PREFILL_LOOKUP_TIMEOUT_S) -> None:
+        self.config = config
+        self.runner = runner
+        self.kv = kv
+        self.request_socket = request_socket
+        self.tokenizer = tokenizer
+        self.prefill_endpoint_for = prefill_endpoint_for
+        self.clock = clock
+        self.prefill_lookup_timeout_s = prefill_lookup_timeout_s
+        self.pool = runner.pool
+        self.allocator = runner.pool.allocator
+        self.page_size = runner.page_size
+        self.limits = NodeLimits(runner.context_length, runner.spec.vocab_size, self.page_size,
+                                 self.allocator.num_pages)
+        max_running = config.max_running_requests or default_max_running_requests(
+            self.allocator.num_pages, self.page_size)
+        # Request slots for everything holding KV (running, preallocated, retracted):
+        # SGLang's req_to_token pool plus its pre-allocation slots.
+        self.max_held_requests = 2 * max_running
+        self.prealloc_queue = DecodePreallocQueue(
+            enable_priority=config.enable_priority_scheduling,
+            low_priority_values_first=config.schedule_low_priority_values_first)
+        self.transfer_queue = DecodeTransferQueue()
+        self.waiting_queue: list[DecodeReq] = []
+        self.running = RunningBatch(
+            runner, max_running, retraction_policy=config.retraction_policy,
+            enable_priority=config.enable_priority_scheduling,
+            low_priority_values_first=config.schedule_low_priority_values_first)
+        self.retracted_queue = RetractedQueue(self.pool, pin_memory=runner.device.type == "cuda")
+        self.release_queue = ReleaseQueue(self.allocator)
+        self.reqs: dict[str, DecodeReq] = {}  # by rid, every live request this node holds
+        self.new_token_ratio = NewTokenRatio()
+        self.push = PushPool(zmq.Context.instance())
+        self.stats = DecodeStats(self)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One iteration; returns whether a decode step ran (callers sleep briefly if not)."""
+        for m in recv_messages(self.request_socket, socket_name="decode_requests", max_frames=512):
+            if isinstance(m, msg.GenerateReq):
+                self._add_request(m)
+            elif isinstance(m, msg.AbortReq):
+                self.abort(m.rid, m.room, m.reason)
+        self._process_prealloc()
+        self.kv.poll()
+        self._process_transferred()
+        self.release_queue.release_safe()
+        ran = self._run_batch()
+        if not self.reqs:
+            self.new_token_ratio.on_idle()
+        self.stats.update()
+        return ran
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.running.max_running_requests
+
+    def is_idle(self) -> bool:
+        """No live request and no page waiting to be released: safe to stop."""
+        return not self.reqs and not self.release_queue
+
+    # ---- ingress -------------------------------------------------------------------------------
+
+    def _add_request(self, g: msg.GenerateReq) -> None:
+        checked = self._check(g)
+        if isinstance(checked, Rejection):
+            self.push.send(g.reply_endpoint, msg.ReqFailed(rid=g.rid, status=checked.status,
+                                                           error=checked.error))
+            self.stats.finished("rejected")
+            return
+        req = build_request(g, checked, self.limits, self.tokenizer, self.runner.device,
+                            self.clock())
+        self.reqs[g.rid] = req
+        self.prealloc_queue.add(req)
+        self._attach_receiver(req)
+
+    def _check(self, g: msg.GenerateReq) -> SamplingParams | Rejection:
+        if g.rid in self.reqs:
+            return Rejection(400, f"duplicate request id {g.rid}")
+        if g.room in self.kv.receivers or any(r.room == g.room for r in self.prealloc_queue.queue):
+            return Rejection(400, f"room {g.room} is already in use on this decode node")
+        sampling = check_request(g, self.limits)
+        if isinstance(sampling, Rejection):
+            return sampling
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self.prealloc_queue) >= limit:
+            return Rejection(503, "the decode node's queue is full; retry later")
+        return sampling
+
+    def _attach_receiver(self, r: DecodeReq) -> None:
+        """Give r its KVReceiver once its prefill node's control endpoint is known here."""
+        endpoint = self.prefill_endpoint_for(r.generate.prefill_node_id)
+        if endpoint is not None:
+            r.receiver = self.kv.create_receiver(r.room, endpoint)
+        elif self.clock() - r.arrival > self.prefill_lookup_timeout_s:
+            self._fail(r, 503, f"unknown prefill node {r.generate.prefill_node_id!r}")
+
+    # ---- prealloc and transfer -----------------------------------------------------------------
+
+    def _budget(self) -> DecodeBudget:
+        num_held = (len(self.transfer_queue) + len(self.waiting_queue) + len(self.running)
+                    + len(self.retracted_queue))
+        return DecodeBudget(
+            page_size=self.page_size, num_free_pages=self.allocator.num_free_pages,
+            num_reserved_decode_tokens=self.config.num_reserved_decode_tokens,
+            num_active_reqs=len(self.running) + len(self.transfer_queue) + len(self.waiting_queue),
+            running=[_budget_req(r) for r in self.running],
+            retracted=[_budget_req(r) for r in self.retracted_queue],
+            num_free_slots=max(0, self.max_held_requests - num_held))
+
+    def _process_prealloc(self) -> None:
+        for r in [r for r in self.prealloc_queue.queue if r.receiver is None]:
+            self._attach_receiver(r)
+        for r in self.prealloc_queue.pop_failed():
+            reason = r.receiver.failure_reason if r.receiver is not None else "no receiver"
+            self._fail(r, 500, f"KV bootstrap with the prefill node failed: {reason}")
+        if self.retracted_queue:
+            self._resume_retracted()
+        if self.retracted_queue:
+            return  # no new admission while any request waits in host memory
+        for r in self.prealloc_queue.pop_preallocated(self._budget()):
+            assert r.receiver is not None
+            r.pages = self.allocator.allocate(pages_needed(r.num_input_tokens, self.page_size))
+            r.advance(DecodeState.TRANSFER)
+            r.receiver.send_metadata(r.pages, aux_slot=0)
+            self.transfer_queue.add(r)
+
+    def _resume_retracted(self) -> None:
+        self.waiting_queue += self.retracted_queue.resume(resume_retracted(self._budget()))
+
+    def _process_transferred(self) -> None:
+        done, failed = self.transfer_queue.pop_transferred()
+        for r in failed:
+            reason = r.receiver.failure_reason if r.receiver is not None else "no receiver"
+            self._fail(r, 500, f"KV transfer from the prefill node failed: {reason}")
+        for r in done:
+            assert r.receiver is not None and r.receiver.aux is not None
+            aux = r.receiver.aux
+            r.receiver.clear()
+            r.receiver = None
+            if r.max_new_tokens == 0:
+                self._finish(r, FinishReason.length())
+                continue
+            finish = self._emit(r, aux.first_token_id, aux.first_logprob, aux.top_logprobs)
+            if finish is not None:
+                self._finish(r, finish)
+                continue
+            r.advance(DecodeState.WAITING)
+            self.waiting_queue.append(r)
+
+    # ---- the running batch ---------------------------------------------------------------------
+
+    def _run_batch(self) -> bool:
+        self.running.admit(self.waiting_queue)
+        if self.running:
+            self._ensure_step_memory()
+        if not self.running:
+            return False
+        batch, out = self.running.step(self.allocator)
+        for i, r in enumerate(batch):
+            finish = self._emit(r, out.token_ids[i], out.logprobs[i] if out.logprobs else None,
+                                out.top_logprobs[i] if out.top_logprobs else None)
+            if finish is not None:
+                self.running.remove(r)
+                self._finish(r, finish)
+        self.stats.decode_step(self.clock(), len(batch))
+        return True
+
+    def _ensure_step_memory(self) -> None:
+        """Retract until the pool holds the next token of every running request."""
+        victims, plan = self.running.plan_retraction(self.allocator.num_free_pages)
+        if plan.can_run and not victims:
+            self.new_token_ratio.on_decode_step()
+            return
+        for r in victims:
+            self._retract(r)
+        if plan.new_token_ratio is not None:
+            self.new_token_ratio.on_retract(plan.new_token_ratio)
+        if not plan.can_run:
+            # One request left and no page for its next token.
+            (last,) = self.running
+            if self.stats.num_held_pages() > len(last.pages):
+                self._retract(last)  # others hold pages and will free them: wait in host memory
+            else:
+                logger.warning("request %s fills the KV pool alone; ending it", last.rid)
+                self.running.remove(last)
+                self._finish(last, FinishReason.length())
+
+    def _retract(self, r: DecodeReq) -> None:
+        self.running.remove(r)
+        self.retracted_queue.retract(r)
+        self.stats.retracted(1)
+
+    # ---- output --------------------------------------------------------------------------------
+
+    def _emit(self, r: DecodeReq, token_id: int, logprob: float | None,
+              top: list[tuple[int, float]] | None) -> FinishReason | None:
+        finish = append_token(r, token_id)
+        now = self.clock()
+        self.stats.token(None if r.last_token_at is None else now - r.last_token_at)
+        r.last_token_at = now
+        self.push.send(r.generate.reply_endpoint, token_chunk(r, token_id, logprob, top))
+        return finish
+
+    def _finish(self, r: DecodeReq, finish: FinishReason) -> None:
+        """r is out of every queue: it ends normally; free its pages and report it."""
+        r.advance(DecodeState.FINISHED)
+        if r.pages:
+            self.allocator.free(r.pages)
+        r.pages = []
+        self.reqs.pop(r.rid, None)
+        self.push.send(r.generate.reply_endpoint, req_finished(r, finish))
+        self.stats.finished("finished")
+
+    # ---- abort and failure ---------------------------------------------------------------------
+
+    def abort(self, rid: str | None, room: int | None, reason: str) -> None:
+        """Abort a request by rid or room wherever it is; the gateway gets ReqFailed 499."""
+        r = self.reqs.get(rid or "") or next(
+            (x for x in self.reqs.values() if room is not None and x.room == room), None)
+        if r is not None:
+            self._fail(r, 499, f"aborted: {reason}")
+
+    def _fail(self, r: DecodeReq, status: int, error: str) -> None:
+        """Free everything r holds in whichever stage it is, and tell the gateway."""
+        state = r.state
+        if state is DecodeState.PREALLOC:
+            self.prealloc_queue.remove(r)
+        elif state is DecodeState.TRANSFER:
+            self.transfer_queue.remove(r)
+        elif state is DecodeState.WAITING:
+            self.waiting_queue.remove(r)
+        elif state is DecodeState.RUNNING:
+            self.running.remove(r)
+        elif state is DecodeState.RETRACTED:
+            self.retracted_queue.remove(r)
+        if r.receiver is not None:
+            r.receiver.abort(error)
+            # Pages a prefill node may still be writing wait until that cannot happen.
+            self.release_queue.add(r.receiver, r.pages)
+            r.receiver = None
+        elif r.pages:
+            self.allocator.free(r.pages)
+        r.pages = []
+        r.advance(DecodeState.FAILED)
+        self.reqs.pop(r.rid, None)
+        self.push.send(r.generate.reply_endpoint, msg.ReqFailed(rid=r.rid, status=status,
+                                                                error=error))
+        self.stats.finished("aborted" if status == 499 else "error")
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    def load(self) -> dict[str, int | float]:
+        """What a heartbeat reports (the router reads free_pages for least-load choice)."""
+        return {"free_pages": self.allocator.num_free_pages,
+                "kv_pages_held": self.stats.num_held_pages(),
+                "running": len(self.running), "waiting": len(self.waiting_queue),
+                "prealloc": len(self.prealloc_queue), "transfer": len(self.transfer_queue),
+                "retracted": len(self.retracted_queue),
+                "new_token_ratio": self.new_token_ratio.value}
+
+    def check_integrity(self) -> None:
+        """Every page is either free or held exactly once; every request sits in its state's queue."""
+        self.allocator.check_integrity()
+        held = [p for r in self.reqs.values() for p in r.pages] + self.release_queue.all_pages()
+        if len(set(held)) != len(held):
+            raise AssertionError("a page is held twice")
+        if len(held) != self.allocator.num_used_pages:
+            raise AssertionError(f"{len(held)} pages held but {self.allocator.num_used_pages} used")
+        queues = {DecodeState.PREALLOC: self.prealloc_queue.queue,
+                  DecodeState.TRANSFER: self.transfer_queue.queue,
+                  DecodeState.WAITING: self.waiting_queue, DecodeState.RUNNING: self.running.reqs,
+                  DecodeState.RETRACTED: self.retracted_queue.queue}
+        if sum(len(q) for q in queues.values()) != len(self.reqs):
+            raise AssertionError("queues and the request table disagree")
+        for state, queue in queues.items():
+            for r in queue:
+                if r.state is not state or self.reqs.get(r.rid) is not r:
+                    raise AssertionError(f"request {r.rid} in the {state.value} queue is {r.state.value}")
+                need = {DecodeState.PREALLOC: 0, DecodeState.RETRACTED: 0,
+                        DecodeState.TRANSFER: pages_needed(r.num_input_tokens, self.page_size)}
+                if state in need and len(r.pages) != need[state]:
+                    raise AssertionError(f"request {r.rid} ({state.value}) holds {len(r.pages)} pages")
+                if len(r.pages) < need.get(state, pages_needed(r.kv_len, self.page_size)):
+                    raise AssertionError(f"request {r.rid} holds too few pages for its KV")
+        self.retracted_queue.check_integrity()
+        if len(self.running) > self.max_running_requests:
+            raise AssertionError(f"{len(self.running)} running > {self.max_running_requests}")
+
+    def close(self) -> None:
+        self.push.close()
+
+
+def _budget_req(r: DecodeReq) -> BudgetReq:
+    return BudgetReq(r.num_input_tokens, r.num_output_tokens, r.max_new_tokens)

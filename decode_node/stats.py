@@ -1,0 +1,90 @@
+"""Decode node metrics: queue lengths, KV pages used/held, retractions, ITL, decode throughput."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Final
+
+from prometheus_client import Counter, Gauge
+
+from common import metrics
+
+if TYPE_CHECKING:
+    from decode_node.scheduler import DecodeScheduler
+
+ROLE: Final = "decode"
+THROUGHPUT_WINDOW_S: Final = 5.0
+
+# Not in common/metrics.py yet (owned by the lead); same registry and role label.
+DECODE_TOKENS: Final = Counter(
+    "pdserve_decode_tokens_total", "Output tokens produced by decode steps.", ("role",),
+    registry=metrics.REGISTRY)
+DECODE_THROUGHPUT: Final = Gauge(
+    "pdserve_decode_throughput_tokens_per_second",
+    f"Decode tokens per second over the last {THROUGHPUT_WINDOW_S:g} s.", ("role",),
+    registry=metrics.REGISTRY)
+
+QUEUES: Final = ("prealloc", "transfer", "waiting", "running", "retracted")
+
+
+class DecodeStats:
+    def __init__(self, scheduler: DecodeScheduler) -> None:
+        self.s = scheduler
+        self._queues = {q: metrics.QUEUE_REQUESTS.labels(role=ROLE, queue=q) for q in QUEUES}
+        self._used = metrics.KV_PAGES_USED.labels(role=ROLE)
+        self._held = metrics.KV_PAGES_HELD.labels(role=ROLE)
+        metrics.KV_PAGES_TOTAL.labels(role=ROLE).set(scheduler.allocator.num_pages)
+        self._retractions = metrics.RETRACTIONS.labels(role=ROLE)
+        self._itl = metrics.INTER_TOKEN_LATENCY_SECONDS.labels(role=ROLE)
+        self._tokens = DECODE_TOKENS.labels(role=ROLE)
+        self._throughput = DECODE_THROUGHPUT.labels(role=ROLE)
+        self._window: deque[tuple[float, int]] = deque()
+        self._window_tokens = 0
+        self.num_retractions = 0
+        self.num_decode_tokens = 0
+
+    def update(self) -> None:
+        s = self.s
+        lengths = {"prealloc": len(s.prealloc_queue), "transfer": len(s.transfer_queue),
+                   "waiting": len(s.waiting_queue), "running": len(s.running),
+                   "retracted": len(s.retracted_queue)}
+        for q, n in lengths.items():
+            self._queues[q].set(n)
+        self._used.set(s.allocator.num_used_pages)
+        self._held.set(self.num_held_pages())
+        self._expire(s.clock())
+        self._throughput.set(self.tokens_per_s(s.clock()))
+
+    def num_held_pages(self) -> int:
+        """Device pages held by live requests and by failed rooms not yet safe to free."""
+        s = self.s
+        return sum(len(r.pages) for r in s.reqs.values()) + s.release_queue.num_pages
+
+    def retracted(self, num: int) -> None:
+        self.num_retractions += num
+        self._retractions.inc(num)
+
+    def token(self, gap_s: float | None) -> None:
+        """One output token sent; `gap_s` is the time since the request's previous token."""
+        if gap_s is not None:
+            self._itl.observe(gap_s)
+
+    def decode_step(self, now: float, num_tokens: int) -> None:
+        self.num_decode_tokens += num_tokens
+        self._tokens.inc(num_tokens)
+        self._window.append((now, num_tokens))
+        self._window_tokens += num_tokens
+        self._expire(now)
+
+    def tokens_per_s(self, now: float) -> float:
+        if len(self._window) < 2:
+            return 0.0
+        span = now - self._window[0][0]
+        return (self._window_tokens - self._window[0][1]) / span if span > 0 else 0.0
+
+    def _expire(self, now: float) -> None:
+        while self._window and now - self._window[0][0] > THROUGHPUT_WINDOW_S:
+            self._window_tokens -= self._window.popleft()[1]
+
+    def finished(self, outcome: str) -> None:
+        metrics.REQUESTS.labels(role=ROLE, outcome=outcome).inc()
