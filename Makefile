@@ -21,7 +21,7 @@ $(STAMP): $(BIN)/python pyproject.toml Makefile
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/pdserve generate --max-new-tokens 64 "Explain in one paragraph what a KV cache is."
+	$(BIN)/pdserve launch
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra

@@ -119,6 +119,9 @@ KV_TRANSFER_ROOMS: Final = _gauge(
 )
 
 # --- decode ------------------------------------------------------------------------------
+PREFIX_CACHE_EVICTED_PAGES: Final = _counter(
+    "pdserve_prefix_cache_evicted_pages_total", "KV pages evicted from the radix cache (LRU)."
+)
 RETRACTIONS: Final = _counter("pdserve_retractions_total", "Decode retractions.")
 
 # --- requests as the client saw them (gateway) -------------------------------------------

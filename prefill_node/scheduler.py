@@ -162,7 +162,7 @@ class PrefillScheduler:
         s = self.states[chunk.req.rid]
         need = pages_needed(chunk.end, self.page_size) - len(s.pages)
         if need > self.allocator.num_free_pages and self.tree is not None:
-            self.tree.evict(need - self.allocator.num_free_pages)
+            self.stats.evicted(self.tree.evict(need - self.allocator.num_free_pages))
         if not self.allocator.can_allocate(need):
             # The adder counted evictable pages a concurrent lock now protects: retry later.
             logger.warning("room %d: %d pages short; deferring its chunk", s.req.room, need)

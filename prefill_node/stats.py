@@ -46,5 +46,9 @@ class PrefillStats:
         if n:
             self._hits.inc(n)
 
+    def evicted(self, num_pages: int) -> None:
+        if num_pages:
+            metrics.PREFIX_CACHE_EVICTED_PAGES.labels(role=self.role).inc(num_pages)
+
     def finished(self, outcome: str) -> None:
         metrics.REQUESTS.labels(role=self.role, outcome=outcome).inc()

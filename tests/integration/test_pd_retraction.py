@@ -1,0 +1,98 @@
+"""One prefill and one decode process (NIXL) under 32 concurrent greedy requests and a decode pool
+small enough to force retractions: every output equals the single-process reference."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from cluster import http, metric, start, wait_ready
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("nixl._api", reason="NIXL is not installed")
+openai = pytest.importorskip("openai")
+
+NUM_REQUESTS = 32
+MAX_TOKENS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pd():
+    api, registry = free_port(), free_port()
+    url = f"http://127.0.0.1:{registry}"
+    boot = start("bootstrap", "bootstrap", "--host", "127.0.0.1", "--port", str(api),
+                 "--disaggregation-bootstrap-port", str(registry))
+    node_args = ["--host", "127.0.0.1", "--port", "0", "--bootstrap-url", url]
+    prefill = start("prefill", "prefill_node", *node_args, "--node-id", "prefill-0",
+                    "--max-total-tokens", "4096")
+    # 32 requests x (prompt + 16 tokens) need ~800 tokens: 384 force retractions.
+    decode = start("decode", "decode_node", *node_args, "--node-id", "decode-0",
+                   "--max-total-tokens", "384", "--num-reserved-decode-tokens", "0")
+    procs = [boot, prefill, decode]
+    try:
+        wait_ready(procs)
+        deadline = time.monotonic() + 120
+        while True:
+            status, body = http("GET", f"http://127.0.0.1:{api}/nodes")
+            if status == 200 and sum(1 for n in body["nodes"] if n.get("healthy")) == 2:
+                break
+            assert time.monotonic() < deadline, body
+            time.sleep(0.2)
+        yield {"api": f"http://127.0.0.1:{api}", "prefill": prefill, "decode": decode}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def reference_outputs(prompts: list[str]) -> list[str]:
+    from common.model.default_model import default_model_dir
+    from common.model.runner import ModelRunner
+    from common.offline import generate_stream
+    from common.sampling_params import SamplingParams
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(default_model_dir())
+    runner = ModelRunner.from_path(None, progress=False, max_total_tokens=512)
+    params = SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0)
+    return [list(generate_stream(runner, tok, tok.encode(p), params))[-1].text for p in prompts]
+
+
+def test_concurrent_greedy_requests_survive_retraction_unchanged(pd):
+    prompts = [f"Fact number {i} about the ocean:" for i in range(NUM_REQUESTS)]
+    cl = openai.OpenAI(base_url=pd["api"] + "/v1", api_key="none", max_retries=0, timeout=600)
+    outputs: dict[int, str | Exception] = {}
+
+    def one(i: int) -> None:
+        try:
+            resp = cl.completions.create(model="default", prompt=prompts[i], max_tokens=MAX_TOKENS,
+                                         temperature=0)
+            outputs[i] = resp.choices[0].text
+        except Exception as exc:  # noqa: BLE001 - reported below
+            outputs[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(NUM_REQUESTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    errors = {i: o for i, o in outputs.items() if isinstance(o, Exception)}
+    assert len(outputs) == NUM_REQUESTS and not errors, errors
+    decode_url = pd["decode"].ready["http_url"]
+    assert metric(decode_url, "pdserve_retractions_total") > 0, "the pool never ran short"
+    expected = reference_outputs(prompts)
+    mismatched = [i for i in range(NUM_REQUESTS) if outputs[i] != expected[i]]
+    assert not mismatched, [(outputs[i], expected[i]) for i in mismatched[:3]]
+    deadline = time.monotonic() + 30
+    for node in (pd["prefill"], pd["decode"]):
+        while metric(node.ready["http_url"], "pdserve_kv_pages_held") != 0:
+            assert time.monotonic() < deadline, f"{node.name} still holds pages"
+            time.sleep(0.2)
