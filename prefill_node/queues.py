@@ -40,28 +40,16 @@ class PrefillState:
         return self.pages[self.num_prefix_pages :]
 
 
-class BootstrapQueue:
-    """Requests whose decode side has not yet sent destination pages for their room."""
+class _SenderQueue:
+    """Requests held until their KVSender leaves the states the queue waits on."""
+
+    waits_on: tuple[KVPoll, ...] = ()
 
     def __init__(self) -> None:
         self.queue: list[PrefillState] = []
 
     def add(self, state: PrefillState) -> None:
         self.queue.append(state)
-
-    def pop_bootstrapped(self) -> tuple[list[PrefillState], list[PrefillState]]:
-        """(ready for the waiting queue, failed), both in arrival order."""
-        ready, failed, keep = [], [], []
-        for s in self.queue:
-            state = s.sender.poll()
-            if state is KVPoll.Bootstrapping:
-                keep.append(s)
-            elif state is KVPoll.Failed:
-                failed.append(s)
-            else:
-                ready.append(s)
-        self.queue = keep
-        return ready, failed
 
     def remove(self, state: PrefillState) -> bool:
         if state in self.queue:
@@ -69,38 +57,37 @@ class BootstrapQueue:
             return True
         return False
 
+    def _pop(self) -> tuple[list[PrefillState], list[PrefillState]]:
+        """(moved on, failed), both in arrival order; the rest stay."""
+        moved, failed, keep = [], [], []
+        for s in self.queue:
+            state = s.sender.poll()
+            if state in self.waits_on:
+                keep.append(s)
+            else:
+                (failed if state is KVPoll.Failed else moved).append(s)
+        self.queue = keep
+        return moved, failed
+
     def __len__(self) -> int:
         return len(self.queue)
 
 
-class InflightQueue:
+class BootstrapQueue(_SenderQueue):
+    """Requests whose decode side has not yet sent destination pages for their room."""
+
+    waits_on = (KVPoll.Bootstrapping,)
+
+    def pop_bootstrapped(self) -> tuple[list[PrefillState], list[PrefillState]]:
+        """(ready for the waiting queue, failed)."""
+        return self._pop()
+
+
+class InflightQueue(_SenderQueue):
     """Requests whose KV is fully computed and sent, until their transfer ends."""
 
-    def __init__(self) -> None:
-        self.queue: list[PrefillState] = []
-
-    def add(self, state: PrefillState) -> None:
-        self.queue.append(state)
+    waits_on = (KVPoll.WaitingForInput, KVPoll.Transferring)
 
     def pop_done(self) -> tuple[list[PrefillState], list[PrefillState]]:
         """(transferred, failed)."""
-        done, failed, keep = [], [], []
-        for s in self.queue:
-            state = s.sender.poll()
-            if state is KVPoll.Success:
-                done.append(s)
-            elif state is KVPoll.Failed:
-                failed.append(s)
-            else:
-                keep.append(s)
-        self.queue = keep
-        return done, failed
-
-    def remove(self, state: PrefillState) -> bool:
-        if state in self.queue:
-            self.queue.remove(state)
-            return True
-        return False
-
-    def __len__(self) -> int:
-        return len(self.queue)
+        return self._pop()
