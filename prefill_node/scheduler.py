@@ -25,7 +25,7 @@ from common.config import PrefillConfig
 from common.ipc import PushPool, recv_messages
 from common.kv_pool import pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
-from common.request import Req
+from common.request import TOKEN_BYTES, Req
 from common.sampler import Sampler, make_generator
 from common.sampling_params import SamplingParams
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
@@ -140,6 +140,8 @@ class PrefillScheduler:
                 prefix = match.num_tokens if match is not None else 0
                 prefix = min(prefix, (req.num_input_tokens - 1) // self.page_size * self.page_size)
                 node = match.last_node if match is not None and prefix > 0 else None
+                if self._waits_for_batch_mate(req, prefix, adder.can_run_list):
+                    continue
                 result = adder.add_one_req(req, prefix, node)
                 if adder.can_run_list and adder.can_run_list[-1].req is req:
                     self._admit(req, match.page_ids[: prefix // self.page_size] if node else [],
@@ -149,6 +151,18 @@ class PrefillScheduler:
             if adder.new_chunked_req is not None:
                 self.chunked = self.states[adder.new_chunked_req.rid]
         return [c for c in adder.can_run_list if self._allocate(c)]
+
+    def _waits_for_batch_mate(self, req: Req, prefix: int, chunks: list[PrefillChunk]) -> bool:
+        """Whether a request already in this round's batch computes the next page of `req`'s
+        prompt (a shared prefix the cache lacks, e.g. a group leader's last chunk): then
+        `req` waits one round and reads that page from the cache instead of computing it
+        again. In-batch dedup only sees the waiting queue; this covers the running batch."""
+        num_bytes = (prefix + self.page_size) * TOKEN_BYTES
+        if len(req.key) < num_bytes + TOKEN_BYTES:
+            return False
+        head = req.key[:num_bytes]
+        return any(c.end >= prefix + self.page_size and c.req.key[:num_bytes] == head
+                   for c in chunks)
 
     def _admit(self, req: Req, prefix_pages: list[int], chunk: PrefillChunk) -> None:
         self.waiting_queue.remove(req)
