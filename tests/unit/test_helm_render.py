@@ -2,7 +2,7 @@
 
 Core kinds are checked by kubernetes-validate --strict for Kubernetes 1.29 and 1.33. The CRD
 kinds (ServiceMonitor, PrometheusRule, ScaledObject) have no schema there: their structure is
-checked against helm_tools.CRD_SCHEMAS, and their metadata, label selector and HPA behavior
+checked against helm_crds.CRD_SCHEMAS, and their metadata, label selector and HPA behavior
 against the core schemas through stand-in objects.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import helm_crds
 import helm_tools as ht
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (test extra)")
@@ -47,8 +48,8 @@ def test_every_core_manifest_is_valid(toggle: str, kube_version: str) -> None:
 @pytest.mark.parametrize("toggle", ht.TOGGLES)
 def test_every_crd_manifest_has_the_crd_structure(toggle: str) -> None:
     for doc in (d for d in ht.toggle_manifests(toggle) if d["kind"] in ht.CRD_KINDS):
-        jsonschema.validate(doc, ht.CRD_SCHEMAS[doc["kind"]])
-        for stand_in in ht.core_stand_ins(doc):
+        jsonschema.validate(doc, helm_crds.CRD_SCHEMAS[doc["kind"]])
+        for stand_in in helm_crds.core_stand_ins(doc):
             for kube_version in ht.KUBE_VERSIONS:
                 kv.validate(stand_in, kube_version, strict=True)
 
