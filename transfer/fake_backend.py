@@ -19,21 +19,12 @@ class FakeXfer:
     num_pages: int
 
 
-class FakeBackend(TransferBackend):
-    """Accepts every write to a known peer and reports it DONE without touching memory.
-
-    Notifications are not delivered (`carries_notifications` is False): the caller
-    sends completion over its control channel, as with SGLang's fake backend.
-    """
-
-    carries_notifications = False
+class InProcessBackend(TransferBackend):
+    """What the fake and loopback backends share: a name for metadata, one pool."""
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._pool: KVPool | None = None
-        self._peers: set[str] = set()
-        self.num_writes = 0
-        self.num_pages_written = 0
 
     @property
     def name(self) -> str:
@@ -48,11 +39,30 @@ class FakeBackend(TransferBackend):
         packed: bytes = msgpack.packb({"name": self._name})
         return packed
 
-    def add_peer(self, metadata: bytes) -> str:
+    def _peer_name(self, metadata: bytes) -> str:
         try:
-            name = str(msgpack.unpackb(metadata)["name"])
+            return str(msgpack.unpackb(metadata)["name"])
         except Exception as exc:
             raise BackendError(f"{self._name}: malformed peer metadata: {exc}") from exc
+
+
+class FakeBackend(InProcessBackend):
+    """Accepts every write to a known peer and reports it DONE without touching memory.
+
+    Notifications are not delivered (`carries_notifications` is False): the caller
+    sends completion over its control channel, as with SGLang's fake backend.
+    """
+
+    carries_notifications = False
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._peers: set[str] = set()
+        self.num_writes = 0
+        self.num_pages_written = 0
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = self._peer_name(metadata)
         self._peers.add(name)
         return name
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgpack  # type: ignore[import-untyped]
 import torch
 
-from common.kv_pool import KVPool
-from transfer.backend import BackendError, TransferBackend, XferState
+from transfer.backend import BackendError, XferState
+from transfer.fake_backend import InProcessBackend
 
 # Every open loopback backend of this process, by name: add_peer looks peers up here.
 _REGISTRY: dict[str, LoopbackBackend] = {}
@@ -23,7 +22,7 @@ class LoopbackXfer:
     state: XferState
 
 
-class LoopbackBackend(TransferBackend):
+class LoopbackBackend(InProcessBackend):
     """Copies pages straight into the peer's pool and drops the notification in its inbox.
 
     A write to a peer that was removed or has closed completes as ERROR, like a write
@@ -36,31 +35,14 @@ class LoopbackBackend(TransferBackend):
     def __init__(self, name: str) -> None:
         if name in _REGISTRY:
             raise BackendError(f"a loopback backend named {name!r} is already open")
-        self._name = name
-        self._pool: KVPool | None = None
+        super().__init__(name)
         self._peers: dict[str, LoopbackBackend] = {}
         self._inbox: list[tuple[str, bytes]] = []
         self.fail_next_write = False
         _REGISTRY[name] = self
 
-    @property
-    def name(self) -> str:
-        return self._name
-
-    def register_pool(self, pool: KVPool) -> None:
-        if self._pool is not None:
-            raise BackendError(f"{self._name}: a pool is already registered")
-        self._pool = pool
-
-    def local_metadata(self) -> bytes:
-        packed: bytes = msgpack.packb({"name": self._name})
-        return packed
-
     def add_peer(self, metadata: bytes) -> str:
-        try:
-            name = str(msgpack.unpackb(metadata)["name"])
-        except Exception as exc:
-            raise BackendError(f"{self._name}: malformed peer metadata: {exc}") from exc
+        name = self._peer_name(metadata)
         target = _REGISTRY.get(name)
         if target is None:
             raise BackendError(f"{self._name}: no open loopback backend named {name!r}")
