@@ -161,7 +161,6 @@ class LlamaModel:
         return out[0].view(shape), out[1].view(shape)
 
     def _attention(self, q: torch.Tensor, pool: KVPool, batch: AttentionBatch, layer: int) -> torch.Tensor:
-        spec = self.spec
         if batch.decode_mask is not None:
             assert isinstance(batch.read_rows, torch.Tensor)
             if batch.gather_out is None:
