@@ -54,6 +54,13 @@ class RoomState:
     detail: str = ""
     history: list[KVPoll] = field(default_factory=list)
 
+    @property
+    def failure_reason(self) -> str | None:
+        """"reason: detail" once Failed, else None."""
+        if self.state is not KVPoll.Failed:
+            return None
+        return f"{self.reason}: {self.detail}" if self.detail else self.reason
+
     def advance(self, new: KVPoll, now: float) -> bool:
         """Move forward to `new`; returns whether the state changed."""
         if self.state.is_terminal or new <= self.state and new is not KVPoll.Failed:

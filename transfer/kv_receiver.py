@@ -44,9 +44,7 @@ class KVReceiver:
 
     @property
     def failure_reason(self) -> str | None:
-        if self.status.state is not KVPoll.Failed:
-            return None
-        return f"{self.status.reason}: {self.status.detail}" if self.status.detail else self.status.reason
+        return self.status.failure_reason
 
     def on_peer_ready(self, now: float) -> None:
         self.status.advance(KVPoll.WaitingForInput, now)

@@ -60,9 +60,7 @@ class KVSender:
 
     @property
     def failure_reason(self) -> str | None:
-        if self.status.state is not KVPoll.Failed:
-            return None
-        return f"{self.status.reason}: {self.status.detail}" if self.status.detail else self.status.reason
+        return self.status.failure_reason
 
     def on_transfer_request(self, peer_node: str, dst_pages: list[int], aux_slot: int,
                             lease_deadline: float, now: float) -> None:

@@ -10,12 +10,12 @@ from collections import defaultdict
 import pytest
 import torch
 import zmq
+from test_default_model import _greedy
 
 from common import messages as msg
 from common.config import DecodeConfig, ModelConfig, PrefillConfig
 from common.ipc import bind_pull, recv_messages
-from common.kv_pool import pages_needed
-from common.model.runner import ExtendRequest, ModelRunner
+from common.model.runner import ModelRunner
 from decode_node.req import DecodeState
 from decode_node.scheduler import DecodeScheduler
 from prefill_node.scheduler import PrefillScheduler
@@ -71,16 +71,7 @@ def ref(model_dir):
 
 def greedy(runner, prompt, n):
     """Single-request reference: one extend, then a decode loop (no transfer, no batching)."""
-    pages = runner.pool.allocator.allocate(pages_needed(len(prompt) + n, PAGE))
-    try:
-        logits = runner.extend([ExtendRequest(prompt, 0, pages)]).logits
-        out = [int(logits[0].argmax())]
-        while len(out) < n:
-            logits = runner.decode([out[-1]], [len(prompt) + len(out)], [pages])
-            out.append(int(logits[0].argmax()))
-        return out
-    finally:
-        runner.pool.allocator.free(pages)
+    return _greedy(runner, prompt, n)
 
 
 def prompt(n, seed):
