@@ -8,9 +8,9 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# Test helpers (tests/unit/test_model_runner.py's tiny checkpoints, tests/integration/kv_node.py)
+# Test helpers (tests/tolerance.py, tests/unit/test_model_runner.py's tiny checkpoints, tests/integration/kv_node.py)
 # are imported by module name from sibling directories.
-for sub in ("unit", "integration"):
-    path = os.path.join(os.path.dirname(__file__), sub)
+for sub in ("", "unit", "integration"):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), sub).rstrip(os.sep)
     if path not in sys.path:
         sys.path.insert(0, path)

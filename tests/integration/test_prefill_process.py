@@ -19,6 +19,7 @@ from common.ipc import bind_pull, recv_messages
 from common.kv_pool import pages_needed
 from common.node_process import READY_PREFIX
 from kv_node import NodeProcess, NodeSpec
+from tolerance import assert_close_scaled
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -120,7 +121,7 @@ def test_prompt_kv_and_first_token_land_exactly(cluster, reference):
     decode = cluster[2]
     got = _token_slots(decode.call("pages", dst), len(ids))
     exp = _token_slots(kv.tobytes(), len(ids))
-    np.testing.assert_allclose(got, exp, atol=1e-5, rtol=0)
+    assert_close_scaled(got, exp)
     assert decode.call("aux", 101)[0] == first
 
 
@@ -140,7 +141,7 @@ def test_shared_prefix_is_a_cache_hit_and_still_exact(cluster, reference):
     assert _metric(http, "pdserve_prefix_cache_hit_tokens_total") - hits_before >= 144
     kv, first = run(ids2)
     got = _token_slots(cluster[2].call("pages", dst), len(ids2))
-    np.testing.assert_allclose(got, _token_slots(kv.tobytes(), len(ids2)), atol=1e-5, rtol=0)
+    assert_close_scaled(got, _token_slots(kv.tobytes(), len(ids2)))
 
 
 def test_bad_prompt_gets_a_400_and_the_node_stays_healthy(cluster):

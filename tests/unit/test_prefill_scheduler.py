@@ -15,6 +15,7 @@ from common.ipc import bind_pull, recv_messages
 from common.kv_pool import KVPool, pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
 from prefill_node.scheduler import PrefillScheduler
+from tolerance import assert_close_scaled
 from transfer.kv_manager import KVManager
 from transfer.kv_poll import KVPoll
 from transfer.loopback_backend import LoopbackBackend
@@ -111,7 +112,7 @@ def _check_landed(h, receiver, pages, ids):
                                                           lay.num_kv_heads * lay.head_dim)
         return flat[:, :, : len(ids)]  # the tail of the last page holds no token
 
-    torch.testing.assert_close(tokens(h.dpool.buffer[pages]), tokens(kv), atol=1e-5, rtol=0)
+    assert_close_scaled(tokens(h.dpool.buffer[pages]), tokens(kv))
 
 
 def test_prompt_kv_and_first_token_arrive_at_the_decode_side(h):
