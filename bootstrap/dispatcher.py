@@ -165,8 +165,14 @@ class Dispatcher:
         return True
 
     def fail_node(self, node_id: str, reason: str) -> None:
-        """A node is lost: every request routed to it fails now (both nodes are told to abort)."""
-        for req in [r for r in self._reqs.values() if node_id in (r.prefill_id, r.decode_id)]:
+        """A node is lost: the requests that needed it fail now (both nodes are told to abort).
+
+        A request streaming from its decode node has its KV there (the first token comes
+        only after the transfer completed): losing its prefill node does not touch it.
+        """
+        hit = [r for r in self._reqs.values() if r.decode_id == node_id
+               or (r.prefill_id == node_id and r.state is ReqState.DISPATCHED)]
+        for req in hit:
             req.queue.put_nowait(msg.ReqFailed(rid=req.rid, status=NODE_LOST_STATUS, error=reason))
             self.end(req, ReqState.FAILED, reason)
 

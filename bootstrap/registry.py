@@ -1,12 +1,18 @@
 """The node registry: registration with the cluster token and protocol check, leases, node table.
 
 One owner of the table. A node's entry lives from ``register`` until it deregisters, its
-lease expires (no heartbeat for ``lease_s``), or it registers again (a new incarnation):
+lease expires (no heartbeat for ``lease_s``), or another instance of it takes over:
 
     register ──▶ LIVE ──heartbeat──▶ LIVE
-                  │ expire() / register again / deregister
+                  │ expire() / deregister / register of a new instance after expiry
                   ▼
                removed  (listeners hear (node_id, reason) unless it deregistered)
+
+Identity: every node process has an instance id, new at each start. While a node id's
+lease is live, only its own instance may register, heartbeat or deregister under it;
+another instance (a stranger with the token and fake endpoints, or a restart before the
+old lease ran out) is refused with 409. Once the lease expires the new instance takes
+over. The same instance registering again (it lost our answer) just refreshes its entry.
 
 A removal other than a deregistration is a loss: listeners (the gateway) fail the rooms
 routed to the node at once. A deregistering node drains its in-flight work itself.
@@ -99,6 +105,9 @@ class NodeRegistry:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.auth_token = auth_token
         self.lease_s = lease_s
+        # The instance id of the gateway serving this registry, told to every node in each
+        # answer: nodes abort requests of a gateway they no longer hear from.
+        self.gateway_id = ""
         self._clock = clock
         self._nodes: dict[str, NodeEntry] = {}
         self._lost_listeners: list[NodeLostListener] = []
@@ -130,11 +139,19 @@ class NodeRegistry:
             raise RegistryError(400, "num_pages and max_running_requests must be >= 0", "bad_field")
         now = self._clock()
         old = self._nodes.get(m.node_id)
+        if old is not None and old.info.instance_id != m.instance_id:
+            if now - old.last_seen <= self.lease_s:
+                logger.warning("refused a second instance of live node %s", m.node_id)
+                raise RegistryError(
+                    409,
+                    f"node id {m.node_id!r:.80} is registered by another live instance; "
+                    f"retry after its lease ({self.lease_s:g} s) runs out",
+                    "node_id_in_use",
+                )
+            del self._nodes[m.node_id]  # its lease ran out before expire() got to it
+            self._notify_lost(m.node_id, f"node {m.node_id} lost: its lease expired")
+            old = None
         self._nodes[m.node_id] = NodeEntry(info=m, registered_at=now, last_seen=now, load={})
-        if old is not None:
-            # The node restarted (or lost our answer): what the old incarnation held is gone.
-            logger.warning("node %s registered again; failing its earlier requests", m.node_id)
-            self._notify_lost(m.node_id, "the node restarted and registered again")
         logger.info("registered %s node %s at %s", m.role, m.node_id, m.request_endpoint)
 
     def heartbeat(self, m: msg.Heartbeat, header_token: str | None = None) -> None:
@@ -145,16 +162,26 @@ class NodeRegistry:
             raise RegistryError(
                 404, f"unknown node {m.node_id!r:.80}; register again", "unknown_node"
             )
+        if entry.info.instance_id != m.instance_id:
+            raise RegistryError(
+                409, f"node id {m.node_id!r:.80} belongs to another instance", "node_id_in_use"
+            )
         entry.last_seen = self._clock()
         entry.load = dict(m.load)
 
     def deregister(self, m: msg.Deregister, header_token: str | None = None) -> bool:
         """Remove a node that is leaving; whether it was registered. Raises RegistryError 401."""
         self._authorize(m.auth_token, header_token)
-        entry = self._nodes.pop(m.node_id, None)
-        if entry is not None:
-            logger.info("node %s deregistered", m.node_id)
-        return entry is not None
+        entry = self._nodes.get(m.node_id)
+        if entry is None:
+            return False
+        if entry.info.instance_id != m.instance_id:
+            raise RegistryError(
+                409, f"node id {m.node_id!r:.80} belongs to another instance", "node_id_in_use"
+            )
+        del self._nodes[m.node_id]
+        logger.info("node %s deregistered", m.node_id)
+        return True
 
     def _authorize(self, body_token: str | None, header_token: str | None) -> None:
         if not check_token(self.auth_token, body_token, header_token):
@@ -231,6 +258,7 @@ class NodeRegistry:
                     "backend_metadata": base64.b64encode(info.backend_metadata).decode("ascii"),
                     "kv_layout": info.kv_layout,
                     "protocol_version": info.protocol_version,
+                    "instance_id": info.instance_id,
                     "registered_s_ago": round(now - e.registered_at, 3),
                     "last_heartbeat_s_ago": round(now - e.last_seen, 3),
                 }

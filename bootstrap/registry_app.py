@@ -1,8 +1,10 @@
 """The registry's HTTP API (port --disaggregation-bootstrap-port): JSON wire messages from nodes.
 
-  POST /register    RegisterNode  -> 200 {"lease_s", "nodes"} | 400 (malformed, version, role) | 401
-  POST /heartbeat   Heartbeat     -> 200 {"lease_s", "nodes"} | 404 (unknown: register again) | 401
-  POST /deregister  Deregister    -> 200 {"deregistered": bool} | 401
+  POST /register    RegisterNode  -> 200 {"lease_s", "gateway_id", "nodes"} | 400 (malformed,
+                                     version, role) | 401 | 409 (node id live in another instance)
+  POST /heartbeat   Heartbeat     -> 200 {"lease_s", "gateway_id", "nodes"} | 404 (unknown:
+                                     register again) | 401 | 409 (another instance's node id)
+  POST /deregister  Deregister    -> 200 {"deregistered": bool} | 401 | 409
   GET  /nodes                     -> 200 {"nodes": [...]} | 401
   GET  /health, GET /metrics      (no token)
 
@@ -52,7 +54,8 @@ def build_registry_app(registry: NodeRegistry) -> FastAPI:
         return registry.auth_token is None or check_token(registry.auth_token, token)
 
     def answer(extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"lease_s": registry.lease_s, "nodes": registry.table(), **(extra or {})}
+        return {"lease_s": registry.lease_s, "gateway_id": registry.gateway_id,
+                "nodes": registry.table(), **(extra or {})}
 
     def refused(exc: RegistryError) -> JSONResponse:
         return APIError(exc.status, exc.message, code=exc.code).response()

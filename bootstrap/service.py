@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bootstrap import gateway_metrics as gm
 from bootstrap.dispatcher import Dispatcher, NodeQueueFull
@@ -46,7 +46,8 @@ class GatewaySettings:
     reply_host: str = "127.0.0.1"  # where the reply PULL socket binds
     reply_port: int = 0  # 0: any free port
     advertise_host: str | None = None  # how nodes reach the reply socket; None: reply_host
-    gateway_id: str = "bootstrap"
+    # New at each start: nodes tell a restarted gateway from the one whose requests they hold.
+    gateway_id: str = field(default_factory=lambda: f"gateway-{uuid.uuid4().hex[:16]}")
 
 
 def _live(views: list[NodeView]) -> list[NodeView]:
@@ -77,6 +78,7 @@ class BootstrapService:
         self.model_name = model_name
         self.context_length = context_length
         self.registry = NodeRegistry(config.auth_token, settings.lease_s)
+        self.registry.gateway_id = settings.gateway_id
         self.router = Router(
             affinity_tokens=settings.affinity_tokens,
             virtual_nodes=settings.virtual_nodes,
@@ -171,6 +173,7 @@ class BootstrapService:
             reply_endpoint=self.dispatcher.reply_endpoint,
             arrival_time=time.time(),
             return_logprob=prepared.sampling.logprobs,
+            gateway_id=self.dispatcher.gateway_id,
         )
         try:
             req = self.dispatcher.dispatch(gen, prefill.request_endpoint, decode.request_endpoint)

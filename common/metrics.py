@@ -114,6 +114,14 @@ KV_TRANSFER_SPEED_GBPS: Final = _gauge(
 KV_TRANSFER_FAILURES: Final = _counter(
     "pdserve_kv_transfer_failures_total", "Room transfers that failed, by reason.", "reason"
 )
+KV_FENCED_WRITES: Final = _counter(
+    "pdserve_kv_fenced_writes_total",
+    "Writes not posted because the room's lease fence had passed (transfer/fence.py).",
+)
+KV_LATE_WRITES: Final = _counter(
+    "pdserve_kv_late_writes_total",
+    "Writes that may have landed after their room's fence (reported by the writer).",
+)
 KV_TRANSFER_ROOMS: Final = _gauge(
     "pdserve_kv_transfer_rooms", "Transfer rooms per KVPoll state.", "state"
 )

@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,9 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     add("--advertise-host", default=None, help="address peers use to reach this node (default: --host)")
     add("--request-port", type=int, default=0, help="zmq port for requests (0: any free port)")
     add("--control-port", type=int, default=0, help="zmq port for KV transfer control (0: any)")
+    add("--drain-timeout", dest="drain_timeout_s", type=float, default=30.0,
+        help="on SIGTERM, seconds to let running requests finish; those still running then "
+             "get a clean 503 error (default 30)")
     add("--log-level", default="INFO")
 
 
@@ -53,12 +57,20 @@ class NodeArgs:
     request_port: int
     control_port: int
     http_port: int
+    drain_timeout_s: float = 30.0
+    # New at each start of the process: the registry and peers tell a restarted node (or
+    # a stranger using its node id) from the live one.
+    instance_id: str = ""
 
     @staticmethod
     def from_args(role: str, ns: argparse.Namespace, host: str, http_port: int) -> NodeArgs:
         node_id = ns.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        if ns.drain_timeout_s < 0:
+            raise SystemExit(f"pdserve {role}: error: --drain-timeout must be >= 0, "
+                             f"got {ns.drain_timeout_s:g}")
         return NodeArgs(role, node_id, ns.bootstrap_url, host, ns.advertise_host or host,
-                        ns.request_port, ns.control_port, http_port)
+                        ns.request_port, ns.control_port, http_port, ns.drain_timeout_s,
+                        uuid.uuid4().hex)
 
     def endpoint(self, port: int) -> str:
         return f"tcp://{self.host}:{port}"
@@ -115,8 +127,14 @@ class NodeProcess:
                 **fields}
         print(READY_PREFIX + json.dumps(info), flush=True)
 
-    def run(self, drain: Callable[[], bool] | None = None, grace_s: float = 30.0) -> None:
-        """Loop until SIGTERM/SIGINT; then deregister and let `drain()` finish in-flight work."""
+    def is_gateway_alive(self, gateway_id: str, now: float) -> bool:
+        """Whether the gateway that sent a request is still there (always, without a registry)."""
+        return self.registry is None or self.registry.is_gateway_alive(gateway_id, now)
+
+    def run(self, drain: Callable[[], bool] | None = None,
+            on_drain_timeout: Callable[[], None] | None = None) -> None:
+        """Loop until SIGTERM/SIGINT; then deregister and let `drain()` finish in-flight work
+        for --drain-timeout seconds; what is left then is failed by `on_drain_timeout()`."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stopping.set())
         idle = 0
@@ -130,9 +148,17 @@ class NodeProcess:
                     time.sleep(0.0005)
         if self.registry is not None:
             self.registry.stop(deregister=True)
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + self.node.drain_timeout_s
         while drain is not None and not drain() and time.monotonic() < deadline:
-            self.step()
+            if not self.step():
+                time.sleep(0.0005)
+        if drain is not None and not drain() and on_drain_timeout is not None:
+            logger.warning("drain timeout (%g s) passed; failing what is still running",
+                           self.node.drain_timeout_s)
+            on_drain_timeout()
+            for _ in range(20):  # let the failures reach the gateway before we exit
+                self.step()
+                time.sleep(0.01)
         self.http.shutdown()
 
 

@@ -3,8 +3,11 @@
 Runs on a daemon thread. Registration is retried with exponential back-off (0.5 s up to
 10 s), so a node started before the bootstrap service, or one that outlives a bootstrap
 restart, joins as soon as the registry answers. A heartbeat that gets 404 (the registry
-forgot us, e.g. after a restart) registers again. Each heartbeat's answer carries the
-current node table, which the node reads through `peers()`.
+forgot us, e.g. after a restart) registers again; a 409 (our node id is live in another
+instance, e.g. our previous process's lease has not run out) is retried with back-off.
+Each answer carries the current node table, which the node reads through `peers()`, and
+the gateway's instance id: `is_gateway_alive()` tells the node's loop which requests
+have lost their gateway (it died, or restarted as another instance).
 
 Registry HTTP API (bootstrap/, port --disaggregation-bootstrap-port):
   POST /register    RegisterNode (JSON)  -> 200 {"lease_s": float, "nodes": [...]}, 401, 400
@@ -41,6 +44,8 @@ class RegistryClient:
         self.lease_s = 10.0
         self.is_registered = False
         self.last_error = ""
+        self.gateway_id = ""  # of the registry's gateway, from its last answer
+        self.gateway_heard_at = -float("inf")  # monotonic time of that answer
         self._nodes: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -58,12 +63,24 @@ class RegistryClient:
         with self._lock:
             return self._nodes.get(node_id)
 
+    def is_gateway_alive(self, gateway_id: str, now: float) -> bool:
+        """Whether requests of gateway `gateway_id` still have someone to answer to.
+
+        Unknown ("" — a test or a static setup) is alive; otherwise it must be the gateway
+        that answered us within a lease.
+        """
+        if not gateway_id:
+            return True
+        with self._lock:
+            return gateway_id == self.gateway_id and now - self.gateway_heard_at <= self.lease_s
+
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
         if deregister and self.is_registered:
             try:
                 self._post("/deregister", msg.Deregister(node_id=self.register_msg.node_id,
-                                                         auth_token=self.register_msg.auth_token))
+                                                         auth_token=self.register_msg.auth_token,
+                                                         instance_id=self.register_msg.instance_id))
             except (OSError, urllib.error.URLError) as exc:
                 logger.info("deregister failed: %s", exc)
         self._thread.join(timeout=self.timeout_s + 1)
@@ -74,7 +91,8 @@ class RegistryClient:
             try:
                 if self.is_registered:
                     beat = msg.Heartbeat(node_id=self.register_msg.node_id, load=self.load(),
-                                         auth_token=self.register_msg.auth_token)
+                                         auth_token=self.register_msg.auth_token,
+                                         instance_id=self.register_msg.instance_id)
                     self._accept(self._post("/heartbeat", beat))
                 else:
                     self._accept(self._post("/register", self.register_msg))
@@ -99,8 +117,11 @@ class RegistryClient:
     def _accept(self, body: dict[str, Any]) -> None:
         self.lease_s = float(body.get("lease_s", self.lease_s))
         nodes = {n["id"]: n for n in body.get("nodes", []) if isinstance(n, dict) and "id" in n}
+        gateway = body.get("gateway_id")
         with self._lock:
             self._nodes = nodes
+            if isinstance(gateway, str):
+                self.gateway_id, self.gateway_heard_at = gateway, time.monotonic()
 
     def _post(self, path: str, message: msg.Message) -> dict[str, Any]:
         data = msg.encode_json(message).encode()

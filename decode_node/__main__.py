@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                    auth_token=config.transfer.auth_token,
                    bootstrap_timeout_s=config.transfer.bootstrap_timeout_s,
                    waiting_timeout_s=config.transfer.waiting_timeout_s,
-                   lease_s=config.transfer.lease_s)
+                   lease_s=config.transfer.lease_s, instance_id=node.instance_id)
     request_socket, request_endpoint = bind_request_socket(node)
     holder: dict[str, NodeProcess] = {}
 
@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         peer = registry.peer(node_id) if registry is not None else None
         return peer.get("control_endpoint") if peer else None
 
-    scheduler = DecodeScheduler(config, runner, kv, request_socket, tokenizer, prefill_endpoint_for)
+    # The registry's table reaches us a heartbeat (lease/3) after the gateway's: a request
+    # naming a prefill node not known here yet waits that long, not more.
+    scheduler = DecodeScheduler(config, runner, kv, request_socket, tokenizer, prefill_endpoint_for,
+                                prefill_lookup_timeout_s=max(2.0, config.transfer.lease_s))
     load = scheduler.load
     process = NodeProcess(node, scheduler.step, lambda: {**load()})
     holder["process"] = process
@@ -68,9 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         backend=config.transfer.backend, backend_metadata=b"", kv_layout=runner.layout.to_dict(),
         num_pages=runner.pool.num_pages,
         max_running_requests=scheduler.max_running_requests,
-        protocol_version=msg.PROTOCOL_VERSION, auth_token=config.transfer.auth_token), load)
+        protocol_version=msg.PROTOCOL_VERSION, auth_token=config.transfer.auth_token,
+        instance_id=node.instance_id), load)
+    scheduler.is_gateway_alive = process.is_gateway_alive
     process.announce(request_endpoint=request_endpoint, control_endpoint=control_endpoint)
-    process.run(drain=scheduler.is_idle)
+    process.run(drain=scheduler.is_idle,
+                on_drain_timeout=lambda: scheduler.fail_all(503, "the decode node is shutting "
+                                                            "down (drain timeout)"))
     kv.close()
     return 0
 

@@ -49,6 +49,8 @@ from transfer.kv_manager import KVManager
 
 logger = logging.getLogger(__name__)
 
+GATEWAY_CHECK_INTERVAL_S = 0.25
+
 MAX_RUNNING_REQUESTS_CAP = 4096
 # The decode node's copy of the node table can lag the gateway's by a heartbeat: a request
 # naming a prefill node not known here yet waits this long in the prealloc queue.
@@ -99,6 +101,10 @@ class DecodeScheduler:
         self.new_token_ratio = NewTokenRatio()
         self.push = PushPool(zmq.Context.instance())
         self.stats = DecodeStats(self)
+        # (gateway id, now) -> whether that gateway is still there; the process sets it.
+        self.is_gateway_alive: Callable[[str, float], bool] = lambda gateway_id, now: True
+        self._next_gateway_check = 0.0
+        kv.on_late_write = self._on_late_write
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -109,6 +115,7 @@ class DecodeScheduler:
                 self._add_request(m)
             elif isinstance(m, msg.AbortReq):
                 self.abort(m.rid, m.room, m.reason)
+        self._abort_orphans()
         self._process_prealloc()
         self.kv.poll()
         self._process_transferred()
@@ -163,6 +170,14 @@ class DecodeScheduler:
         elif self.clock() - r.arrival > self.prefill_lookup_timeout_s:
             self._fail(r, 503, f"unknown prefill node {r.generate.prefill_node_id!r}")
 
+    def _fail_lost_prefill(self) -> None:
+        """A request whose prefill node left the node table holds nothing and fails now,
+        before it is given pages that no transfer would ever fill."""
+        for r in list(self.prealloc_queue.queue):
+            if r.receiver is not None and self.prefill_endpoint_for(
+                    r.generate.prefill_node_id) is None:
+                self._fail(r, 503, f"prefill node {r.generate.prefill_node_id!r} is lost")
+
     # ---- prealloc and transfer -----------------------------------------------------------------
 
     def _budget(self) -> DecodeBudget:
@@ -179,6 +194,7 @@ class DecodeScheduler:
     def _process_prealloc(self) -> None:
         for r in [r for r in self.prealloc_queue.queue if r.receiver is None]:
             self._attach_receiver(r)
+        self._fail_lost_prefill()
         for r in self.prealloc_queue.pop_failed():
             reason = r.receiver.failure_reason if r.receiver is not None else "no receiver"
             self._fail(r, 500, f"KV bootstrap with the prefill node failed: {reason}")
@@ -281,6 +297,31 @@ class DecodeScheduler:
         self.stats.finished("finished")
 
     # ---- abort and failure ---------------------------------------------------------------------
+
+    def _abort_orphans(self) -> None:
+        """Requests whose gateway is gone (killed, or restarted as another instance) end here."""
+        now = self.clock()
+        if now < self._next_gateway_check:
+            return
+        self._next_gateway_check = now + GATEWAY_CHECK_INTERVAL_S
+        for r in [r for r in self.reqs.values()
+                  if not self.is_gateway_alive(r.generate.gateway_id, now)]:
+            self._fail(r, 499, "aborted: its gateway is gone")
+
+    def _on_late_write(self, room: int, pages: list[int]) -> None:
+        """A paused prefill node's write into `room` may have landed after its fence: any
+        other request now holding one of those pages has wrong KV, so it fails (500)
+        instead of streaming wrong tokens (transfer/fence.py)."""
+        hit = set(pages)
+        for r in [r for r in self.reqs.values() if r.room != room and hit.intersection(r.pages)]:
+            logger.error("request %s: its KV pages may hold a late write of room %d", r.rid, room)
+            self._fail(r, 500, "KV integrity: a late write from a paused prefill node may have "
+                               "landed in this request's pages; retry")
+
+    def fail_all(self, status: int, error: str) -> None:
+        """Fail every request this node holds (the drain timeout passed); the gateway hears."""
+        for r in list(self.reqs.values()):
+            self._fail(r, status, error)
 
     def abort(self, rid: str | None, room: int | None, reason: str) -> None:
         """Abort a request by rid or room wherever it is; the gateway gets ReqFailed 499."""

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         bootstrap_timeout_s=config.transfer.bootstrap_timeout_s,
         waiting_timeout_s=config.transfer.waiting_timeout_s,
         lease_s=config.transfer.lease_s,
+        instance_id=node.instance_id,
     )
     request_socket, request_endpoint = bind_request_socket(node)
     scheduler = PrefillScheduler(config, runner, kv, request_socket)
@@ -83,11 +84,15 @@ def main(argv: list[str] | None = None) -> int:
             max_running_requests=config.max_running_requests or 0,
             protocol_version=msg.PROTOCOL_VERSION,
             auth_token=config.transfer.auth_token,
+            instance_id=node.instance_id,
         ),
         load,
     )
+    scheduler.is_gateway_alive = process.is_gateway_alive
     process.announce(request_endpoint=request_endpoint, control_endpoint=control_endpoint)
-    process.run(drain=lambda: not scheduler.states)
+    process.run(drain=lambda: not scheduler.states,
+                on_drain_timeout=lambda: scheduler.fail_all(503, "the prefill node is shutting "
+                                                            "down (drain timeout)"))
     kv.close()
     return 0
 

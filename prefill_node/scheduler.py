@@ -38,6 +38,8 @@ from transfer.kv_sender import AuxData
 
 logger = logging.getLogger(__name__)
 
+GATEWAY_CHECK_INTERVAL_S = 0.25
+
 
 class PrefillScheduler:
     def __init__(self, config: PrefillConfig, runner: ModelRunner, kv: KVManager,
@@ -60,6 +62,9 @@ class PrefillScheduler:
         self.chunked: PrefillState | None = None
         self.processed_tokens = 0  # HRRN's clock: tokens prefilled so far
         self.stats = PrefillStats(self)
+        # (gateway id, now) -> whether that gateway is still there; the process sets it.
+        self.is_gateway_alive: Callable[[str, float], bool] = lambda gateway_id, now: True
+        self._next_gateway_check = 0.0
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -71,6 +76,7 @@ class PrefillScheduler:
             elif isinstance(m, msg.AbortReq):
                 self.abort(m.rid, m.room, m.reason)
         self.kv.poll()
+        self._abort_orphans()
         ready, failed = self.bootstrap_queue.pop_bootstrapped()
         for s in ready:
             s.req.enter_waiting_queue(self.clock(), self.processed_tokens)
@@ -250,6 +256,23 @@ class PrefillScheduler:
         self._forget(s)
 
     # ---- abort and failure ------------------------------------------------------------------
+
+    def _abort_orphans(self) -> None:
+        """Requests whose gateway is gone (killed, or restarted as another instance) end here."""
+        now = self.clock()
+        if now < self._next_gateway_check:
+            return
+        self._next_gateway_check = now + GATEWAY_CHECK_INTERVAL_S
+        for s in [s for s in self.states.values()
+                  if not self.is_gateway_alive(s.generate.gateway_id, now)]:
+            s.sender.abort("its gateway is gone")
+            self._fail(s, 499, "aborted: its gateway is gone", notify=False)
+
+    def fail_all(self, status: int, error: str) -> None:
+        """Fail every request this node holds (the drain timeout passed); the gateway hears."""
+        for s in list(self.states.values()):
+            s.sender.abort(error)
+            self._fail(s, status, error)
 
     def abort(self, rid: str | None, room: int | None, reason: str) -> None:
         s = self.states.get(rid or "") or next(

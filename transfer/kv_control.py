@@ -1,22 +1,62 @@
-"""Control-message handling of a KVManager: handshake, requests, leases, aborts, completion."""
+"""Control-message handling of a KVManager: handshake, requests, leases, aborts, completion.
+
+Every peer is known by its node id and its instance id (new at each start of its
+process). A message from a known node id with another instance id comes from a process
+that restarted: what we held with the old one is failed and the handshake is made anew.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from common import messages as msg
-from common.kv_pool import KVLayout
+from common.kv_pool import KVLayout, KVPool
+from transfer.backend import TransferBackend
+from transfer.fence import RenewalLog, writer_fence_end
 from transfer.kv_poll import FailureReason, KVPoll
+from transfer.kv_receiver import KVReceiver
 from transfer.kv_sender import AuxData, KVSender
+from transfer.metrics import TransferMetrics
 from transfer.peers import Peer, PeerState
-
-if TYPE_CHECKING:
-    from transfer.kv_manager import KVManager
 
 logger = logging.getLogger(__name__)
 
 HELLO_RESEND_S = 2.0
+
+
+class ControlHost(Protocol):
+    """The KVManager state the dispatcher reads and changes (it owns none of it)."""
+
+    node_id: str
+    instance_id: str
+    role: str
+    control_endpoint: str
+    backend: TransferBackend
+    backend_kind: str
+    pool: KVPool
+    auth_token: str | None
+    lease_s: float
+    metrics: TransferMetrics
+    peers: dict[str, Peer]
+    peer_by_node: dict[str, Peer]
+    senders: dict[int, KVSender]
+    receivers: dict[int, KVReceiver]
+    early_requests: dict[int, tuple[msg.TransferRequest, float]]
+    early_aborts: dict[int, float]
+    renewals: RenewalLog
+    on_late_write: Callable[[int, list[int]], None]
+
+    def send(self, endpoint: str, message: msg.Message) -> None: ...
+
+    def notify_peer_failed(self, sender: KVSender) -> None: ...
+
+    def ack_abort_when_drained(self, sender: KVSender) -> None: ...
+
+    def lease_room(self, room: int, endpoint: str) -> None: ...
+
+    def renew_now(self, endpoint: str, rooms: list[int]) -> None: ...
 
 
 def layout_mismatch(mine: KVLayout, theirs: dict) -> str | None:
@@ -31,10 +71,10 @@ def layout_mismatch(mine: KVLayout, theirs: dict) -> str | None:
 
 
 class ControlDispatcher:
-    """Applies one control message or notification to the manager's rooms and peers."""
+    """Applies one control message or notification to the host's rooms and peers."""
 
-    def __init__(self, manager: KVManager) -> None:
-        self.m = manager
+    def __init__(self, host: ControlHost) -> None:
+        self.m = host
 
     def handle(self, message: object, now: float) -> None:
         handler = getattr(self, f"_on_{type(message).__name__}", None)
@@ -42,6 +82,13 @@ class ControlDispatcher:
             self.m.metrics.dropped("unexpected_message")
             return
         handler(message, now)
+
+    def _known(self, node_id: str, instance_id: str) -> Peer | None:
+        """The peer that sent a message, if we shook hands with that very process."""
+        peer = self.m.peer_by_node.get(node_id)
+        if peer is None or peer.state is not PeerState.READY or peer.instance_id != instance_id:
+            return None
+        return peer
 
     # ---- writer (prefill) side ---------------------------------------------------------------
 
@@ -62,13 +109,21 @@ class ControlDispatcher:
             m.metrics.refused(kind)
             m.send(hello.control_endpoint, msg.PeerHelloAck(
                 node_id=m.node_id, control_endpoint=m.control_endpoint, accepted=False,
-                reason=reason))
+                reason=reason, instance_id=m.instance_id))
             return
+        old = m.peer_by_node.get(hello.node_id)
+        if old is not None and old.instance_id and old.instance_id != hello.instance_id:
+            # The decode process restarted: the pages we were writing belong to a dead process.
+            for s in [s for s in m.senders.values() if s.peer_node == hello.node_id]:
+                if s.fail(FailureReason.PEER_RESTARTED, f"decode node {hello.node_id} restarted", now):
+                    m.metrics.dropped("peer_restarted")
         peer.node_id, peer.metadata = hello.node_id, hello.backend_metadata
+        peer.instance_id = hello.instance_id
         peer.ready(now)
         m.peer_by_node[hello.node_id] = peer
         m.send(hello.control_endpoint, msg.PeerHelloAck(
-            node_id=m.node_id, control_endpoint=m.control_endpoint, accepted=True, reason=""))
+            node_id=m.node_id, control_endpoint=m.control_endpoint, accepted=True, reason="",
+            instance_id=m.instance_id))
 
     def _refusal(self, hello: msg.PeerHello) -> tuple[str | None, str]:
         """Why a peer's hello is refused (and the failure kind), or (None, "")."""
@@ -85,8 +140,14 @@ class ControlDispatcher:
 
     def _on_TransferRequest(self, req: msg.TransferRequest, now: float) -> None:
         m = self.m
-        if req.node_id not in m.peer_by_node:
-            m.metrics.dropped(FailureReason.UNAUTHORIZED)
+        if self._known(req.node_id, req.instance_id) is None:
+            # Most often we restarted and the decode node still trusts our old process:
+            # tell it to shake hands again (it resends the request afterwards).
+            m.metrics.dropped("unknown_peer")
+            if req.control_endpoint:
+                m.send(req.control_endpoint, msg.PeerReset(
+                    node_id=m.node_id, instance_id=m.instance_id,
+                    control_endpoint=m.control_endpoint, rooms=[req.room]))
             return
         sender = m.senders.get(req.room)
         if sender is None:
@@ -95,16 +156,17 @@ class ControlDispatcher:
         self.attach_request(sender, req, now)
 
     def attach_request(self, sender: KVSender, req: msg.TransferRequest, now: float) -> None:
-        sender.on_transfer_request(req.node_id, list(req.dst_pages), req.aux_slot,
-                                   now + req.lease_s, now)
+        sender.on_transfer_request(req.node_id, list(req.dst_pages), req.aux_slot, now)
         if sender.status.state is KVPoll.Failed:
             self.m.notify_peer_failed(sender)
         elif sender.status.state is KVPoll.WaitingForInput:
-            self.m.lease_room(sender.room, self.m.peer_by_node[req.node_id].endpoint)
+            endpoint = self.m.peer_by_node[req.node_id].endpoint
+            self.m.lease_room(sender.room, endpoint)
+            self.m.renew_now(endpoint, [sender.room])  # the first grant, before the first write
 
     def _on_AbortReq(self, abort: msg.AbortReq, now: float) -> None:
         m = self.m
-        if abort.node_id not in m.peer_by_node or abort.room is None:
+        if self._known(abort.node_id, abort.instance_id) is None or abort.room is None:
             m.metrics.dropped(FailureReason.UNAUTHORIZED)
             return
         sender = m.senders.get(abort.room)
@@ -116,6 +178,27 @@ class ControlDispatcher:
         # Ack once nothing is in flight: the decode side may then reuse its pages.
         m.ack_abort_when_drained(sender)
 
+    def _on_LeaseGrant(self, grant: msg.LeaseGrant, now: float) -> None:
+        m = self.m
+        peer = self._known(grant.node_id, grant.instance_id)
+        sent_at = m.renewals.take(grant.seq, peer.endpoint) if peer is not None else None
+        if peer is None or sent_at is None:
+            m.metrics.dropped("unexpected_grant")
+            return
+        peer.last_seen = now
+        lease_s = min(grant.lease_s, m.lease_s)
+        for room in grant.granted:
+            s = m.senders.get(room)
+            if s is not None and s.peer_node == grant.node_id:
+                s.fence.extend(writer_fence_end(sent_at, lease_s))
+        for room in grant.released:
+            s = m.senders.get(room)
+            # A room whose last write is out is finishing (the decode side may already
+            # have it); any other released room is no longer wanted.
+            if s is not None and s.peer_node == grant.node_id and not s.is_last_posted:
+                if s.fail(FailureReason.PEER_ABORTED, "the decode node released the room", now):
+                    m.ack_abort_when_drained(s)
+
     # ---- receiver (decode) side --------------------------------------------------------------
 
     def _on_PeerHelloAck(self, ack: msg.PeerHelloAck, now: float) -> None:
@@ -124,24 +207,51 @@ class ControlDispatcher:
         if peer is None:
             m.metrics.dropped("unexpected_message")
             return
-        waiting = [r for r in m.receivers.values()
-                   if r.peer_endpoint == peer.endpoint and r.status.state is KVPoll.Bootstrapping]
+        mine = [r for r in m.receivers.values() if r.peer_endpoint == peer.endpoint]
+        waiting = [r for r in mine if r.status.state is KVPoll.Bootstrapping]
         if not ack.accepted:
             peer.failed(now, ack.reason)
             kind = (FailureReason.UNAUTHORIZED if "token" in ack.reason
                     else FailureReason.INCOMPATIBLE)
-            for r in waiting:
+            for r in waiting + [r for r in mine if r.needs_resend]:
                 r.fail(kind, ack.reason, now)
             return
-        peer.node_id = ack.node_id
+        if peer.instance_id and peer.instance_id != ack.instance_id:
+            self._peer_restarted(peer, now)
+        peer.node_id, peer.instance_id = ack.node_id, ack.instance_id
         peer.ready(now)
         m.peer_by_node[ack.node_id] = peer
         for r in waiting:
             r.on_peer_ready(now)
+        for r in mine:
+            r.resend_request(now)
+
+    def _peer_restarted(self, peer: Peer, now: float) -> None:
+        """The prefill process behind `peer` is a new one: rooms the old one was writing fail."""
+        for r in list(self.m.receivers.values()):
+            if r.peer_endpoint == peer.endpoint and r.status.state is KVPoll.Transferring \
+                    and r.fence.has_grant:
+                r.fail(FailureReason.PEER_RESTARTED, "the prefill node restarted mid-transfer", now)
+
+    def _on_PeerReset(self, reset: msg.PeerReset, now: float) -> None:
+        m = self.m
+        peer = m.peers.get(reset.control_endpoint)
+        if peer is None:
+            m.metrics.dropped("unexpected_message")
+            return
+        if peer.instance_id != reset.instance_id:
+            self._peer_restarted(peer, now)
+        for room in reset.rooms:
+            r = m.receivers.get(room)
+            if r is not None and r.peer_endpoint == peer.endpoint \
+                    and r.status.state is KVPoll.Transferring and not r.fence.has_grant:
+                r.needs_resend = True
+        if peer.state is not PeerState.CONNECTING:
+            self.send_hello(peer, now)
 
     def _on_TransferDone(self, done: msg.TransferDone, now: float) -> None:
         receiver = self.m.receivers.get(done.room)
-        peer = self.m.peer_by_node.get(done.node_id)
+        peer = self._known(done.node_id, done.instance_id)
         if receiver is None or peer is None or peer.endpoint != receiver.peer_endpoint:
             self.m.metrics.dropped("unexpected_message")
             return
@@ -152,27 +262,39 @@ class ControlDispatcher:
 
     def _on_TransferFailed(self, failed: msg.TransferFailed, now: float) -> None:
         receiver = self.m.receivers.get(failed.room)
-        if receiver is None:
+        peer = self._known(failed.node_id, failed.instance_id)
+        if receiver is None or peer is None or peer.endpoint != receiver.peer_endpoint:
+            self.m.metrics.dropped("unexpected_message")
             return
         receiver.is_abort_acked = True  # the prefill side has stopped writing this room
         receiver.fail(FailureReason.PEER_ABORTED, failed.reason, now)
 
-    # ---- both sides --------------------------------------------------------------------------
-
     def _on_LeaseRenew(self, renew: msg.LeaseRenew, now: float) -> None:
         m = self.m
-        peer = m.peer_by_node.get(renew.node_id)
+        peer = self._known(renew.node_id, renew.instance_id)
         if peer is None:
             m.metrics.dropped(FailureReason.UNAUTHORIZED)
             return
         peer.last_seen = now
+        granted, released = [], []
         for room in renew.rooms:
-            s = m.senders.get(room)
-            if s is not None and s.peer_node == renew.node_id:
-                s.lease_deadline = now + m.lease_s
             r = m.receivers.get(room)
-            if r is not None and r.peer_endpoint == peer.endpoint:
-                r.lease_deadline = now + m.lease_s
+            if r is not None and r.peer_endpoint == peer.endpoint and r.grant(now):
+                granted.append(room)
+            else:
+                released.append(room)
+        m.send(peer.endpoint, msg.LeaseGrant(
+            node_id=m.node_id, instance_id=m.instance_id, seq=renew.seq, lease_s=m.lease_s,
+            granted=granted, released=released))
+
+    def _on_LateWrite(self, late: msg.LateWrite, now: float) -> None:
+        if self._known(late.node_id, late.instance_id) is None:
+            self.m.metrics.dropped(FailureReason.UNAUTHORIZED)
+            return
+        logger.error("room %d: a write of %s may have landed after its fence (pages %s)",
+                     late.room, late.node_id, late.dst_pages[:16])
+        self.m.metrics.late_write()
+        self.m.on_late_write(late.room, list(late.dst_pages))
 
     def handle_notification(self, peer_agent: str, data: bytes, now: float) -> None:
         try:
@@ -192,12 +314,13 @@ class ControlDispatcher:
             node_id=m.node_id, role=m.role, control_endpoint=m.control_endpoint,
             backend=m.backend_kind, backend_metadata=m.backend.local_metadata(),
             kv_layout=m.pool.layout.to_dict(), num_pages=m.pool.num_pages,
-            protocol_version=msg.PROTOCOL_VERSION, auth_token=m.auth_token))
+            protocol_version=msg.PROTOCOL_VERSION, auth_token=m.auth_token,
+            instance_id=m.instance_id))
 
     def resend_hellos(self, now: float) -> None:
         """Re-send a lost or unanswered hello; the rooms' bootstrap timeout bounds the wait."""
         waiting = {r.peer_endpoint for r in self.m.receivers.values()
-                   if r.status.state is KVPoll.Bootstrapping}
+                   if r.status.state is KVPoll.Bootstrapping or r.needs_resend}
         for endpoint in waiting:
             peer = self.m.peers[endpoint]
             stale = peer.state is PeerState.CONNECTING and now - peer.hello_sent_at > HELLO_RESEND_S

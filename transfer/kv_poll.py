@@ -36,6 +36,7 @@ class FailureReason:
     ABORTED = "aborted"
     PEER_ABORTED = "peer_aborted"
     PEER_UNREACHABLE = "peer_unreachable"
+    PEER_RESTARTED = "peer_restarted"
     WRITE_ERROR = "write_error"
     INCOMPATIBLE = "incompatible"
     UNAUTHORIZED = "unauthorized"

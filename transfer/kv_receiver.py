@@ -4,29 +4,49 @@
          │             (PeerHello/Ack) is under way; bootstrap timeout -> Failed
     WaitingForInput  the peer accepted us; the prealloc queue may allocate pages and
          │             call send_metadata(); bootstrap timeout -> Failed
-    Transferring     TransferRequest sent; pages arrive; the prefill side's lease must
-         │             be renewed; waiting timeout -> Failed
+    Transferring     TransferRequest sent; pages arrive; each LeaseRenew of the prefill
+         │             node is answered with a grant (transfer/fence.py); no renewal for
+         │             a lease, or the waiting timeout -> Failed
     Success          TransferDone arrived after the data, its room echo verified
     Failed           any timeout, lease expiry, abort from either side, echo mismatch
 
-Pages preallocated for the room may be freed only when `is_release_safe()`: after an
-abort during Transferring the prefill node may still be writing into them, so we
-wait for its acknowledgement (or for its lease to run out).
+Pages preallocated for the room may be freed only when `is_release_safe()`: after a
+failure during Transferring the prefill node may still be writing into them, so we
+wait for its explicit stop (TransferFailed) or for the room's fence: the last grant
+plus a lease, after which no write of the prefill node can be posted.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
+from transfer.fence import Fence, receiver_fence_end
 from transfer.kv_poll import FailureReason, KVPoll, RoomState
 from transfer.kv_sender import AuxData
 
-if TYPE_CHECKING:
-    from transfer.kv_manager import KVManager
+
+class ReceiverHost(Protocol):
+    """What a KVReceiver needs of its owner (the KVManager)."""
+
+    lease_s: float
+    clock: Callable[[], float]
+
+    def send_transfer_request(self, receiver: KVReceiver) -> None: ...
+
+    def notify_peer_aborted(self, receiver: KVReceiver) -> None: ...
+
+    def observe_bootstrap(self, room: KVReceiver) -> None: ...
+
+    def observe_success(self, receiver: KVReceiver) -> None: ...
+
+    def observe_failure(self, room: KVReceiver, reason: str) -> None: ...
+
+    def remove_receiver(self, receiver: KVReceiver) -> None: ...
 
 
 class KVReceiver:
-    def __init__(self, manager: KVManager, room: int, peer_endpoint: str, now: float) -> None:
+    def __init__(self, manager: ReceiverHost, room: int, peer_endpoint: str, now: float) -> None:
         self.manager = manager
         self.room = room
         self.peer_endpoint = peer_endpoint
@@ -34,10 +54,14 @@ class KVReceiver:
         self.dst_pages: list[int] = []
         self.aux_slot = 0
         self.aux: AuxData | None = None
-        self.lease_deadline = float("inf")
+        self.lease_deadline = float("inf")  # the writer is presumed dead past this
+        self.fence = Fence()  # our pages may be reused once the clock passes fence.until
         self.metadata_sent_at: float | None = None
         self.is_abort_acked = False
         self.failed_while_transferring = False
+        # The prefill node forgot us (it restarted) before writing: handshake again, then
+        # send the TransferRequest once more.
+        self.needs_resend = False
 
     def poll(self) -> KVPoll:
         return self.status.state
@@ -59,6 +83,22 @@ class KVReceiver:
         self.metadata_sent_at = now
         self.lease_deadline = now + self.manager.lease_s
         self.status.advance(KVPoll.Transferring, now)
+        self.manager.send_transfer_request(self)
+
+    def grant(self, now: float) -> bool:
+        """The writer renewed: it is alive, and our pages stay this room's for a lease."""
+        if self.status.state is not KVPoll.Transferring:
+            return False
+        self.lease_deadline = now + self.manager.lease_s
+        self.fence.extend(receiver_fence_end(now, self.manager.lease_s))
+        return True
+
+    def resend_request(self, now: float) -> None:
+        """The handshake was made again: ask the (new) prefill process once more."""
+        if self.status.state is not KVPoll.Transferring or not self.needs_resend:
+            return
+        self.needs_resend = False
+        self.lease_deadline = now + self.manager.lease_s
         self.manager.send_transfer_request(self)
 
     def on_done(self, aux: AuxData, num_pages: int, now: float) -> None:
@@ -100,8 +140,8 @@ class KVReceiver:
             return False
         if self.is_abort_acked:
             return True
-        # No ack: once the writer's lease on us has run out it cannot write any more.
-        return self.manager.clock() >= self.status.since + 2 * self.manager.lease_s
+        # No explicit stop: once the fence has passed the writer cannot post any more.
+        return not self.fence.is_open(self.manager.clock())
 
     def clear(self) -> None:
         self.manager.remove_receiver(self)

@@ -2,9 +2,10 @@
 
     Bootstrapping    created with the request; waits for the decode node's TransferRequest
          │             (destination pages + aux slot); bootstrap timeout -> Failed
-    WaitingForInput  destination known; the scheduler may prefill; the decode side's
-         │             lease must be renewed or the room fails (pages released)
-    Transferring     after the first send(): pages go out chunk by chunk
+    WaitingForInput  destination known; the scheduler may prefill; the decode side must
+         │             keep granting the room's lease (transfer/fence.py) or the room fails
+    Transferring     after the first send(): pages go out chunk by chunk, each write
+         │             posted only while the fence is open (queued until the first grant)
          │
     Success          every write of the last chunk completed and the TransferDone
                        (first token, logprobs, room echo) was delivered
@@ -12,19 +13,19 @@
 
 The scheduler calls send() after each prefill chunk with the pages of the tokens
 computed so far; only complete pages go out until the last chunk, which sends the
-rest plus the aux data. All I/O goes through the KVManager.
+rest plus the aux data. All I/O goes through the host (the KVManager), which this
+module knows only as the SenderHost protocol.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from common.kv_pool import pages_needed
+from transfer.fence import Fence
 from transfer.kv_poll import FailureReason, KVPoll, RoomState
-
-if TYPE_CHECKING:
-    from transfer.kv_manager import KVManager
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,25 @@ class AuxData:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
+class SenderHost(Protocol):
+    """What a KVSender needs of its owner (the KVManager)."""
+
+    page_size: int
+    clock: Callable[[], float]
+
+    def flush_writes(self, sender: KVSender) -> None: ...
+
+    def notify_peer_failed(self, sender: KVSender) -> None: ...
+
+    def observe_bootstrap(self, room: KVSender) -> None: ...
+
+    def observe_failure(self, room: KVSender, reason: str) -> None: ...
+
+    def remove_sender(self, sender: KVSender) -> None: ...
+
+
 class KVSender:
-    def __init__(self, manager: KVManager, room: int, num_tokens: int, now: float) -> None:
+    def __init__(self, manager: SenderHost, room: int, num_tokens: int, now: float) -> None:
         self.manager = manager
         self.room = room
         self.num_tokens = num_tokens
@@ -46,12 +64,17 @@ class KVSender:
         self.peer_node: str | None = None
         self.dst_pages: list[int] = []
         self.aux_slot = 0
-        self.lease_deadline = float("inf")
+        self.attached_at = now
+        self.fence = Fence()  # writes may be posted while fence.is_open(now)
         self.num_sent_pages = 0
+        self.pending_pairs: list[tuple[int, int]] = []  # computed, not posted yet
         self.handles: list[object] = []
+        self.posted_dst_pages: list[list[int]] = []  # per handle, the pages it writes
         self.aux: AuxData | None = None
-        self.is_last_sent = False
+        self.is_last_sent = False  # the scheduler handed over the last chunk
+        self.is_last_posted = False  # ... and its writes went out
         self.is_notified = False
+        self.is_late_reported = False
         self.first_send_at: float | None = None
         self.num_bytes = 0
 
@@ -63,7 +86,7 @@ class KVSender:
         return self.status.failure_reason
 
     def on_transfer_request(self, peer_node: str, dst_pages: list[int], aux_slot: int,
-                            lease_deadline: float, now: float) -> None:
+                            now: float) -> None:
         """The decode side is ready: it sent destination pages for this room."""
         if self.status.state is not KVPoll.Bootstrapping:
             return
@@ -74,7 +97,7 @@ class KVSender:
                       f"({needed} pages)", now)
             return
         self.peer_node, self.dst_pages, self.aux_slot = peer_node, list(dst_pages), aux_slot
-        self.lease_deadline = lease_deadline
+        self.attached_at = now
         self.status.advance(KVPoll.WaitingForInput, now)
         self.manager.observe_bootstrap(self)
 
@@ -102,8 +125,13 @@ class KVSender:
         self.num_sent_pages = max(self.num_sent_pages, end)
         self.aux = aux
         self.is_last_sent = is_last
+        self.pending_pairs += pairs
         if pairs or is_last:
-            self.manager.write_pages(self, pairs)
+            self.manager.flush_writes(self)
+
+    @property
+    def has_unposted_writes(self) -> bool:
+        return bool(self.pending_pairs) or (self.is_last_sent and not self.is_last_posted)
 
     def abort(self, detail: str = "aborted by the prefill node") -> None:
         """Fail the room here and tell the decode side; pages are the caller's to free."""

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from common import metrics
-from transfer.kv_poll import KVPoll
+from transfer.kv_poll import KVPoll, RoomState
 
-if TYPE_CHECKING:
-    from transfer.kv_receiver import KVReceiver
-    from transfer.kv_sender import KVSender
+
+class HasRoomState(Protocol):
+    """A KVSender or KVReceiver, as far as the room gauge is concerned."""
+
+    status: RoomState
 
 
 class TransferMetrics:
@@ -22,6 +24,8 @@ class TransferMetrics:
         self.socket = f"{role}_kv_control"
         self.num_dropped: Counter[str] = Counter()
         self.num_failures: Counter[str] = Counter()
+        self.num_fenced = 0
+        self.num_late_writes = 0
 
     def bootstrap(self, seconds: float) -> None:
         metrics.KV_BOOTSTRAP_SECONDS.labels(role=self.role).observe(seconds)
@@ -47,7 +51,17 @@ class TransferMetrics:
         """
         self.num_dropped[kind] += 1
 
-    def rooms(self, senders: Iterable[KVSender], receivers: Iterable[KVReceiver]) -> None:
+    def fenced(self) -> None:
+        """A write was not posted: its room's fence had passed."""
+        self.num_fenced += 1
+        metrics.KV_FENCED_WRITES.labels(role=self.role).inc()
+
+    def late_write(self) -> None:
+        """A write may have landed after its room's fence (the writer says so)."""
+        self.num_late_writes += 1
+        metrics.KV_LATE_WRITES.labels(role=self.role).inc()
+
+    def rooms(self, senders: Iterable[HasRoomState], receivers: Iterable[HasRoomState]) -> None:
         counts = Counter(r.status.state for r in (*senders, *receivers))
         for state in KVPoll:
             metrics.KV_TRANSFER_ROOMS.labels(role=self.role, state=state.name).set(counts[state])

@@ -19,6 +19,7 @@ class Peer:
 
     endpoint: str
     node_id: str | None = None
+    instance_id: str = ""  # of the process we shook hands with; another one is a new peer
     agent: str | None = None  # the backend's name for it (writer side only)
     metadata: bytes = b""  # its backend metadata, kept so a writer can re-add it
     state: PeerState = PeerState.NEW

@@ -20,7 +20,10 @@ from common.messages.codec import (
 from common.messages.generation import GenerateReq, ReqFailed, ReqFinished, TokenChunk
 from common.messages.transfer import (
     AbortReq,
+    LateWrite,
+    LeaseGrant,
     LeaseRenew,
+    PeerReset,
     PeerHello,
     PeerHelloAck,
     TransferDone,
@@ -35,7 +38,10 @@ __all__ = [
     "Deregister",
     "GenerateReq",
     "Heartbeat",
+    "LateWrite",
+    "LeaseGrant",
     "LeaseRenew",
+    "PeerReset",
     "MalformedMessage",
     "Message",
     "PeerHello",

@@ -23,6 +23,9 @@ class RegisterNode(Message):
     max_running_requests: int
     protocol_version: int
     auth_token: str | None
+    # New at each start of the node's process; a live node id with another instance is
+    # refused (409) until the live one's lease runs out.
+    instance_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,7 @@ class Heartbeat(Message):
     node_id: str
     load: dict[str, Any]
     auth_token: str | None
+    instance_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,3 +46,4 @@ class Deregister(Message):
     TAG: ClassVar[str] = "deregister"
     node_id: str
     auth_token: str | None
+    instance_id: str = ""

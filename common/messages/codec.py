@@ -12,7 +12,10 @@ from common.messages.generation import GenerateReq, ReqFailed, ReqFinished, Toke
 from common.messages.schema import FieldSpec, schema_of
 from common.messages.transfer import (
     AbortReq,
+    LateWrite,
+    LeaseGrant,
     LeaseRenew,
+    PeerReset,
     PeerHello,
     PeerHelloAck,
     TransferDone,
@@ -29,6 +32,9 @@ MESSAGE_TYPES: Final[dict[str, type[Message]]] = {
     TransferDone.TAG: TransferDone,
     TransferFailed.TAG: TransferFailed,
     LeaseRenew.TAG: LeaseRenew,
+    LeaseGrant.TAG: LeaseGrant,
+    PeerReset.TAG: PeerReset,
+    LateWrite.TAG: LateWrite,
     AbortReq.TAG: AbortReq,
     RegisterNode.TAG: RegisterNode,
     Heartbeat.TAG: Heartbeat,

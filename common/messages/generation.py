@@ -22,6 +22,9 @@ class GenerateReq(Message):
     reply_endpoint: str
     arrival_time: float
     return_logprob: bool
+    # The instance id of the gateway that owns the request: nodes abort it when that
+    # gateway is gone (common/gateway_watch.py).
+    gateway_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,8 @@ class PeerHello(Message):
     num_pages: int
     protocol_version: int
     auth_token: str | None
+    # New at each start of the sender's process: a peer that restarted is a new peer.
+    instance_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,7 @@ class PeerHelloAck(Message):
     control_endpoint: str
     accepted: bool
     reason: str
+    instance_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,9 @@ class TransferRequest(Message):
     dst_pages: list[int]
     aux_slot: int
     lease_s: float
+    instance_id: str = ""
+    # Where to answer when the prefill node does not know us (PeerReset).
+    control_endpoint: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,25 +64,71 @@ class TransferDone(Message):
     top_logprobs: list[list[Any]]
     room_echo: int
     num_pages: int
+    instance_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class TransferFailed(Message):
-    """Prefill -> decode: the room's KV will not arrive; ``reason`` says why."""
+    """Prefill -> decode: the room's KV will not arrive, and nothing of ours is in flight
+    into its pages any more (the writer's explicit stop); ``reason`` says why."""
 
     TAG: ClassVar[str] = "transfer_failed"
     room: int
     node_id: str
     reason: str
+    instance_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class LeaseRenew(Message):
-    """Decode -> prefill: these rooms are still wanted; extend their leases."""
+    """Writer (prefill) -> receiver (decode): I am alive and still writing these rooms;
+    grant me their pages for another lease. ``seq`` is echoed in the LeaseGrant, so the
+    writer dates the grant by its own clock at sending (transfer/fence.py)."""
 
     TAG: ClassVar[str] = "lease_renew"
     node_id: str
     rooms: list[int]
+    instance_id: str = ""
+    seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant(Message):
+    """Receiver -> writer, the answer to LeaseRenew ``seq``: the pages of ``granted`` rooms
+    stay theirs for ``lease_s`` from now on the receiver's clock; ``released`` rooms are
+    no longer wanted (the writer must stop)."""
+
+    TAG: ClassVar[str] = "lease_grant"
+    node_id: str
+    instance_id: str
+    seq: int
+    lease_s: float
+    granted: list[int]
+    released: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerReset(Message):
+    """Prefill -> decode: I do not know you (I restarted, or forgot you): say PeerHello
+    again, then resend the TransferRequests of ``rooms``."""
+
+    TAG: ClassVar[str] = "peer_reset"
+    node_id: str
+    instance_id: str
+    control_endpoint: str
+    rooms: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class LateWrite(Message):
+    """Writer -> receiver: a write into ``dst_pages`` of ``room`` may have landed after the
+    room's fence had passed (the writer was paused while posting it)."""
+
+    TAG: ClassVar[str] = "late_write"
+    node_id: str
+    instance_id: str
+    room: int
+    dst_pages: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +140,4 @@ class AbortReq(Message):
     room: int | None
     rid: str | None
     reason: str
+    instance_id: str = ""

@@ -112,8 +112,8 @@ def test_heartbeat_of_unknown_node_is_404_and_deregister_is_not_a_loss() -> None
     assert not reg.deregister(msg.Deregister(node_id="p0", auth_token=TOKEN))
     assert lost == []
     reg.register(register_msg())
-    reg.register(register_msg())  # a restarted node: its old requests are lost
-    assert lost == ["p0"]
+    reg.register(register_msg())  # the same process again (it lost our answer): no loss
+    assert lost == []
 
 
 # ---- the HTTP API -----------------------------------------------------------------------------
@@ -198,3 +198,32 @@ def test_node_reregisters_after_a_bootstrap_restart(
     node.stop()
     # Silent now: its lease runs out and it leaves the table.
     assert wait_until(lambda: len(second.service.registry) == 0, 5)
+
+
+def test_a_second_instance_of_a_live_node_id_is_refused_until_its_lease_expires() -> None:
+    clock = Clock()
+    reg = NodeRegistry(TOKEN, lease_s=10.0, clock=clock)
+    lost: list[str] = []
+    reg.add_lost_listener(lambda node_id, _: lost.append(node_id))
+    reg.register(register_msg(instance_id="real"))
+    fake = register_msg(instance_id="fake", request_endpoint="tcp://10.9.9.9:1")
+    with pytest.raises(RegistryError) as exc:
+        reg.register(fake)  # valid token, live node id, another process: 409
+    assert exc.value.status == 409 and exc.value.code == "node_id_in_use"
+    assert reg.views()[0].request_endpoint == "tcp://127.0.0.1:5000"
+    # The stranger can neither keep the entry alive nor remove it.
+    with pytest.raises(RegistryError) as exc:
+        reg.heartbeat(msg.Heartbeat(node_id="p0", load={}, auth_token=TOKEN, instance_id="fake"))
+    assert exc.value.status == 409
+    with pytest.raises(RegistryError) as exc:
+        reg.deregister(msg.Deregister(node_id="p0", auth_token=TOKEN, instance_id="fake"))
+    assert exc.value.status == 409
+    clock.now += 5
+    reg.heartbeat(msg.Heartbeat(node_id="p0", load={}, auth_token=TOKEN, instance_id="real"))
+    clock.now += 9  # 14 s after registering, but the real one renewed 9 s ago
+    with pytest.raises(RegistryError):
+        reg.register(fake)
+    clock.now += 1.5  # the real node fell silent past its lease: a restart takes over
+    reg.register(register_msg(instance_id="restarted"))
+    assert lost == ["p0"]  # what the old process held is gone
+    assert reg.table()[0]["instance_id"] == "restarted"

@@ -218,17 +218,14 @@ def test_abort_in_every_queue_gives_every_page_back(model_dir):
         h.run_until(lambda: h.state("pre") is DecodeState.PREALLOC)
         h.decode.abort("pre", None, "client went away")
         h.is_prefill_paused = False
-        # transfer: pages sent to a prefill node that never got the request, so nothing
-        # acks the abort: the pages stay held until the writer's lease has surely run out.
+        # transfer: pages sent to a prefill node that never got the request, so it never
+        # asked for (nor got) a lease grant and cannot write: the pages come back at once.
         h.submit("xfer", 2, prompt(9, 2), to_prefill=False)
         h.run_until(lambda: h.state("xfer") is DecodeState.TRANSFER)
         held = h.decode.stats.num_held_pages()
         h.decode.abort(None, 2, "client went away")  # by room
         h.step()
-        assert held > 0 and h.decode.stats.num_held_pages() == held
-        assert h.runner.pool.allocator.num_free_pages == free_at_start - held
-        h.kv_clock.offset += 2 * LEASE_S + 0.1
-        h.step()
+        assert held > 0 and h.decode.stats.num_held_pages() == 0
         assert h.runner.pool.allocator.num_free_pages == free_at_start
         # running, and waiting behind it (max_running_requests=1).
         h.submit("run", 3, prompt(9, 3), max_new_tokens=40)

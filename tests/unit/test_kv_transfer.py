@@ -92,7 +92,9 @@ def _ready_room(prefill, decode, room, tokens=8, dst=(0, 1)):
     receiver = decode.create_receiver(room, prefill.control_endpoint)
     drive([prefill, decode], lambda: receiver.poll() is KVPoll.WaitingForInput)
     receiver.send_metadata(list(dst))
-    drive([prefill, decode], lambda: sender.poll() is KVPoll.WaitingForInput)
+    # Ready to write: the decode side granted the room's lease (transfer/fence.py).
+    drive([prefill, decode], lambda: sender.poll() is KVPoll.WaitingForInput
+          and sender.fence.has_grant)
     return sender, receiver
 
 
@@ -202,9 +204,16 @@ def test_a_busy_loop_keeps_its_leases(pair):
     prefill, decode = make_pair(lease_s=0.3)
     try:
         sender, receiver = _ready_room(prefill, decode, 5)
-        time.sleep(1.0)  # both loops stall (a long model step) for three leases
+        # The prefill loop stalls (a long model step) for three leases while the decode
+        # loop runs: the lease thread's renewals are granted meanwhile, and the grants,
+        # dated by their sending, keep the fence open when the loop reads them.
+        stall_until = time.monotonic() + 1.0
+        while time.monotonic() < stall_until:
+            decode.poll()
+            time.sleep(0.001)
         drive([prefill, decode], lambda: True)
         assert sender.poll() is KVPoll.WaitingForInput and receiver.poll() is KVPoll.Transferring
+        assert sender.fence.is_open(time.monotonic())
     finally:
         prefill.close()
         decode.close()

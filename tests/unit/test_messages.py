@@ -17,7 +17,10 @@ from common.messages import (
     Deregister,
     GenerateReq,
     Heartbeat,
+    LateWrite,
+    LeaseGrant,
     LeaseRenew,
+    PeerReset,
     MalformedMessage,
     Message,
     PeerHello,
@@ -64,7 +67,7 @@ SAMPLES: list[Message] = [
         num_pages=3,
     ),
     TransferFailed(room=7, node_id="prefill-0", reason="lease expired"),
-    LeaseRenew(node_id="decode-0", rooms=[7, 8, 2**40]),
+    LeaseRenew(node_id="prefill-0", rooms=[7, 8, 2**40], instance_id="a1", seq=3),
     AbortReq(node_id="gateway", room=None, rid="req-1", reason="client disconnected"),
     RegisterNode(
         node_id="prefill-0",
@@ -127,6 +130,11 @@ SAMPLES: list[Message] = [
         num_cached_tokens=0,
     ),
     ReqFailed(rid="req-4", status=503, error="decode node lost"),
+    LeaseGrant(node_id="decode-0", instance_id="b2", seq=3, lease_s=10.0, granted=[7, 2**40],
+               released=[8]),
+    PeerReset(node_id="prefill-0", instance_id="a1", control_endpoint="tcp://127.0.0.1:6001",
+              rooms=[7]),
+    LateWrite(node_id="prefill-0", instance_id="a1", room=7, dst_pages=[3, 9]),
 ]
 
 
@@ -157,7 +165,7 @@ def _reason(data: bytes) -> str:
 
 def test_samples_cover_every_registered_type() -> None:
     assert {type(m) for m in SAMPLES} == set(message_types())
-    assert len(message_types()) == 14
+    assert len(message_types()) == 17
 
 
 def test_registry_is_consistent() -> None:
@@ -165,7 +173,7 @@ def test_registry_is_consistent() -> None:
     for tag, cls in MESSAGE_TYPES.items():
         assert cls.TAG == tag
         assert cls.__doc__
-    assert PROTOCOL_VERSION == 1
+    assert PROTOCOL_VERSION == 2
     assert is_supported_protocol(PROTOCOL_VERSION)
     assert not is_supported_protocol(PROTOCOL_VERSION + 1)
 
