@@ -103,6 +103,7 @@ class DecodeScheduler:
         self.stats = DecodeStats(self)
         # (gateway id, now) -> whether that gateway is still there; the process sets it.
         self.is_gateway_alive: Callable[[str, float], bool] = lambda gateway_id, now: True
+        self.gateway_check_interval_s = GATEWAY_CHECK_INTERVAL_S
         self._next_gateway_check = 0.0
         kv.on_late_write = self._on_late_write
 
@@ -303,7 +304,7 @@ class DecodeScheduler:
         now = self.clock()
         if now < self._next_gateway_check:
             return
-        self._next_gateway_check = now + GATEWAY_CHECK_INTERVAL_S
+        self._next_gateway_check = now + self.gateway_check_interval_s
         for r in [r for r in self.reqs.values()
                   if not self.is_gateway_alive(r.generate.gateway_id, now)]:
             self._fail(r, 499, "aborted: its gateway is gone")

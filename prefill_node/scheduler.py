@@ -64,6 +64,7 @@ class PrefillScheduler:
         self.stats = PrefillStats(self)
         # (gateway id, now) -> whether that gateway is still there; the process sets it.
         self.is_gateway_alive: Callable[[str, float], bool] = lambda gateway_id, now: True
+        self.gateway_check_interval_s = GATEWAY_CHECK_INTERVAL_S
         self._next_gateway_check = 0.0
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -262,7 +263,7 @@ class PrefillScheduler:
         now = self.clock()
         if now < self._next_gateway_check:
             return
-        self._next_gateway_check = now + GATEWAY_CHECK_INTERVAL_S
+        self._next_gateway_check = now + self.gateway_check_interval_s
         for s in [s for s in self.states.values()
                   if not self.is_gateway_alive(s.generate.gateway_id, now)]:
             s.sender.abort("its gateway is gone")

@@ -50,9 +50,7 @@ class ControlHost(Protocol):
 
     def send(self, endpoint: str, message: msg.Message) -> None: ...
 
-    def notify_peer_failed(self, sender: KVSender) -> None: ...
-
-    def ack_abort_when_drained(self, sender: KVSender) -> None: ...
+    def stop_when_drained(self, sender: KVSender) -> None: ...
 
     def lease_room(self, room: int, endpoint: str) -> None: ...
 
@@ -158,7 +156,7 @@ class ControlDispatcher:
     def attach_request(self, sender: KVSender, req: msg.TransferRequest, now: float) -> None:
         sender.on_transfer_request(req.node_id, list(req.dst_pages), req.aux_slot, now)
         if sender.status.state is KVPoll.Failed:
-            self.m.notify_peer_failed(sender)
+            self.m.stop_when_drained(sender)
         elif sender.status.state is KVPoll.WaitingForInput:
             endpoint = self.m.peer_by_node[req.node_id].endpoint
             self.m.lease_room(sender.room, endpoint)
@@ -176,7 +174,7 @@ class ControlDispatcher:
             return
         sender.fail(FailureReason.PEER_ABORTED, abort.reason, now)
         # Ack once nothing is in flight: the decode side may then reuse its pages.
-        m.ack_abort_when_drained(sender)
+        m.stop_when_drained(sender)
 
     def _on_LeaseGrant(self, grant: msg.LeaseGrant, now: float) -> None:
         m = self.m
@@ -197,7 +195,7 @@ class ControlDispatcher:
             # have it); any other released room is no longer wanted.
             if s is not None and s.peer_node == grant.node_id and not s.is_last_posted:
                 if s.fail(FailureReason.PEER_ABORTED, "the decode node released the room", now):
-                    m.ack_abort_when_drained(s)
+                    m.stop_when_drained(s)
 
     # ---- receiver (decode) side --------------------------------------------------------------
 

@@ -46,7 +46,7 @@ class SenderHost(Protocol):
 
     def flush_writes(self, sender: KVSender) -> None: ...
 
-    def notify_peer_failed(self, sender: KVSender) -> None: ...
+    def stop_when_drained(self, sender: KVSender) -> None: ...
 
     def observe_bootstrap(self, room: KVSender) -> None: ...
 
@@ -136,7 +136,7 @@ class KVSender:
     def abort(self, detail: str = "aborted by the prefill node") -> None:
         """Fail the room here and tell the decode side; pages are the caller's to free."""
         if self.fail(FailureReason.ABORTED, detail, self.manager.clock()):
-            self.manager.notify_peer_failed(self)
+            self.manager.stop_when_drained(self)  # once none of its writes is in flight
 
     def fail(self, reason: str, detail: str, now: float) -> bool:
         changed = self.status.fail(reason, detail, now)

@@ -115,13 +115,13 @@ class PD:
         self.max_batch = 0
 
     def submit(self, rid, room, ids, *, to_prefill=True, prefill_node="p", priority=None,
-               return_logprob=False, **sampling):
+               return_logprob=False, gateway_id="", **sampling):
         g = msg.GenerateReq(
             rid=rid, room=room, input_ids=ids,
             sampling={"max_new_tokens": 8, "temperature": 0.0, **sampling}, priority=priority,
             routing_key=None, prefill_node_id=prefill_node, decode_node_id="d",
             reply_endpoint=self.reply_endpoint, arrival_time=time.time(),
-            return_logprob=return_logprob)
+            return_logprob=return_logprob, gateway_id=gateway_id)
         if to_prefill:
             self.to_prefill.send(msg.encode(g))
         self.to_decode.send(msg.encode(g))

@@ -3,6 +3,7 @@ client disconnect (AbortReq to both nodes), ReqFailed mid-stream, a node's lease
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from test_gateway_harness import (
     stream_tokens,
 )
 
+from common import messages as msg
 from common.registry_client import wait_until
 from common.tokenizer import Tokenizer
 
@@ -251,3 +253,54 @@ def test_lost_node_fails_its_requests_fast(
     assert time.monotonic() - t0 < 3
     assert "lease expired" in lines[-2] and lines[-1] == "data: [DONE]"
     assert [n["role"] for n in httpx.get(gw.api_url + "/nodes").json()["nodes"]] == ["prefill"]
+
+
+def test_losing_a_prefill_node_fails_only_requests_without_their_kv(
+    gateway_factory: Callable[..., Gateway],
+    tokenizer: Tokenizer,
+) -> None:
+    """A streaming request has its KV on the decode node: its prefill node's loss spares it."""
+    import threading
+
+    gw = gateway_factory(lease_s=0.6)
+    prefill = gw.node("prefill")
+    ids = reply_ids(tokenizer)
+    resume = threading.Event()
+
+    def behave(gen: msg.GenerateReq, send: Any) -> None:
+        if gen.sampling.get("max_new_tokens") != 5:
+            return  # still waiting for its KV: no token yet
+        send(msg.TokenChunk(rid=gen.rid, token_ids=[ids[0]], logprobs=None, top_logprobs=None))
+
+        def rest() -> None:
+            resume.wait(10)
+            stream_tokens(ids[1:5])(gen, send)
+
+        threading.Thread(target=rest, daemon=True).start()
+
+    decode = gw.node("decode", behave)
+    waiting: dict[str, Any] = {}
+
+    def no_kv_yet() -> None:
+        body = {"messages": OK_MESSAGES, "max_tokens": 7}
+        waiting["r"] = httpx.post(gw.api_url + CHAT, json=body, timeout=10)
+
+    with httpx.stream("POST", gw.api_url + CHAT, timeout=10,
+                      json={"messages": OK_MESSAGES, "stream": True, "max_tokens": 5}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        other = threading.Thread(target=no_kv_yet)
+        other.start()
+        decode.wait_generates(2)
+        prefill.registry.stop(deregister=False)  # the prefill node goes silent
+        assert wait_until(lambda: not any(
+            n["role"] == "prefill" for n in httpx.get(gw.api_url + "/nodes").json()["nodes"]), 5)
+        resume.set()
+        rest = [line for line in lines if line.startswith("data: ")]
+    other.join(10)
+    assert '"content"' in first and rest[-1] == "data: [DONE]"
+    assert not any('"error"' in line for line in rest), rest
+    text = "".join(json.loads(x[6:])["choices"][0]["delta"].get("content") or ""
+                   for x in [first, *rest[:-1]] if json.loads(x[6:])["choices"])
+    assert text == tokenizer.decode(ids[:5])
+    assert_error(waiting["r"], 503)
