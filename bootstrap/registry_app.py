@@ -98,7 +98,8 @@ def build_registry_app(registry: NodeRegistry) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "role": "bootstrap", "num_nodes": len(registry)}
+        return {"status": "ok", "role": "bootstrap", "num_nodes": len(registry),
+                "gateway_id": registry.gateway_id}
 
     @app.get("/metrics")
     async def metrics_text() -> Response:

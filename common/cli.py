@@ -11,9 +11,8 @@ import os
 import sys
 import time
 
-ROLE_MODULES = {"prefill": "prefill_node", "decode": "decode_node", "bootstrap": "bootstrap"}
-
 from common.config import ConfigError, ModelConfig, add_model_args
+from common.roles import ROLE_MODULES
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

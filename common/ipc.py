@@ -136,7 +136,7 @@ def recv_messages(
     while max_frames is None or num_frames < max_frames:
         # Checking EVENTS first is ~10x cheaper than a NOBLOCK recv that raises Again,
         # and the empty case is what a busy loop sees almost every time.
-        if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+        if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
             break
         try:
             frames = sock.recv_multipart(zmq.NOBLOCK)

@@ -18,9 +18,9 @@ import time
 import urllib.request
 from typing import Any
 
-from common.cli import ROLE_MODULES
 from common.config import add_bootstrap_args, add_decode_args, add_prefill_args
 from common.node_process import READY_PREFIX, add_node_args
+from common.roles import ROLE_MODULES
 
 ROLE_PARSERS = {"bootstrap": add_bootstrap_args, "prefill": add_prefill_args, "decode": add_decode_args}
 LAUNCH_OWNED = {"--host", "--port", "--model-path"}

@@ -147,7 +147,7 @@ class NodeProcess:
                 if idle > 200:
                     time.sleep(0.0005)
         if self.registry is not None:
-            self.registry.stop(deregister=True)
+            self.registry.leave()  # no new requests; the gateway is still watched
         deadline = time.monotonic() + self.node.drain_timeout_s
         while drain is not None and not drain() and time.monotonic() < deadline:
             if not self.step():
@@ -159,6 +159,8 @@ class NodeProcess:
             for _ in range(20):  # let the failures reach the gateway before we exit
                 self.step()
                 time.sleep(0.01)
+        if self.registry is not None:
+            self.registry.stop(deregister=False)
         self.http.shutdown()
 
 

@@ -49,6 +49,7 @@ class RegistryClient:
         self._nodes: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._is_leaving = threading.Event()
         self._thread = threading.Thread(target=self._run, name="registry", daemon=True)
 
     def start(self) -> RegistryClient:
@@ -74,22 +75,35 @@ class RegistryClient:
         with self._lock:
             return gateway_id == self.gateway_id and now - self.gateway_heard_at <= self.lease_s
 
+    def leave(self) -> None:
+        """Deregister (we are draining) but keep watching the gateway: requests still
+        running must be aborted if it dies, and must not be if it lives."""
+        self._is_leaving.set()
+        if self.is_registered:
+            self._deregister()
+
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
         if deregister and self.is_registered:
-            try:
-                self._post("/deregister", msg.Deregister(node_id=self.register_msg.node_id,
-                                                         auth_token=self.register_msg.auth_token,
-                                                         instance_id=self.register_msg.instance_id))
-            except (OSError, urllib.error.URLError) as exc:
-                logger.info("deregister failed: %s", exc)
+            self._deregister()
         self._thread.join(timeout=self.timeout_s + 1)
+
+    def _deregister(self) -> None:
+        self.is_registered = False
+        try:
+            self._post("/deregister", msg.Deregister(node_id=self.register_msg.node_id,
+                                                     auth_token=self.register_msg.auth_token,
+                                                     instance_id=self.register_msg.instance_id))
+        except (OSError, urllib.error.URLError) as exc:
+            logger.info("deregister failed: %s", exc)
 
     def _run(self) -> None:
         backoff = 0.5
         while not self._stop.is_set():
             try:
-                if self.is_registered:
+                if self._is_leaving.is_set():
+                    self._accept_gateway(self._get("/health"))  # no node table, no token
+                elif self.is_registered:
                     beat = msg.Heartbeat(node_id=self.register_msg.node_id, load=self.load(),
                                          auth_token=self.register_msg.auth_token,
                                          instance_id=self.register_msg.instance_id)
@@ -117,11 +131,20 @@ class RegistryClient:
     def _accept(self, body: dict[str, Any]) -> None:
         self.lease_s = float(body.get("lease_s", self.lease_s))
         nodes = {n["id"]: n for n in body.get("nodes", []) if isinstance(n, dict) and "id" in n}
-        gateway = body.get("gateway_id")
         with self._lock:
             self._nodes = nodes
-            if isinstance(gateway, str):
+        self._accept_gateway(body)
+
+    def _accept_gateway(self, body: dict[str, Any]) -> None:
+        gateway = body.get("gateway_id")
+        if isinstance(gateway, str):
+            with self._lock:
                 self.gateway_id, self.gateway_heard_at = gateway, time.monotonic()
+
+    def _get(self, path: str) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + path, timeout=self.timeout_s) as resp:
+            body = json.loads(resp.read() or b"{}")
+        return body if isinstance(body, dict) else {}
 
     def _post(self, path: str, message: msg.Message) -> dict[str, Any]:
         data = msg.encode_json(message).encode()

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable, Mapping, Sized
+from typing import Final, Protocol
 
 from prometheus_client import Counter, Gauge
 
 from common import metrics
-
-if TYPE_CHECKING:
-    from decode_node.scheduler import DecodeScheduler
+from common.kv_pool import PageAllocator
+from decode_node.transfer_queue import ReleaseQueue
 
 ROLE: Final = "decode"
 THROUGHPUT_WINDOW_S: Final = 5.0
@@ -27,8 +27,44 @@ DECODE_THROUGHPUT: Final = Gauge(
 QUEUES: Final = ("prealloc", "transfer", "waiting", "running", "retracted")
 
 
+class HasPages(Protocol):
+    @property
+    def pages(self) -> Sized: ...
+
+
+class DecodeView(Protocol):
+    """What the stats read of the decode scheduler (which owns them)."""
+
+    @property
+    def prealloc_queue(self) -> Sized: ...
+
+    @property
+    def transfer_queue(self) -> Sized: ...
+
+    @property
+    def waiting_queue(self) -> Sized: ...
+
+    @property
+    def running(self) -> Sized: ...
+
+    @property
+    def retracted_queue(self) -> Sized: ...
+
+    @property
+    def allocator(self) -> PageAllocator: ...
+
+    @property
+    def reqs(self) -> Mapping[str, HasPages]: ...
+
+    @property
+    def release_queue(self) -> ReleaseQueue: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+
 class DecodeStats:
-    def __init__(self, scheduler: DecodeScheduler) -> None:
+    def __init__(self, scheduler: DecodeView) -> None:
         self.s = scheduler
         self._queues = {q: metrics.QUEUE_REQUESTS.labels(role=ROLE, queue=q) for q in QUEUES}
         self._used = metrics.KV_PAGES_USED.labels(role=ROLE)

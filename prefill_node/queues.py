@@ -59,7 +59,9 @@ class _SenderQueue:
 
     def _pop(self) -> tuple[list[PrefillState], list[PrefillState]]:
         """(moved on, failed), both in arrival order; the rest stay."""
-        moved, failed, keep = [], [], []
+        moved: list[PrefillState] = []
+        failed: list[PrefillState] = []
+        keep: list[PrefillState] = []
         for s in self.queue:
             state = s.sender.poll()
             if state in self.waits_on:

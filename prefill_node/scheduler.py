@@ -151,8 +151,9 @@ class PrefillScheduler:
                     continue
                 result = adder.add_one_req(req, prefix, node)
                 if adder.can_run_list and adder.can_run_list[-1].req is req:
-                    self._admit(req, match.page_ids[: prefix // self.page_size] if node else [],
-                                adder.can_run_list[-1])
+                    pages = match.page_ids[: prefix // self.page_size] if (
+                        match is not None and node is not None) else []
+                    self._admit(req, pages, adder.can_run_list[-1])
                 if result is not AddReqResult.CONTINUE:
                     break
             if adder.new_chunked_req is not None:

@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sized
+from typing import Protocol
 
 from common import metrics
+from common.kv_pool import PageAllocator
 
-if TYPE_CHECKING:
-    from prefill_node.scheduler import PrefillScheduler
+
+class HasPages(Protocol):
+    @property
+    def pages(self) -> Sized: ...
+
+
+class PrefillView(Protocol):
+    """What the stats read of the prefill scheduler (which owns them)."""
+
+    @property
+    def bootstrap_queue(self) -> Sized: ...
+
+    @property
+    def waiting_queue(self) -> Sized: ...
+
+    @property
+    def inflight_queue(self) -> Sized: ...
+
+    @property
+    def allocator(self) -> PageAllocator: ...
+
+    @property
+    def states(self) -> Mapping[str, HasPages]: ...
 
 
 class PrefillStats:
-    def __init__(self, scheduler: PrefillScheduler) -> None:
+    def __init__(self, scheduler: PrefillView) -> None:
         self.s = scheduler
         role = "prefill"
         self._queues = {q: metrics.QUEUE_REQUESTS.labels(role=role, queue=q)

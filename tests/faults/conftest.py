@@ -1,0 +1,48 @@
+"""Fault tests share one cluster (bootstrap, prefill-0, prefill-1, decode-0), healed before each."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+# tests/conftest.py puts tests/ and tests/integration on sys.path; this folder's helpers too.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _path in (_HERE, os.path.join(os.path.dirname(_HERE), "integration")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from harness import CHUNK, Cluster  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def shared_cluster() -> Iterator[Cluster]:
+    pytest.importorskip("nixl._api", reason="NIXL is not installed")
+    cluster = Cluster(num_prefill=2, prefill_args=["--chunked-prefill-size", str(CHUNK)])
+    try:
+        yield cluster.start()
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def cluster(shared_cluster: Cluster) -> Cluster:
+    """The shared cluster, whole again: what an earlier case killed or paused is back."""
+    shared_cluster.heal()
+    return shared_cluster
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The fault matrix: per case, the client's outcome and the seconds after the fault."""
+    import report
+
+    rows = report.lines()
+    if len(rows) > 1:
+        terminalreporter.section("fault matrix (seconds after the fault)")
+        for row in rows:
+            terminalreporter.write_line(row)
+    path = os.environ.get("PDSERVE_FAULT_REPORT")
+    if path:
+        report.write_json(path)

@@ -1,0 +1,73 @@
+"""Losing the gateway (kill -9 and restart of the bootstrap) and clients that go away."""
+
+from __future__ import annotations
+
+import pytest
+
+from checks import (
+    assert_fresh_request_succeeds,
+    assert_gateway_idle,
+    assert_no_pages_held,
+    key_for,
+    long_prompt,
+    wait_all,
+    wait_metric,
+)
+from harness import CHUNK, OUTCOME_BOUND_S, Cluster, wait_for
+from streams import Stream
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("nixl._api", reason="NIXL is not installed")
+
+NODES = ["prefill-0", "prefill-1", "decode-0"]
+
+
+def test_kill9_bootstrap_makes_the_nodes_abort_its_requests(cluster: Cluster) -> None:
+    prefill = "prefill-0"
+    before = cluster.metric(prefill, "pdserve_prefill_tokens_total")
+    streaming = Stream(cluster.api, "Story: the harbour at night", max_tokens=200).start()
+    wait_for(lambda: streaming.num_chunks >= 3, 60, "3 chunks streamed")
+    prefilling = Stream(cluster.api, long_prompt("case 11"), max_tokens=16,
+                        routing_key=key_for(prefill)).start()
+    wait_metric(cluster, prefill, "pdserve_prefill_tokens_total", lambda v: v - before >= CHUNK,
+                "a chunk prefilled")
+    assert cluster.pages_held("decode-0") > 0
+    fault = cluster.kill9("bootstrap")
+    for outcome in wait_all([streaming, prefilling]):
+        # The gateway itself is gone: the connection drops at once; it must not hang.
+        assert outcome.kind != "timeout" and outcome.ended is not None, outcome
+        assert outcome.ended - fault <= OUTCOME_BOUND_S, outcome
+        assert not outcome.is_completed, outcome
+    # Orphaned requests are aborted on every node without waiting for the gateway to return.
+    assert_no_pages_held(cluster, NODES)
+    cluster.restart("bootstrap")  # same ports; the nodes register again
+    assert_fresh_request_succeeds(cluster)
+    assert_fresh_request_succeeds(cluster, key_for(prefill), prefill)
+
+
+def test_client_disconnect_before_the_first_token_frees_every_page(cluster: Cluster) -> None:
+    prefill = "prefill-0"
+    before = cluster.metric(prefill, "pdserve_prefill_tokens_total")
+    stream = Stream(cluster.api, long_prompt("case 12a"), max_tokens=16,
+                    routing_key=key_for(prefill)).start()
+    wait_metric(cluster, prefill, "pdserve_prefill_tokens_total", lambda v: v - before >= CHUNK,
+                "a chunk prefilled")
+    assert stream.num_chunks == 0, stream.outcome
+    stream.close()
+    [outcome] = wait_all([stream], 10)
+    assert outcome.kind == "disconnected", outcome
+    assert_no_pages_held(cluster, NODES)
+    assert_gateway_idle(cluster)
+    assert_fresh_request_succeeds(cluster, key_for(prefill), prefill)
+
+
+def test_client_disconnect_mid_stream_frees_every_page(cluster: Cluster) -> None:
+    stream = Stream(cluster.api, "Story: the harbour at dawn", max_tokens=200).start()
+    wait_for(lambda: stream.num_chunks >= 3, 60, "3 chunks streamed")
+    assert not stream.is_done and cluster.pages_held("decode-0") > 0, stream.outcome
+    stream.close()
+    [outcome] = wait_all([stream], 10)
+    assert outcome.kind == "disconnected", outcome
+    assert_no_pages_held(cluster, NODES)
+    assert_gateway_idle(cluster)
+    assert_fresh_request_succeeds(cluster)

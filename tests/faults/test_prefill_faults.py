@@ -1,0 +1,103 @@
+"""Losing a prefill node (kill -9 mid-chunk, mid-transfer, queued), restarts, and identity."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from checks import (
+    assert_ended_well,
+    assert_fresh_request_succeeds,
+    assert_no_pages_held,
+    key_for,
+    long_prompt,
+    metric_or_zero,
+    wait_all,
+    wait_metric,
+)
+from cluster import http
+from harness import CHUNK, TOKEN, Cluster
+from streams import Stream
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("nixl._api", reason="NIXL is not installed")
+
+VICTIM = "prefill-0"
+
+
+def test_kill9_prefill_mid_chunk_fails_cleanly_and_frees_decode_pages(cluster: Cluster) -> None:
+    key = key_for(VICTIM)
+    before = cluster.metric(VICTIM, "pdserve_prefill_tokens_total")
+    stream = Stream(cluster.api, long_prompt("case 1"), max_tokens=16, routing_key=key).start()
+    wait_metric(cluster, VICTIM, "pdserve_prefill_tokens_total", lambda v: v - before >= CHUNK,
+                "the first chunk prefilled")
+    assert not stream.is_done, stream.outcome
+    fault = cluster.kill9(VICTIM)
+    [outcome] = wait_all([stream])
+    # Its KV had not fully arrived: it fails (narrow failures), and cleanly.
+    assert_ended_well(outcome, fault, allow_completed=False)
+    assert_no_pages_held(cluster)
+    cluster.restart(VICTIM)
+    assert_fresh_request_succeeds(cluster, key, VICTIM)
+
+
+def test_kill9_prefill_mid_transfer_fails_cleanly_and_frees_decode_pages(cluster: Cluster) -> None:
+    key = key_for(VICTIM)
+    before = cluster.metric(VICTIM, "pdserve_prefill_tokens_total")
+    stream = Stream(cluster.api, long_prompt("case 2"), max_tokens=16, routing_key=key).start()
+    # Pages of the first chunks are on their way while later chunks compute.
+    wait_metric(cluster, VICTIM, "pdserve_prefill_tokens_total", lambda v: v - before >= 3 * CHUNK,
+                "three chunks prefilled")
+    assert metric_or_zero(cluster, VICTIM, "pdserve_kv_transfer_rooms", state="Transferring") >= 1
+    assert not stream.is_done, stream.outcome
+    fault = cluster.kill9(VICTIM)
+    [outcome] = wait_all([stream])
+    assert_ended_well(outcome, fault, allow_completed=False)
+    assert_no_pages_held(cluster)
+    cluster.restart(VICTIM)
+    assert_fresh_request_succeeds(cluster, key, VICTIM)
+
+
+def test_kill9_prefill_with_requests_in_its_bootstrap_queue(cluster: Cluster) -> None:
+    key = key_for(VICTIM)
+    # Each needs ~1000 prompt + 512 reserved tokens of decode-0's 4096: two fit, the rest
+    # wait in decode's prealloc queue, so in the prefill node's bootstrap queue.
+    streams = [Stream(cluster.api, long_prompt(f"case 3 #{i}", 1000), max_tokens=8,
+                      routing_key=key).start() for i in range(5)]
+    wait_metric(cluster, VICTIM, "pdserve_queue_requests", lambda v: v >= 1,
+                "a request in the bootstrap queue", queue="bootstrap")
+    fault = cluster.kill9(VICTIM)
+    outcomes = wait_all(streams)
+    for outcome in outcomes:
+        assert_ended_well(outcome, fault)
+    assert any(not o.is_completed for o in outcomes), [str(o) for o in outcomes]
+    assert_no_pages_held(cluster)
+    cluster.restart(VICTIM)
+    assert_fresh_request_succeeds(cluster, key, VICTIM)
+
+
+def test_first_request_after_a_prefill_restart_on_the_same_ports_succeeds(cluster: Cluster) -> None:
+    key = key_for(VICTIM)
+    assert_fresh_request_succeeds(cluster, key, VICTIM)  # decode-0 has handshaken the old instance
+    cluster.kill9(VICTIM)
+    cluster.restart(VICTIM)  # same ports, same node id, a new instance
+    assert_fresh_request_succeeds(cluster, key, VICTIM)
+    assert_no_pages_held(cluster)
+
+
+def test_registering_a_live_node_id_from_another_instance_is_refused(cluster: Cluster) -> None:
+    from common import messages as msg
+
+    intruder = msg.RegisterNode(
+        node_id=VICTIM, role="prefill", request_endpoint="tcp://127.0.0.1:9",
+        control_endpoint="tcp://127.0.0.1:9", http_url="http://127.0.0.1:9", backend="nixl",
+        backend_metadata=b"", kv_layout={}, num_pages=1, max_running_requests=1,
+        protocol_version=msg.PROTOCOL_VERSION, auth_token=TOKEN, instance_id=uuid.uuid4().hex)
+    status, body = http("POST", cluster.registry + "/register", msg.to_jsonable(intruder),
+                        token=TOKEN)
+    assert status == 409, (status, body)
+    _, nodes = http("GET", cluster.api + "/nodes", token=TOKEN)
+    entry = next(n for n in nodes["nodes"] if n["id"] == VICTIM)
+    assert entry["http_url"] == cluster.nodes[VICTIM].http_url, entry
+    assert_fresh_request_succeeds(cluster, key_for(VICTIM), VICTIM)
