@@ -55,7 +55,7 @@ def wait_metric(cluster: Cluster, node: str, name: str, cond: Callable[[float], 
 def assert_ended_well(outcome: Outcome, fault_t: float, bound_s: float = OUTCOME_BOUND_S,
                       *, allow_completed: bool = True) -> None:
     """A completed answer, or a clean error at most `bound_s` after the fault: never a hang."""
-    report.fault(fault_t)
+    report.fault(fault_t, is_the_fault=True)
     assert outcome.ended is not None and outcome.kind != "timeout", f"request hung: {outcome}"
     if allow_completed and outcome.is_completed:
         return

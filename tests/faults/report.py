@@ -20,8 +20,13 @@ def _case() -> dict[str, Any]:
     return _CASES.setdefault(name, {"case": name})
 
 
-def fault(at: float) -> None:
-    _case().setdefault("fault_at", at)
+def fault(at: float, *, is_the_fault: bool = False) -> None:
+    """A signal sent at `at`: the case's first counts, unless a check names its fault."""
+    case = _case()
+    if is_the_fault and not case.get("is_named"):
+        case["fault_at"], case["is_named"] = at, True
+    elif "fault_at" not in case:
+        case["fault_at"] = at
 
 
 def _since_fault(at: float) -> float | None:
@@ -61,7 +66,8 @@ def write_json(path: str) -> None:
     with open(path, "w") as f:
         for c in _CASES.values():
             f.write(json.dumps({"bench": "faults", **{k: v for k, v in c.items()
-                                                      if k != "fault_at"}}) + "\n")
+                                                      if k not in ("fault_at", "is_named")}})
+                    + "\n")
 
 
 def _fmt(value: float | None) -> str:

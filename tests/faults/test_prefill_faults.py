@@ -17,7 +17,7 @@ from checks import (
     wait_metric,
 )
 from cluster import http
-from harness import CHUNK, TOKEN, Cluster
+from harness import CHUNK, TOKEN, Cluster, wait_for
 from streams import Stream
 
 pytestmark = pytest.mark.slow
@@ -101,3 +101,24 @@ def test_registering_a_live_node_id_from_another_instance_is_refused(cluster: Cl
     entry = next(n for n in nodes["nodes"] if n["id"] == VICTIM)
     assert entry["http_url"] == cluster.nodes[VICTIM].http_url, entry
     assert_fresh_request_succeeds(cluster, key_for(VICTIM), VICTIM)
+
+
+def test_kill9_prefill_spares_requests_already_streaming(cluster: Cluster) -> None:
+    """Narrow failures: a request streaming from decode-0 has its KV there; it finishes."""
+    key = key_for(VICTIM)
+    streaming = Stream(cluster.api, "Story: the lighthouse keeper's long night", max_tokens=160,
+                       routing_key=key).start()
+    wait_for(lambda: streaming.num_chunks >= 3 or streaming.is_done, 60,
+             "the streaming request's first chunks")
+    before = cluster.metric(VICTIM, "pdserve_prefill_tokens_total")
+    chunking = Stream(cluster.api, long_prompt("case 4n"), max_tokens=16, routing_key=key).start()
+    wait_metric(cluster, VICTIM, "pdserve_prefill_tokens_total", lambda v: v - before >= CHUNK,
+                "a chunk of the second request")
+    assert not streaming.is_done, streaming.outcome
+    fault = cluster.kill9(VICTIM)
+    kept, lost = wait_all([streaming, chunking])
+    assert kept.is_completed and kept.finish_reason == "length", kept
+    assert_ended_well(lost, fault, allow_completed=False)
+    assert_no_pages_held(cluster)
+    cluster.restart(VICTIM)
+    assert_fresh_request_succeeds(cluster, key, VICTIM)
