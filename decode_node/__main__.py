@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         max_running_requests=scheduler.max_running_requests,
         protocol_version=msg.PROTOCOL_VERSION, auth_token=config.transfer.auth_token,
         instance_id=node.instance_id), load)
-    scheduler.is_gateway_alive = process.is_gateway_alive
+    scheduler.gateway_watch.is_alive = process.is_gateway_alive
     process.announce(request_endpoint=request_endpoint, control_endpoint=control_endpoint)
     process.run(drain=scheduler.is_idle,
                 on_drain_timeout=lambda: scheduler.fail_all(503, "the decode node is shutting "

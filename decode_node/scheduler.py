@@ -25,6 +25,7 @@ import zmq
 
 from common import messages as msg
 from common.config import DecodeConfig
+from common.gateway_watch import GatewayWatch
 from common.ipc import PushPool, recv_messages
 from common.kv_pool import pages_needed
 from common.model.runner import ModelRunner
@@ -48,8 +49,6 @@ from decode_node.transfer_queue import DecodeTransferQueue, ReleaseQueue
 from transfer.kv_manager import KVManager
 
 logger = logging.getLogger(__name__)
-
-GATEWAY_CHECK_INTERVAL_S = 0.25
 
 MAX_RUNNING_REQUESTS_CAP = 4096
 # The decode node's copy of the node table can lag the gateway's by a heartbeat: a request
@@ -101,10 +100,7 @@ class DecodeScheduler:
         self.new_token_ratio = NewTokenRatio()
         self.push = PushPool(zmq.Context.instance())
         self.stats = DecodeStats(self)
-        # (gateway id, now) -> whether that gateway is still there; the process sets it.
-        self.is_gateway_alive: Callable[[str, float], bool] = lambda gateway_id, now: True
-        self.gateway_check_interval_s = GATEWAY_CHECK_INTERVAL_S
-        self._next_gateway_check = 0.0
+        self.gateway_watch = GatewayWatch()
         kv.on_late_write = self._on_late_write
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -301,12 +297,8 @@ class DecodeScheduler:
 
     def _abort_orphans(self) -> None:
         """Requests whose gateway is gone (killed, or restarted as another instance) end here."""
-        now = self.clock()
-        if now < self._next_gateway_check:
-            return
-        self._next_gateway_check = now + self.gateway_check_interval_s
-        for r in [r for r in self.reqs.values()
-                  if not self.is_gateway_alive(r.generate.gateway_id, now)]:
+        for r in self.gateway_watch.orphans(self.reqs.values(), lambda x: x.generate.gateway_id,
+                                              self.clock()):
             self._fail(r, 499, "aborted: its gateway is gone")
 
     def _on_late_write(self, room: int, pages: list[int]) -> None:

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         load,
     )
-    scheduler.is_gateway_alive = process.is_gateway_alive
+    scheduler.gateway_watch.is_alive = process.is_gateway_alive
     process.announce(request_endpoint=request_endpoint, control_endpoint=control_endpoint)
     process.run(drain=lambda: not scheduler.states,
                 on_drain_timeout=lambda: scheduler.fail_all(503, "the prefill node is shutting "

@@ -22,6 +22,7 @@ import zmq
 
 from common import messages as msg
 from common.config import PrefillConfig
+from common.gateway_watch import GatewayWatch
 from common.ipc import PushPool, recv_messages
 from common.kv_pool import pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
@@ -37,8 +38,6 @@ from transfer.kv_manager import KVManager
 from transfer.kv_sender import AuxData
 
 logger = logging.getLogger(__name__)
-
-GATEWAY_CHECK_INTERVAL_S = 0.25
 
 
 class PrefillScheduler:
@@ -62,10 +61,7 @@ class PrefillScheduler:
         self.chunked: PrefillState | None = None
         self.processed_tokens = 0  # HRRN's clock: tokens prefilled so far
         self.stats = PrefillStats(self)
-        # (gateway id, now) -> whether that gateway is still there; the process sets it.
-        self.is_gateway_alive: Callable[[str, float], bool] = lambda gateway_id, now: True
-        self.gateway_check_interval_s = GATEWAY_CHECK_INTERVAL_S
-        self._next_gateway_check = 0.0
+        self.gateway_watch = GatewayWatch()
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -261,12 +257,8 @@ class PrefillScheduler:
 
     def _abort_orphans(self) -> None:
         """Requests whose gateway is gone (killed, or restarted as another instance) end here."""
-        now = self.clock()
-        if now < self._next_gateway_check:
-            return
-        self._next_gateway_check = now + self.gateway_check_interval_s
-        for s in [s for s in self.states.values()
-                  if not self.is_gateway_alive(s.generate.gateway_id, now)]:
+        for s in self.gateway_watch.orphans(self.states.values(), lambda x: x.generate.gateway_id,
+                                              self.clock()):
             s.sender.abort("its gateway is gone")
             self._fail(s, 499, "aborted: its gateway is gone", notify=False)
 

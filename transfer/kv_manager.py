@@ -192,8 +192,8 @@ class KVManager:
                             f"no TransferRequest from the decode node in {self.bootstrap_timeout_s:g} s",
                             now)
             elif state in (KVPoll.WaitingForInput, KVPoll.Transferring) and (
-                    not sender.fence.is_open(now)
-                    and (sender.fence.has_grant or now - sender.attached_at > self.lease_s)):
+                    now - max(sender.fence.until, sender.attached_at) > self.lease_s):
+                # No grant for a whole lease past the fence (or since the request came).
                 sender.fail(FailureReason.LEASE_EXPIRED,
                             "the decode node stopped granting the room's lease", now)
             elif state is KVPoll.Transferring and age > self.waiting_timeout_s:

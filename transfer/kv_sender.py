@@ -66,6 +66,8 @@ class KVSender:
         self.aux_slot = 0
         self.attached_at = now
         self.fence = Fence()  # writes may be posted while fence.is_open(now)
+        self.is_fence_held = False  # writes wait: the fence closed (counted once per closing)
+        self.renew_asked_at = -float("inf")
         self.num_sent_pages = 0
         self.pending_pairs: list[tuple[int, int]] = []  # computed, not posted yet
         self.handles: list[object] = []

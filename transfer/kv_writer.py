@@ -1,6 +1,7 @@
 """The writer side of a KVManager: posts fenced writes, follows them to completion, stops cleanly.
 
-Every write is posted only while its room's fence is open (transfer/fence.py). A room
+Every write is posted only while its room's fence is open (transfer/fence.py); while it
+is closed the writes wait for a new grant, and the room fails after a lease without one. A room
 that fails while writes are in flight is told to the receiver (TransferFailed, "the
 explicit stop") only once none is pending, so the receiver never reuses pages a write
 can still reach. A write that may complete after its fence is reported (LateWrite).
@@ -31,6 +32,7 @@ class WriterHost(Protocol):
     backend: TransferBackend
     pool: KVPool
     metrics: TransferMetrics
+    lease_s: float
     clock: Callable[[], float]
     senders: dict[int, KVSender]
     peer_by_node: dict[str, Peer]
@@ -38,6 +40,8 @@ class WriterHost(Protocol):
     def send(self, endpoint: str, message: msg.Message) -> None: ...
 
     def drain_control(self, now: float) -> None: ...
+
+    def renew_now(self, endpoint: str, rooms: list[int]) -> None: ...
 
 
 class KVWriter:
@@ -55,13 +59,19 @@ class KVWriter:
         if not sender.fence.is_open(now):
             m.drain_control(now)  # grants may sit unread behind a long model step
             now = m.clock()
-        if not sender.fence.is_open(now):
-            if sender.fence.has_grant:
-                m.metrics.fenced()
-                self.fail(sender, FailureReason.LEASE_EXPIRED,
-                          "the lease fence passed before the write (paused?)", now)
-            return  # no grant yet: the next poll posts once the first one arrives
         peer = m.peer_by_node.get(sender.peer_node or "")
+        if not sender.fence.is_open(now):
+            # Not a byte goes out. A receiver that still holds the room grants it again
+            # (the writes go then); one that let it go answers "released", and with no
+            # grant for a lease the room fails (KVManager's timeouts).
+            if sender.fence.has_grant and not sender.is_fence_held:
+                sender.is_fence_held = True
+                m.metrics.fenced()
+            if peer is not None and now - sender.renew_asked_at > m.lease_s / 3:
+                sender.renew_asked_at = now
+                m.renew_now(peer.endpoint, [sender.room])
+            return
+        sender.is_fence_held = False
         if peer is None or peer.agent is None or not self._ensure_agent(peer, now):
             self.fail(sender, FailureReason.PEER_UNREACHABLE,
                       f"no transfer path to {sender.peer_node}", now)

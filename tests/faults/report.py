@@ -1,8 +1,9 @@
 """The fault matrix's figures: per case, what the client got and how long recovery took.
 
-Checks record into it as they pass (times relative to the case's first fault); the
-conftest prints the table at the end of the run, and writes JSON lines to
-$PDSERVE_FAULT_REPORT when set.
+Checks record absolute monotonic times as they pass; the table gives them in seconds
+after the case's fault (the one a check names, else the first signal sent). The conftest
+prints the table at the end of the run and writes JSON lines to $PDSERVE_FAULT_REPORT
+when set.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ _CASES: dict[str, dict[str, Any]] = {}
 
 def _case() -> dict[str, Any]:
     name = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0].rsplit("::", 1)[-1]
-    return _CASES.setdefault(name, {"case": name})
+    return _CASES.setdefault(name.removeprefix("test_"), {"outcomes": {}, "errors_at": []})
 
 
 def fault(at: float, *, is_the_fault: bool = False) -> None:
@@ -29,45 +30,53 @@ def fault(at: float, *, is_the_fault: bool = False) -> None:
         case["fault_at"] = at
 
 
-def _since_fault(at: float) -> float | None:
-    start = _case().get("fault_at")
-    return None if start is None else round(at - start, 2)
-
-
 def outcome(kind: str, ended_at: float | None) -> None:
-    outcomes = _case().setdefault("outcomes", {})
-    outcomes[kind] = outcomes.get(kind, 0) + 1
+    case = _case()
+    case["outcomes"][kind] = case["outcomes"].get(kind, 0) + 1
     if ended_at is not None and kind != "completed":
-        after = _since_fault(ended_at)
-        if after is not None:
-            _case()["error_after_s"] = max(after, _case().get("error_after_s", after))
+        case["errors_at"].append(ended_at)
 
 
 def pages_zero(pages: dict[str, float]) -> None:
-    _case()["pages_held_after"] = pages
-    _case()["pages_zero_after_s"] = _since_fault(time.monotonic())
+    _case().update(pages_held_after=pages, pages_zero_at=time.monotonic())
 
 
 def recovered() -> None:
-    _case().setdefault("fresh_ok_after_s", _since_fault(time.monotonic()))
+    _case().setdefault("fresh_ok_at", time.monotonic())
+
+
+def figures() -> list[dict[str, Any]]:
+    """One dict per case: outcomes, and seconds after the fault to the last clean error,
+    to pages held 0 on every surviving node, and to a fresh request's success."""
+    rows = []
+    for name, c in _CASES.items():
+        start = c.get("fault_at")
+
+        def since(at: float | None, start: float | None = start) -> float | None:
+            return None if at is None or start is None else round(at - start, 2)
+
+        rows.append({"case": name, "outcomes": c["outcomes"],
+                     "error_after_s": since(max(c["errors_at"], default=None)),
+                     "pages_held_after": c.get("pages_held_after"),
+                     "pages_zero_after_s": since(c.get("pages_zero_at")),
+                     "fresh_ok_after_s": since(c.get("fresh_ok_at"))})
+    return rows
 
 
 def lines() -> list[str]:
-    rows = [f"{'case':<62} {'client outcome':<34} {'err s':>6} {'pages 0 s':>9} "
+    rows = [f"{'case':<66} {'client outcome':<30} {'err s':>6} {'pages 0 s':>9} "
             f"{'fresh ok s':>10}"]
-    for c in _CASES.values():
-        got = ", ".join(f"{n} {k}" for k, n in sorted(c.get("outcomes", {}).items())) or "-"
-        rows.append(f"{c['case'][:62]:<62} {got[:34]:<34} {_fmt(c.get('error_after_s')):>6} "
-                    f"{_fmt(c.get('pages_zero_after_s')):>9} {_fmt(c.get('fresh_ok_after_s')):>10}")
+    for c in figures():
+        got = ", ".join(f"{n} {k}" for k, n in sorted(c["outcomes"].items())) or "-"
+        rows.append(f"{c['case'][:66]:<66} {got[:30]:<30} {_fmt(c['error_after_s']):>6} "
+                    f"{_fmt(c['pages_zero_after_s']):>9} {_fmt(c['fresh_ok_after_s']):>10}")
     return rows
 
 
 def write_json(path: str) -> None:
     with open(path, "w") as f:
-        for c in _CASES.values():
-            f.write(json.dumps({"bench": "faults", **{k: v for k, v in c.items()
-                                                      if k not in ("fault_at", "is_named")}})
-                    + "\n")
+        for c in figures():
+            f.write(json.dumps({"bench": "faults", **c}) + "\n")
 
 
 def _fmt(value: float | None) -> str:

@@ -26,33 +26,23 @@ pytest.importorskip("nixl._api", reason="NIXL is not installed")
 VICTIM = "prefill-0"
 
 
-def test_kill9_prefill_mid_chunk_fails_cleanly_and_frees_decode_pages(cluster: Cluster) -> None:
+@pytest.mark.parametrize("num_chunks", [1, 3], ids=["mid-chunk", "mid-transfer"])
+def test_kill9_prefill_mid_prompt_fails_cleanly_and_frees_decode_pages(
+        cluster: Cluster, num_chunks: int) -> None:
+    """After one chunk it is computing the next; after three, earlier pages are in flight."""
     key = key_for(VICTIM)
     before = cluster.metric(VICTIM, "pdserve_prefill_tokens_total")
-    stream = Stream(cluster.api, long_prompt("case 1"), max_tokens=16, routing_key=key).start()
-    wait_metric(cluster, VICTIM, "pdserve_prefill_tokens_total", lambda v: v - before >= CHUNK,
-                "the first chunk prefilled")
+    stream = Stream(cluster.api, long_prompt(f"case {num_chunks}"), max_tokens=16,
+                    routing_key=key).start()
+    wait_metric(cluster, VICTIM, "pdserve_prefill_tokens_total",
+                lambda v: v - before >= num_chunks * CHUNK, f"{num_chunks} chunk(s) prefilled")
+    if num_chunks > 1:
+        assert metric_or_zero(cluster, VICTIM, "pdserve_kv_transfer_rooms",
+                              state="Transferring") >= 1
     assert not stream.is_done, stream.outcome
     fault = cluster.kill9(VICTIM)
     [outcome] = wait_all([stream])
     # Its KV had not fully arrived: it fails (narrow failures), and cleanly.
-    assert_ended_well(outcome, fault, allow_completed=False)
-    assert_no_pages_held(cluster)
-    cluster.restart(VICTIM)
-    assert_fresh_request_succeeds(cluster, key, VICTIM)
-
-
-def test_kill9_prefill_mid_transfer_fails_cleanly_and_frees_decode_pages(cluster: Cluster) -> None:
-    key = key_for(VICTIM)
-    before = cluster.metric(VICTIM, "pdserve_prefill_tokens_total")
-    stream = Stream(cluster.api, long_prompt("case 2"), max_tokens=16, routing_key=key).start()
-    # Pages of the first chunks are on their way while later chunks compute.
-    wait_metric(cluster, VICTIM, "pdserve_prefill_tokens_total", lambda v: v - before >= 3 * CHUNK,
-                "three chunks prefilled")
-    assert metric_or_zero(cluster, VICTIM, "pdserve_kv_transfer_rooms", state="Transferring") >= 1
-    assert not stream.is_done, stream.outcome
-    fault = cluster.kill9(VICTIM)
-    [outcome] = wait_all([stream])
     assert_ended_well(outcome, fault, allow_completed=False)
     assert_no_pages_held(cluster)
     cluster.restart(VICTIM)

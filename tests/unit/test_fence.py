@@ -70,21 +70,41 @@ def test_a_grant_is_dated_by_the_renewal_it_answers_and_opens_once():
 
 
 def test_a_paused_writer_posts_nothing_when_it_resumes():
+    clock = Clock()  # one real time: both processes see it pass
+    prefill, decode = _pair(prefill_clock=clock, decode_clock=clock)
+    try:
+        sender, receiver = _granted_room(prefill, decode, 7, [2, 3])
+        # SIGSTOP of the prefill node for two leases: meanwhile the decode node fails the
+        # room, frees its pages (the fence passed) and a new request writes into them.
+        clock.t += 2 * LEASE_S
+        decode.poll()
+        assert receiver.poll() is KVPoll.Failed and receiver.is_release_safe()
+        decode.pool.buffer[[2, 3]] = 7.0
+        # SIGCONT: the model step ends and the chunk is handed over.
+        sender.send([4, 5], 8, AuxData(first_token_id=1, room_echo=7))
+        assert prefill.metrics.num_fenced == 1 and sender.handles == []
+        drive([prefill, decode], lambda: sender.poll() is KVPoll.Failed)
+        assert sender.status.reason in (FailureReason.LEASE_EXPIRED, FailureReason.PEER_ABORTED)
+        assert sender.handles == []  # nothing was ever posted
+        assert bool((decode.pool.buffer[[2, 3]] == 7.0).all())  # the new owner's bytes
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_closed_fence_holds_writes_until_a_live_receiver_grants_again():
     pclock = Clock()
     prefill, decode = _pair(prefill_clock=pclock)
     try:
-        sender, receiver = _granted_room(prefill, decode, 7, [2, 3])
-        # SIGSTOP for two leases, then SIGCONT: the model step ends and the chunk goes out.
-        pclock.t += 2 * LEASE_S
-        sender.send([4, 5], 8, AuxData(first_token_id=1, room_echo=7))
-        assert sender.poll() is KVPoll.Failed
-        assert sender.status.reason == FailureReason.LEASE_EXPIRED
+        sender, receiver = _granted_room(prefill, decode, 11, [12, 13])
+        # The writer's view of its lease lapsed (its renewals were answered late), but the
+        # decode node still holds the room: the write waits for a new grant, then goes.
+        pclock.t += LEASE_S
+        sender.send([4, 5], 8, AuxData(first_token_id=1, room_echo=11))
+        assert sender.handles == [] and sender.poll() is KVPoll.Transferring
+        drive([prefill, decode], lambda: receiver.poll() is KVPoll.Success)
+        assert torch.equal(decode.pool.buffer[[12, 13]], prefill.pool.buffer[[4, 5]])
         assert prefill.metrics.num_fenced == 1
-        # Not a byte landed in the decode pages.
-        assert torch.count_nonzero(decode.pool.buffer[[2, 3]]) == 0
-        drive([prefill, decode], lambda: receiver.poll() is KVPoll.Failed)
-        assert receiver.is_abort_acked  # the writer's explicit stop: the pages are free now
-        assert receiver.is_release_safe()
     finally:
         prefill.close()
         decode.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import torch
 import zmq
@@ -12,7 +13,8 @@ from common.kv_pool import KVLayout, KVPool
 from test_kv_transfer import drive
 from transfer.kv_manager import KVManager
 from transfer.kv_poll import FailureReason, KVPoll
-from transfer.kv_sender import AuxData
+from transfer.kv_receiver import KVReceiver
+from transfer.kv_sender import AuxData, KVSender
 from transfer.loopback_backend import LoopbackBackend
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype="float32")
@@ -27,16 +29,31 @@ def _free_endpoint() -> str:
 def _manager(name: str, role: str, endpoint: str = "tcp://127.0.0.1:0") -> KVManager:
     pool = KVPool(LAYOUT, 16)
     pool.buffer.copy_(torch.randn_like(pool.buffer))
-    return KVManager(name, role, LoopbackBackend(name), pool, backend_kind="loopback",
-                     control_endpoint=endpoint, lease_s=5.0)
+    deadline = time.monotonic() + 5
+    while True:  # a port just closed by the old process may take a moment to free
+        backend = LoopbackBackend(name)
+        try:
+            return KVManager(name, role, backend, pool, backend_kind="loopback",
+                             control_endpoint=endpoint, lease_s=5.0)
+        except zmq.ZMQError:
+            backend.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
-def _transfer(prefill: KVManager, decode: KVManager, room: int) -> None:
+def _granted(prefill: KVManager, decode: KVManager, room: int) -> tuple[KVSender, KVReceiver]:
+    """A room both sides know, its destination pages sent and its first lease granted."""
     sender = prefill.create_sender(room, 8)
     receiver = decode.create_receiver(room, prefill.control_endpoint)
     drive([prefill, decode], lambda: receiver.poll() is KVPoll.WaitingForInput)
     receiver.send_metadata([room % 8, room % 8 + 8])
-    drive([prefill, decode], lambda: sender.poll() is KVPoll.WaitingForInput)
+    drive([prefill, decode], lambda: sender.fence.has_grant)
+    return sender, receiver
+
+
+def _transfer(prefill: KVManager, decode: KVManager, room: int) -> None:
+    sender, receiver = _granted(prefill, decode, room)
     sender.send([1, 2], 8, AuxData(first_token_id=3, room_echo=room))
     drive([prefill, decode], lambda: receiver.poll() is KVPoll.Success)
     assert torch.equal(decode.pool.buffer[[room % 8, room % 8 + 8]], prefill.pool.buffer[[1, 2]])
@@ -66,11 +83,7 @@ def test_a_restarted_decode_node_fails_the_rooms_of_its_old_process():
     prefill = _manager("rp2", "prefill")
     decode = _manager("rd2", "decode")
     try:
-        sender = prefill.create_sender(5, 8)
-        receiver = decode.create_receiver(5, prefill.control_endpoint)
-        drive([prefill, decode], lambda: receiver.poll() is KVPoll.WaitingForInput)
-        receiver.send_metadata([0, 1])
-        drive([prefill, decode], lambda: sender.poll() is KVPoll.WaitingForInput)
+        sender, _ = _granted(prefill, decode, 5)
         decode.close()
         decode = _manager("rd2", "decode")  # same node id, a new process and pool
         _transfer(prefill, decode, 6)  # its hello names another instance
@@ -85,11 +98,7 @@ def test_control_messages_naming_another_instance_are_dropped():
     prefill = _manager("rp3", "prefill")
     decode = _manager("rd3", "decode")
     try:
-        sender = prefill.create_sender(7, 8)
-        receiver = decode.create_receiver(7, prefill.control_endpoint)
-        drive([prefill, decode], lambda: receiver.poll() is KVPoll.WaitingForInput)
-        receiver.send_metadata([0, 1])
-        drive([prefill, decode], lambda: sender.fence.has_grant)
+        sender, receiver = _granted(prefill, decode, 7)
         push = zmq.Context.instance().socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
         push.connect(decode.control_endpoint)

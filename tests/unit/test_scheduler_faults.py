@@ -23,8 +23,8 @@ def h(model_dir):
 def test_requests_of_a_gateway_that_is_gone_are_aborted_on_both_nodes(h):
     alive = {"g1": True, "g2": True}
     for sched in (h.decode, h.prefill):
-        sched.is_gateway_alive = lambda gid, now: alive.get(gid, False)
-        sched.gateway_check_interval_s = 0.0  # the tiny model decodes 200 tokens in 0.25 s
+        sched.gateway_watch.is_alive = lambda gid, now: alive.get(gid, False)
+        sched.gateway_watch.interval_s = 0.0  # the tiny model decodes 200 tokens in 0.25 s
     h.submit("orphan", 1, prompt(9, 1), gateway_id="g1", max_new_tokens=200)
     h.submit("queued", 2, prompt(40, 2), gateway_id="g1", max_new_tokens=200)
     h.submit("kept", 3, prompt(9, 3), gateway_id="g2", max_new_tokens=12)
