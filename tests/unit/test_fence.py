@@ -164,3 +164,41 @@ def test_writes_wait_for_the_first_grant_instead_of_failing():
     finally:
         prefill.close()
         decode.close()
+
+
+class PausingBackend(LoopbackBackend):
+    """A loopback backend whose next write takes `pause_s` on the writer's clock (SIGSTOP
+    landing between the fence check and the end of the post)."""
+
+    def __init__(self, name: str, clock: Clock) -> None:
+        super().__init__(name)
+        self.clock, self.pause_s = clock, 0.0
+
+    def write(self, peer, pairs, notification=b""):
+        handle = super().write(peer, pairs, notification)
+        self.clock.t += self.pause_s
+        self.pause_s = 0.0
+        return handle
+
+
+def test_a_write_that_straddles_the_fence_is_reported_and_its_pages_new_owners_warned():
+    pclock = Clock()
+    n = next(_names)
+    p_pool, d_pool = KVPool(LAYOUT, 16), KVPool(LAYOUT, 16)
+    backend = PausingBackend(f"fp{n}", pclock)
+    prefill = KVManager(f"fp{n}", "prefill", backend, p_pool, backend_kind="loopback",
+                        lease_s=LEASE_S, clock=pclock)
+    decode = KVManager(f"fd{n}", "decode", LoopbackBackend(f"fd{n}"), d_pool,
+                       backend_kind="loopback", lease_s=LEASE_S, clock=Clock())
+    reported: list[tuple[int, list[int]]] = []
+    decode.on_late_write = lambda room, pages: reported.append((room, pages))
+    try:
+        sender, _ = _granted_room(prefill, decode, 12, [14, 15])
+        backend.pause_s = 2 * LEASE_S
+        sender.send([4, 5], 8, AuxData(first_token_id=1, room_echo=12))
+        drive([prefill, decode], lambda: reported)
+        assert reported == [(12, [14, 15])]
+        assert prefill.metrics.num_late_writes == 1 and decode.metrics.num_late_writes == 1
+    finally:
+        prefill.close()
+        decode.close()
