@@ -1,4 +1,4 @@
-# make serve: run pdserve with the built-in default model.  make test: the whole test suite.
+# make serve: run pdserve with the built-in default model.  make test: mypy and the whole test suite.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -23,7 +23,9 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/pdserve launch
 
+# Types are a check too: mypy on the five packages, then every test.
 test: $(STAMP)
+	$(BIN)/python -m mypy common transfer prefill_node decode_node bootstrap
 	$(BIN)/python -m pytest -q -ra
 
 bench: $(STAMP)

@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Protocol
 
 from common.request import Req
+from prefill_node.radix_node import TreeNode
 
 CLIP_MAX_NEW_TOKENS = 4096
 
@@ -29,8 +30,8 @@ class AddReqResult(Enum):
 
 
 class LockingCache(Protocol):
-    def inc_lock_ref(self, node: object) -> None: ...
-    def dec_lock_ref(self, node: object) -> None: ...
+    def inc_lock_ref(self, node: TreeNode) -> None: ...
+    def dec_lock_ref(self, node: TreeNode) -> None: ...
     def evictable_size(self) -> int: ...
 
 
@@ -42,7 +43,7 @@ class PrefillChunk:
     start: int
     end: int
     # Radix node this admission locked (the caller unlocks it when the request is done).
-    locked_node: object | None = None
+    locked_node: TreeNode | None = None
 
     @property
     def extend_len(self) -> int:
@@ -91,7 +92,7 @@ class PrefillAdder:
         self._charge(PrefillChunk(req, num_computed, end), reserved=0)
         return req if end < req.num_input_tokens else None
 
-    def add_one_req(self, req: Req, prefix_len: int, last_node: object | None = None,
+    def add_one_req(self, req: Req, prefix_len: int, last_node: TreeNode | None = None,
                     chunk_limit: int | None = None) -> AddReqResult:
         """Admit a new request whose first `prefix_len` tokens are cached (at `last_node`)."""
         if self.prefill_max_requests is not None and len(self.can_run_list) >= self.prefill_max_requests:
@@ -100,9 +101,9 @@ class PrefillAdder:
         reserved = min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
         total = ceil_page(extend, self.page_size) + reserved + self.page_size
         locked = last_node if self.tree_cache is not None and last_node is not None else None
-        if locked is not None:
+        if locked is not None and self.tree_cache is not None:
             # Locked first: its pages must not count as evictable room for itself.
-            self.tree_cache.inc_lock_ref(locked)  # type: ignore[union-attr]
+            self.tree_cache.inc_lock_ref(locked)
         if total > self.rem_total_tokens:
             self._unlock(locked)
             return AddReqResult.NO_TOKEN
@@ -138,6 +139,6 @@ class PrefillAdder:
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= chunk.extend_len
 
-    def _unlock(self, node: object | None) -> None:
+    def _unlock(self, node: TreeNode | None) -> None:
         if node is not None and self.tree_cache is not None:
             self.tree_cache.dec_lock_ref(node)

@@ -14,6 +14,7 @@ from common import messages as msg
 from common.request import Req
 from common.sampling_params import SamplingParams
 from transfer.kv_poll import KVPoll
+from prefill_node.radix_node import TreeNode
 from transfer.kv_sender import KVSender
 
 
@@ -31,7 +32,7 @@ class PrefillState:
     num_prefix_pages: int = 0
     num_computed: int = 0
     num_cached_tokens: int = 0
-    locked_node: object | None = None
+    locked_node: TreeNode | None = None
     # Own pages whose tokens another request cached first; freed when this request ends.
     duplicate_pages: list[int] = field(default_factory=list)
 

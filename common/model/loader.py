@@ -48,7 +48,7 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, progress: bool = True) 
     from tqdm import tqdm
 
     files = safetensors_files(model_dir)
-    names = []
+    names: list[tuple[Path, str]] = []
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             names.extend((f, k) for k in sf.keys())

@@ -135,8 +135,11 @@ class ModelRunner:
             idx = torch.tensor(targets, dtype=torch.long, device=logp.device)
             result.target_logprobs.append(
                 logp[torch.arange(len(targets), device=logp.device), idx] if targets else None)
-            result.top_logprobs.append(
-                tuple(logp.topk(r.top_logprobs, dim=-1)) if r.top_logprobs else None)
+            if r.top_logprobs:
+                top = logp.topk(r.top_logprobs, dim=-1)
+                result.top_logprobs.append((top.values, top.indices))
+            else:
+                result.top_logprobs.append(None)
         return result
 
     @torch.inference_mode()
