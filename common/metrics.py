@@ -156,3 +156,10 @@ MALFORMED_MESSAGES: Final = _counter(
     "Internal messages dropped as invalid, by socket.",
     "socket",
 )
+REJECTED_MESSAGES: Final = _counter(
+    "pdserve_rejected_messages_total",
+    "Well-formed internal messages dropped as unacceptable (unknown or impostor peer, "
+    "no such room), by socket and reason.",
+    "socket",
+    "reason",
+)

@@ -47,9 +47,11 @@ class TransferMetrics:
     def dropped(self, kind: str) -> None:
         """A well-formed control message not acceptable here (unknown peer, no such room).
 
-        Malformed frames are counted by common.ipc in pdserve_malformed_messages_total.
+        Exported as pdserve_rejected_messages_total{socket, reason}; malformed frames are
+        counted by common.ipc in pdserve_malformed_messages_total.
         """
         self.num_dropped[kind] += 1
+        metrics.REJECTED_MESSAGES.labels(role=self.role, socket=self.socket, reason=kind).inc()
 
     def fenced(self) -> None:
         """A write was not posted: its room's fence had passed."""

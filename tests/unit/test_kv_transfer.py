@@ -259,6 +259,10 @@ def test_garbage_on_the_control_socket_is_dropped_and_the_next_transfer_works(pa
     drive([prefill], lambda: prefill.metrics.num_dropped[FailureReason.UNAUTHORIZED] == 1)
     after = metrics.REGISTRY.get_sample_value("pdserve_malformed_messages_total", labels)
     assert after == before + 1  # the garbage frame; the stranger's renew counts as unauthorized
+    rejected = metrics.REGISTRY.get_sample_value(
+        "pdserve_rejected_messages_total",
+        {"role": "prefill", "socket": "prefill_kv_control", "reason": FailureReason.UNAUTHORIZED})
+    assert rejected is not None and rejected >= 1  # exported, not only counted in memory
     sender, receiver = _ready_room(prefill, decode, 21)
     sender.send([1, 2], 8, AuxData(first_token_id=3, room_echo=21))
     drive([prefill, decode], lambda: receiver.poll() is KVPoll.Success)
