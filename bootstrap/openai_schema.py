@@ -10,6 +10,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# What the nodes hold: integers travel as msgpack int64 (seeds as uint64) and become
+# torch int64 tensors, so a larger value is a 400 here, not a crash there.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+UINT64_MAX = 2**64 - 1
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -24,20 +30,22 @@ class _OpenAISampling(_Body):
 
     model: str | None = None
     max_tokens: int | None = Field(
-        default=None, description="unset: 16 (completions), the rest of the context (chat)"
+        default=None, le=INT64_MAX,
+        description="unset: 16 (completions), the rest of the context (chat)"
     )
     temperature: float | None = Field(default=None, description="0: greedy; unset: 1")
     top_p: float | None = None
-    top_k: int | None = Field(default=None, description="-1 or 0: disabled")
+    top_k: int | None = Field(default=None, le=INT64_MAX, description="-1 or 0: disabled")
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, le=UINT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = Field(default=1, description="only 1 is served")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int | None = Field(default=None, description="prefill scheduling priority")
+    priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX,
+                                 description="prefill scheduling priority")
     routing_key: str | None = Field(
         default=None, description="prefix-affinity key (also header x-routing-key)"
     )
@@ -76,5 +84,5 @@ class GenerateRequest(_Body):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    priority: int | None = None
+    priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     routing_key: str | None = None

@@ -99,7 +99,9 @@ def _filter_mask(
 ) -> torch.Tensor:
     """Boolean [B, V] mask of the tokens that top-k, top-p or min-p remove (vocab order)."""
     device = scaled.device
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+    # A top_k at or past the vocabulary keeps every token (and a huge one fits no tensor).
+    top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
+                          for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     min_p = torch.tensor([p.min_p for p in params], device=device)
     sorted_logits, sorted_index = scaled.sort(dim=-1, descending=True, stable=True)

@@ -8,6 +8,7 @@ from typing import Any, NoReturn
 
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
+INT64_MAX = 2**63 - 1  # integers travel as msgpack int64 and become torch int64 tensors
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 
@@ -43,8 +44,11 @@ class SamplingParams:
             _fail("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             _fail("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            _fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+        if self.top_k < -1 or self.top_k > INT64_MAX:
+            _fail("top_k", f"must be -1 or 0 (disabled) or a positive integer below 2**63, "
+                           f"got {self.top_k}")
+        if self.max_new_tokens > INT64_MAX:
+            _fail("max_new_tokens", f"must be below 2**63, got {self.max_new_tokens}")
         if not (0.0 <= self.min_p <= 1.0):
             _fail("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not (0 <= self.seed <= MAX_SEED):

@@ -76,6 +76,12 @@ BAD_CHAT = [
     ({"messages": OK_MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"messages": OK_MESSAGES, "frequency_penalty": 0.5}, "frequency_penalty"),
     ({"messages": OK_MESSAGES, "priority": "high"}, "priority"),
+    # Past what the nodes hold (int64): a 400 here, not a crashed node or a plain 500.
+    ({"messages": OK_MESSAGES, "priority": 10**30}, "priority"),
+    ({"messages": OK_MESSAGES, "top_k": 2**63}, "top_k"),
+    ({"messages": OK_MESSAGES, "top_k": 2**64}, "top_k"),
+    ({"messages": OK_MESSAGES, "max_tokens": 2**64}, "max_tokens"),
+    ({"messages": OK_MESSAGES, "seed": 2**64}, "seed"),
 ]
 
 
@@ -106,6 +112,11 @@ def test_more_bad_input(gw: Gateway, tokenizer: Tokenizer) -> None:
         "max_new_tokens",
     )
     assert_error(httpx.post(url + "/generate", json={"text": "x", "input_ids": [1]}), 400)
+    for field, value in (("top_k", 2**63), ("max_new_tokens", 2**64)):
+        body = {"text": "x", "sampling_params": {field: value}}
+        assert_error(httpx.post(url + "/generate", json=body), 400, field)
+    assert_error(httpx.post(url + "/generate", json={"text": "x", "priority": 10**30}), 400,
+                 "priority")
     # Nothing reached a node, and every rejection was counted.
     assert not gw.nodes[0].generates() and not gw.nodes[1].generates()
     # Unknown fields are tolerated.

@@ -286,3 +286,15 @@ def test_sample_rejects_mismatched_batch() -> None:
         Sampler().sample(_logits(0, batch=2), [GREEDY], [None])
     with pytest.raises(ValueError, match="shape"):
         Sampler().sample(torch.zeros(VOCAB), [GREEDY], [None])
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token() -> None:
+    """top_k 2**63 - 1 fits the wire but no int64 tensor arithmetic: it means "all tokens"."""
+    from common.sampler import Sampler, make_generator
+
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    huge = SamplingParams(temperature=0.7, top_k=2**63 - 1, seed=5)
+    off = SamplingParams(temperature=0.7, top_k=-1, seed=5)
+    got = Sampler().sample(logits, [huge, huge], [make_generator(5), make_generator(5)])
+    want = Sampler().sample(logits, [off, off], [make_generator(5), make_generator(5)])
+    assert got.token_ids == want.token_ids
