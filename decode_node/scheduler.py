@@ -109,7 +109,10 @@ class DecodeScheduler:
         """One iteration; returns whether a decode step ran (callers sleep briefly if not)."""
         for m in recv_messages(self.request_socket, socket_name="decode_requests", max_frames=512):
             if isinstance(m, msg.GenerateReq):
-                self._add_request(m)
+                try:
+                    self._add_request(m)
+                except Exception as exc:  # noqa: BLE001 - one request never stops the node
+                    self._isolate(m.rid, m.reply_endpoint, "accepting it", exc)
             elif isinstance(m, msg.AbortReq):
                 self.abort(m.rid, m.room, m.reason)
         self._abort_orphans()
@@ -237,13 +240,21 @@ class DecodeScheduler:
             self._ensure_step_memory()
         if not self.running:
             return False
-        batch, out = self.running.step(self.allocator)
+        try:
+            batch, out = self.running.step(self.allocator)
+        except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the node goes on
+            for r in list(self.running):
+                self._isolate(r.rid, r.generate.reply_endpoint, "decoding it", exc)
+            return False
         for i, r in enumerate(batch):
-            finish = self._emit(r, out.token_ids[i], out.logprobs[i] if out.logprobs else None,
-                                out.top_logprobs[i] if out.top_logprobs else None)
-            if finish is not None:
-                self.running.remove(r)
-                self._finish(r, finish)
+            try:
+                finish = self._emit(r, out.token_ids[i], out.logprobs[i] if out.logprobs else None,
+                                    out.top_logprobs[i] if out.top_logprobs else None)
+                if finish is not None:
+                    self.running.remove(r)
+                    self._finish(r, finish)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                self._isolate(r.rid, r.generate.reply_endpoint, "emitting its token", exc)
         self.stats.decode_step(self.clock(), len(batch))
         return True
 
@@ -315,6 +326,21 @@ class DecodeScheduler:
         """Fail every request this node holds (the drain timeout passed); the gateway hears."""
         for r in list(self.reqs.values()):
             self._fail(r, status, error)
+
+    def _isolate(self, rid: str, reply_endpoint: str, doing: str, exc: Exception) -> None:
+        """An exception while handling one request: that request fails (500), nothing else."""
+        logger.exception("request %s: %s while %s; failing it", rid, type(exc).__name__, doing)
+        error = f"internal error while {doing}: {type(exc).__name__}"
+        r = self.reqs.get(rid)
+        if r is not None:
+            try:
+                self._fail(r, 500, error)
+                return
+            except Exception:  # noqa: BLE001 - its state is beyond repair: forget it
+                logger.exception("request %s: could not fail it cleanly", rid)
+                self.reqs.pop(rid, None)
+        self.push.send(reply_endpoint, msg.ReqFailed(rid=rid, status=500, error=error))
+        self.stats.finished("error")
 
     def abort(self, rid: str | None, room: int | None, reason: str) -> None:
         """Abort a request by rid or room wherever it is; the gateway gets ReqFailed 499."""

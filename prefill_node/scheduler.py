@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from collections.abc import Callable
 
+import torch
 import zmq
 
 from common import messages as msg
@@ -69,7 +70,10 @@ class PrefillScheduler:
         """One iteration; returns whether any model work ran (callers sleep briefly if not)."""
         for m in recv_messages(self.request_socket, socket_name="prefill_requests", max_frames=512):
             if isinstance(m, msg.GenerateReq):
-                self._add_request(m)
+                try:
+                    self._add_request(m)
+                except Exception as exc:  # noqa: BLE001 - one request never stops the node
+                    self._isolate(m.rid, m.reply_endpoint, "accepting it", exc)
             elif isinstance(m, msg.AbortReq):
                 self.abort(m.rid, m.room, m.reason)
         self.kv.poll()
@@ -197,24 +201,52 @@ class PrefillScheduler:
 
     def _run(self, chunks: list[PrefillChunk]) -> None:
         states = [self.states[c.req.rid] for c in chunks]
-        out = self.runner.extend([ExtendRequest(c.req.origin_input_ids[c.start : c.end], c.start, s.pages)
-                                  for c, s in zip(chunks, states)])
+        try:
+            out = self.runner.extend([ExtendRequest(c.req.origin_input_ids[c.start : c.end],
+                                                    c.start, s.pages)
+                                      for c, s in zip(chunks, states)])
+        except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the node goes on
+            for s in states:
+                self._isolate(s.req.rid, s.generate.reply_endpoint, "prefilling it", exc)
+            return
         self.processed_tokens += sum(c.extend_len for c in chunks)
         self.stats.prefill_tokens(sum(c.extend_len for c in chunks))
         for i, (c, s) in enumerate(zip(chunks, states)):
-            s.num_computed = c.end
-            self._cache_prefix(s)
-            if not c.is_last:
-                s.sender.send(s.pages, c.end)
-                continue
-            sample = self.sampler.sample(out.logits[i : i + 1], [s.sampling],
-                                         [make_generator(s.sampling.seed)])
-            top = sample.top_logprobs[0] if sample.top_logprobs else []
-            logprob = sample.logprobs[0] if sample.logprobs else None
-            s.sender.send(s.pages, c.end, AuxData(first_token_id=sample.token_ids[0],
-                                                  room_echo=s.req.room, first_logprob=logprob,
-                                                  top_logprobs=list(top)))
-            self.inflight_queue.add(s)
+            try:
+                self._finish_chunk(c, s, out.logits[i : i + 1])
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                self._isolate(s.req.rid, s.generate.reply_endpoint, "finishing its chunk", exc)
+
+    def _finish_chunk(self, c: PrefillChunk, s: PrefillState, logits: torch.Tensor) -> None:
+        """Cache and send what chunk `c` computed; its last chunk samples the first token."""
+        s.num_computed = c.end
+        self._cache_prefix(s)
+        if not c.is_last:
+            s.sender.send(s.pages, c.end)
+            return
+        sample = self.sampler.sample(logits, [s.sampling], [make_generator(s.sampling.seed)])
+        top = sample.top_logprobs[0] if sample.top_logprobs else []
+        logprob = sample.logprobs[0] if sample.logprobs else None
+        s.sender.send(s.pages, c.end, AuxData(first_token_id=sample.token_ids[0],
+                                              room_echo=s.req.room, first_logprob=logprob,
+                                              top_logprobs=list(top)))
+        self.inflight_queue.add(s)
+
+    def _isolate(self, rid: str, reply_endpoint: str, doing: str, exc: Exception) -> None:
+        """An exception while handling one request: that request fails (500), nothing else."""
+        logger.exception("request %s: %s while %s; failing it", rid, type(exc).__name__, doing)
+        s = self.states.get(rid)
+        if s is not None:
+            try:
+                s.sender.abort(f"internal error while {doing}")
+                self._fail(s, 500, f"internal error while {doing}: {type(exc).__name__}")
+                return
+            except Exception:  # noqa: BLE001 - its state is beyond repair: forget it
+                logger.exception("request %s: could not fail it cleanly", rid)
+                self.states.pop(rid, None)
+        self.push.send(reply_endpoint, msg.ReqFailed(
+            rid=rid, status=500, error=f"internal error while {doing}: {type(exc).__name__}"))
+        self.stats.finished("error")
 
     def _process_inflight(self) -> None:
         done, failed = self.inflight_queue.pop_done()

@@ -80,3 +80,40 @@ def test_the_drain_timeout_fails_what_is_left_with_a_clean_error(h):
     for rid in ("a", "b"):
         assert isinstance(h.result(rid), msg.ReqFailed) and h.result(rid).status == 503
     _assert_all_free(h)
+
+
+def test_an_exception_in_one_request_fails_it_and_the_nodes_serve_on(h, monkeypatch):
+    """Isolation: a bug hit by one request's input fails that request (500), nothing else."""
+    sampler = h.prefill.sampler
+    real_sample = sampler.sample
+
+    def sample(logits, params, generators):
+        if params[0].seed == 13:  # the poisoned request
+            raise OverflowError("sampling blew up")
+        return real_sample(logits, params, generators)
+
+    monkeypatch.setattr(sampler, "sample", sample)
+    import decode_node.scheduler as dsched
+
+    real_build = dsched.build_request
+
+    def build(g, *args):
+        if g.rid == "bad-decode":
+            raise ValueError("building blew up")
+        return real_build(g, *args)
+
+    monkeypatch.setattr(dsched, "build_request", build)
+    h.submit("bad-prefill", 1, prompt(9, 1), seed=13)
+    h.submit("bad-decode", 2, prompt(9, 2))
+    h.submit("good", 3, prompt(9, 3), max_new_tokens=6)
+    h.run_until(lambda: h.done("bad-prefill", "bad-decode", "good"))
+    for rid in ("bad-prefill", "bad-decode"):
+        result = h.result(rid)
+        assert isinstance(result, msg.ReqFailed) and result.status == 500, result
+        assert "internal error" in result.error
+    assert isinstance(h.result("good"), msg.ReqFinished) and len(h.tokens("good")) == 6
+    # On a ReqFailed the gateway aborts the request on both nodes.
+    h.decode.abort("bad-prefill", None, "failed elsewhere")
+    h.prefill.abort("bad-decode", None, "failed elsewhere")
+    h.run_until(lambda: h.decode.is_idle() and not h.prefill.states)
+    _assert_all_free(h)
