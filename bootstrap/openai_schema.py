@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # What the nodes hold: integers travel as msgpack int64 (seeds as uint64) and become
 # torch int64 tensors, so a larger value is a 400 here, not a crash there.
@@ -17,8 +17,40 @@ INT64_MAX = 2**63 - 1
 UINT64_MAX = 2**64 - 1
 
 
+def _find_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string in `value` holding a lone surrogate (U+D800-U+DFFF).
+
+    JSON may escape one ("\\ud800"); it is no text (it has no UTF-8 encoding), so the
+    tokenizer and the router could not take it.
+    """
+    if isinstance(value, str):
+        return path if any(0xD800 <= ord(c) <= 0xDFFF for c in value) else None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and _find_surrogate(key) is not None:
+            return f"{path}.{key!r}" if path else repr(key)
+        found = _find_surrogate(item, f"{path}[{key!r}]" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text_is_text(cls, value: Any) -> Any:
+        where = _find_surrogate(value)
+        if where is not None:
+            at = f" (at {where})" if where else ""
+            raise ValueError(f"contains a lone surrogate{at}: not valid Unicode text")
+        return value
 
 
 class StreamOptions(_Body):

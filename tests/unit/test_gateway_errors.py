@@ -82,12 +82,42 @@ BAD_CHAT = [
     ({"messages": OK_MESSAGES, "top_k": 2**64}, "top_k"),
     ({"messages": OK_MESSAGES, "max_tokens": 2**64}, "max_tokens"),
     ({"messages": OK_MESSAGES, "seed": 2**64}, "seed"),
+    # A lone surrogate is no text: a 400, not a plain-text 500 that drops the connection.
+    ({"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     "messages"),
+    ({"messages": OK_MESSAGES, "stop": ["ok", "\ud800"]}, "stop"),
+    ({"messages": OK_MESSAGES, "routing_key": "\ud83d"}, "routing_key"),
 ]
 
 
 @pytest.mark.parametrize(("body", "param"), BAD_CHAT)
 def test_bad_chat_input_is_400_in_openai_shape(gw: Gateway, body: dict, param: str) -> None:
-    assert_error(httpx.post(gw.api_url + CHAT, json=body), 400, param)
+    assert_error(httpx.post(gw.api_url + CHAT, content=_escaped_json(body), headers=JSON), 400,
+                 param)
+
+
+JSON = {"content-type": "application/json"}
+
+
+def _escaped_json(body: Any) -> bytes:
+    """JSON with every non-ASCII character escaped: lone surrogates travel as \\udXXX."""
+    return json.dumps(body, ensure_ascii=True).encode()
+
+
+def test_lone_surrogates_are_400_and_the_connection_serves_on(gw: Gateway) -> None:
+    with httpx.Client(base_url=gw.api_url) as keep_alive:
+        for path, body, param in (
+            (COMPLETIONS, {"prompt": "a \ud800 b"}, "prompt"),
+            (COMPLETIONS, {"prompt": "ok", "stop": "\udc00"}, "stop"),
+            ("/generate", {"text": "\ud800"}, "text"),
+            ("/generate", {"text": "ok", "sampling_params": {"stop": ["\ud800"]}},
+             "sampling_params"),
+        ):
+            assert_error(keep_alive.post(path, content=_escaped_json(body), headers=JSON), 400,
+                         param)
+        # The same keep-alive connection still answers (it was reset after a plain 500).
+        assert keep_alive.get("/health").status_code in (200, 503)
 
 
 def test_more_bad_input(gw: Gateway, tokenizer: Tokenizer) -> None:
