@@ -150,7 +150,6 @@ class PrefillConfig:
     max_queued_requests: int | None = None  # None: unlimited
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False  # ignored without priority scheduling
-    priority_scheduling_preemption_threshold: int = 10  # ignored without priority scheduling
     abort_on_priority_when_disabled: bool = False
     disable_radix_cache: bool = False
     in_batch_prefix_caching_check_threshold: int = field(
@@ -328,8 +327,8 @@ def add_prefill_args(parser: Parser) -> None:
     add("--max-prefill-tokens", type=int)
     add("--chunked-prefill-size", type=int, help="-1 disables chunked prefill")
     add("--prefill-max-requests", type=int, help="unset: unlimited")
-    add("--priority-scheduling-preemption-threshold", type=int)
-    add("--abort-on-priority-when-disabled", action="store_true")
+    add("--abort-on-priority-when-disabled", action="store_true",
+        help="reject (400) a request that gives a priority while priority scheduling is off")
     add("--disable-radix-cache", action="store_true")
     add("--in-batch-prefix-caching-check-threshold", type=int)
     add("--in-batch-prefix-caching-deprioritize-threshold", type=int)

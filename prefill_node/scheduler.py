@@ -102,6 +102,10 @@ class PrefillScheduler:
             error = f"prompt of {n} tokens; the context length is {self.runner.context_length}"
         elif pages_needed(n, self.page_size) > self.runner.pool.num_pages:
             error = f"prompt of {n} tokens does not fit this node's KV pool"
+        elif (g.priority is not None and not self.config.enable_priority_scheduling
+              and self.config.abort_on_priority_when_disabled):
+            error = ("priority given but priority scheduling is disabled "
+                     "(--abort-on-priority-when-disabled)")
         try:
             sampling = SamplingParams.from_wire(g.sampling)
             sampling.validate(self.runner.spec.vocab_size)

@@ -78,7 +78,6 @@ def test_prefill_defaults_match_sglang() -> None:
     assert cfg.max_queued_requests is None
     assert cfg.enable_priority_scheduling is False
     assert cfg.schedule_low_priority_values_first is False
-    assert cfg.priority_scheduling_preemption_threshold == 10
     assert cfg.abort_on_priority_when_disabled is False
     assert cfg.disable_radix_cache is False
     assert cfg.in_batch_prefix_caching_check_threshold == 32
@@ -140,7 +139,6 @@ def test_prefill_flags_reach_every_field() -> None:
             "--max-queued-requests=128",
             "--enable-priority-scheduling",
             "--schedule-low-priority-values-first",
-            "--priority-scheduling-preemption-threshold=3",
             "--in-batch-prefix-caching-check-threshold=4",
             "--in-batch-prefix-caching-deprioritize-threshold=5",
             "--cache-aware-fallback-threshold=100",
@@ -155,7 +153,6 @@ def test_prefill_flags_reach_every_field() -> None:
     assert cfg.max_queued_requests == 128
     assert cfg.enable_priority_scheduling
     assert cfg.schedule_low_priority_values_first
-    assert cfg.priority_scheduling_preemption_threshold == 3
     assert cfg.in_batch_prefix_caching_check_threshold == 4
     assert cfg.in_batch_prefix_caching_deprioritize_threshold == 5
     assert cfg.cache_aware_fallback_threshold == 100
@@ -351,11 +348,10 @@ def test_shortest_prefill_first_runs_with_radix_cache() -> None:
 
 def test_priority_flags_without_priority_scheduling_are_accepted() -> None:
     cfg = parse_prefill_config(
-        ["--schedule-low-priority-values-first", "--priority-scheduling-preemption-threshold=99"]
+        ["--schedule-low-priority-values-first"]
     )
     assert cfg.enable_priority_scheduling is False
     assert cfg.schedule_low_priority_values_first is True
-    assert cfg.priority_scheduling_preemption_threshold == 99
     assert parse_prefill_config(
         ["--abort-on-priority-when-disabled"]
     ).abort_on_priority_when_disabled

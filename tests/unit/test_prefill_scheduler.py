@@ -60,8 +60,9 @@ class Harness:
         sampling = {"max_new_tokens": 8, "temperature": 0.0}
         self.push.send(msg.encode(msg.GenerateReq(
             rid=rid, room=room, input_ids=ids, sampling=kw.pop("sampling", sampling),
-            priority=None, routing_key=None, prefill_node_id="p", decode_node_id="d",
-            reply_endpoint=self.reply_endpoint, arrival_time=time.time(), return_logprob=False)))
+            priority=kw.pop("priority", None), routing_key=None, prefill_node_id="p",
+            decode_node_id="d", reply_endpoint=self.reply_endpoint, arrival_time=time.time(),
+            return_logprob=False)))
 
     def receive(self, room, num_tokens):
         r = self.decode.create_receiver(room, self.kv.control_endpoint)
@@ -209,3 +210,15 @@ def test_prompt_longer_than_the_context_is_refused_with_400(h):
     failed = next(m for m in h.replies if isinstance(m, msg.ReqFailed))
     assert failed.rid == "big" and failed.status == 400 and "context length" in failed.error
     assert not h.sched.states
+
+
+def test_a_priority_while_priority_scheduling_is_off_is_refused_when_asked(model_dir):
+    h = Harness(model_dir, abort_on_priority_when_disabled=True)
+    try:
+        h.submit("p", 1, _prompt(9, 1), priority=3)
+        h.run_until(lambda: any(isinstance(m, msg.ReqFailed) for m in h.replies))
+        [failed] = [m for m in h.replies if isinstance(m, msg.ReqFailed)]
+        assert failed.rid == "p" and failed.status == 400 and "priority" in failed.error
+        assert not h.sched.states
+    finally:
+        h.close()
