@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bootstrap.api_keys import ApiKeyError
 from bootstrap.registry import DEFAULT_LEASE_S
 from bootstrap.router import DEFAULT_AFFINITY_TOKENS, DEFAULT_EPSILON
-from common import metrics
+from common import metrics, socket_auth
 from common.config import BootstrapConfig, ConfigError, add_bootstrap_args
 
 if TYPE_CHECKING:  # the service pulls in transformers and torch: import it after the flags check
@@ -130,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s bootstrap %(levelname)s %(name)s: %(message)s",
     )
     metrics.set_role("bootstrap")
+    socket_auth.configure(config.auth_token)  # before any socket: every zmq socket is CURVE
     try:
         service = build_service(config, settings, ns.served_model_name)
+    except ApiKeyError as exc:
+        print(f"pdserve bootstrap: error: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"pdserve bootstrap: error: cannot load the tokenizer: {exc}", file=sys.stderr)
         return 2

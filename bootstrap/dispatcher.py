@@ -26,7 +26,7 @@ from enum import Enum
 import zmq
 
 from common import messages as msg
-from common.ipc import PushPool, bind_pull, poll_any, recv_messages
+from common.ipc import PushPool, bind_pull, close_pull, poll_any, recv_messages
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Dispatcher:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
-        self._sock.close(linger=0)
+        close_pull(self._sock)
         self._push.close()
 
     # ---- counts for the router and admission -----------------------------------------------

@@ -4,8 +4,8 @@ Per request: parse (strict types, 400), prepare (template, tokenize, lengths; 40
 (429 when --max-queued-requests are in flight, 503 without nodes), then stream SSE from
 the first token on, or answer once at the end. A streaming response starts only when the
 first event arrives, so a failure before any token still gets its own status code. The
-cluster token, when set, is the API key (``Authorization: Bearer``) of every route except
-/health, /metrics and the OpenAPI schema.
+API keys (``--api-key``, ``--api-key-file``; never the cluster token), when set, guard
+every route except /health, /metrics and the OpenAPI schema (``Authorization: Bearer``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from bootstrap.gateway_metrics import count_request
 from bootstrap.generation import Generation, PreparedRequest
 from bootstrap.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from bootstrap.prepare import prepare_chat, prepare_completion, prepare_generate
-from bootstrap.registry import bearer_token, check_token
+from bootstrap.registry import bearer_token
 from bootstrap.service import BootstrapService
 from bootstrap.streaming import (
     ChatFormat,
@@ -79,10 +79,8 @@ def build_api_app(service: BootstrapService) -> FastAPI:
     install_error_handlers(app, on_invalid=lambda: count_request("rejected"))
 
     async def require_token(authorization: str | None = Header(default=None)) -> None:
-        if not check_token(service.config.auth_token, bearer_token(authorization)):
-            raise APIError(
-                401, "missing or wrong API key (the cluster token)", code="invalid_api_key"
-            )
+        if not service.api_keys.accepts(bearer_token(authorization)):
+            raise APIError(401, "missing or wrong API key (--api-key)", code="invalid_api_key")
 
     auth = [Depends(require_token)]
 

@@ -29,6 +29,7 @@ from bootstrap.router import (
 )
 from common import messages as msg
 from common import metrics
+from bootstrap.api_keys import ApiKeys
 from common.config import BootstrapConfig
 from common.tokenizer import Tokenizer
 
@@ -78,6 +79,7 @@ class BootstrapService:
         self.model_name = model_name
         self.context_length = context_length
         self.registry = NodeRegistry(config.auth_token, settings.lease_s)
+        self.api_keys = ApiKeys(config.api_keys, config.api_key_file)
         self.registry.gateway_id = settings.gateway_id
         self.router = Router(
             affinity_tokens=settings.affinity_tokens,

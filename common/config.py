@@ -248,6 +248,8 @@ class BootstrapConfig:
     port: int = 8000  # the public API
     bootstrap_port: int = 8998  # the node registry
     auth_token: str | None = field(default_factory=_env_auth_token)
+    api_keys: tuple[str, ...] = ()  # --api-key, repeatable; none (and no file): an open API
+    api_key_file: str | None = None
     max_queued_requests: int | None = None  # None: unlimited
     request_timeout_s: float = 600.0
     model_path: str | None = None  # for the tokenizer; None: the built-in default model
@@ -263,11 +265,19 @@ class BootstrapConfig:
         _check_positive(self.max_queued_requests, "--max-queued-requests")
         _check_positive(self.request_timeout_s, "--request-timeout")
         _check(self.auth_token != "", "--auth-token is empty; pass a non-empty token or omit it")
+        _check(all(k.strip() for k in self.api_keys), "--api-key is empty; pass a key or omit it")
+        _check(
+            self.auth_token is None or self.auth_token not in self.api_keys,
+            "--api-key equals the cluster token; the API key is given to clients, the cluster "
+            "token must stay inside the cluster",
+        )
         _check_positive(self.context_length, "--context-length")
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> Self:
-        return cls(**_field_values(cls, ns))
+        values = _field_values(cls, ns)
+        values["api_keys"] = tuple(values["api_keys"] or ())
+        return cls(**values)
 
 
 Parser = argparse.ArgumentParser
@@ -351,10 +361,14 @@ def add_bootstrap_args(parser: Parser) -> None:
     parser.add_argument("--host")
     parser.add_argument("--port", type=int, help="public API port")
     _add_registry_args(parser)
+    parser.add_argument("--api-key", dest="api_keys", action="append",
+                        help="a key clients must send (Bearer); repeat for several; unset: open API")
+    parser.add_argument("--api-key-file", help="one API key per line, re-read when it changes")
     parser.add_argument("--max-queued-requests", type=int, help="unset: unlimited")
     parser.add_argument("--request-timeout", dest="request_timeout_s", type=float)
     _add_model_identity_args(parser)
     parser.set_defaults(**_field_values(BootstrapConfig, BootstrapConfig()))
+    parser.set_defaults(api_keys=None)  # argparse's append needs a list or None
 
 
 def _parse(argv: list[str], prog: str, add_args: Callable[[Parser], None]) -> argparse.Namespace:

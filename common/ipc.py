@@ -1,17 +1,21 @@
 """zmq helpers used by every node: PULL binding, a pool of PUSH sockets, draining and polling.
 
-Sockets are not thread safe: each helper's sockets belong to the thread that uses them.
+Every socket made here carries the process's socket security (``common.socket_auth``):
+with a cluster token, PULL sockets are CURVE servers and PUSH sockets CURVE clients, so
+no socket can be added without authentication. Sockets are not thread safe: each
+helper's sockets belong to the thread that uses them.
 """
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any, Self
 
 import zmq
 from prometheus_client import Counter
 
-from common import metrics
+from common import metrics, socket_auth
 from common.messages import MalformedMessage, Message, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -22,6 +26,9 @@ DEFAULT_SNDHWM = 10_000
 Socket = zmq.Socket[Any]
 Context = zmq.Context[Any]
 
+# Each bound socket's handshake-failure monitor (CURVE only), drained by recv_messages.
+_monitors: "weakref.WeakKeyDictionary[Socket, Socket]" = weakref.WeakKeyDictionary()
+
 
 def bind_pull(ctx: Context, endpoint: str) -> tuple[Socket, str]:
     """Bind a PULL socket; ``tcp://host:0`` or ``tcp://host:*`` picks a free port.
@@ -30,12 +37,27 @@ def bind_pull(ctx: Context, endpoint: str) -> tuple[Socket, str]:
     """
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
+    monitor = socket_auth.current().secure_server(sock)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError:
-        sock.close(linger=0)
+        close_pull(sock)
         raise
+    if monitor is not None:
+        _monitors[sock] = monitor
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def close_pull(sock: Socket) -> None:
+    """Close a socket from ``bind_pull`` and its handshake monitor."""
+    monitor = _monitors.pop(sock, None)
+    if monitor is not None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close(linger=0)
+    sock.close(linger=0)
 
 
 class PushPool:
@@ -58,6 +80,7 @@ class PushPool:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
             sock.setsockopt(zmq.LINGER, 0)
+            socket_auth.current().secure_client(sock)
             sock.connect(endpoint)
             self._sockets[endpoint] = sock
         return sock
@@ -128,7 +151,11 @@ def recv_messages(
     MALFORMED_LOG_INTERVAL_S per ``socket_name``, and counted in ``counter`` (labels
     ``role`` and ``socket``; default ``pdserve_malformed_messages_total``).
     ``max_frames`` bounds one drain so a flood cannot starve the caller's loop.
+    Peers refused at the CURVE handshake are counted here too (their frames never arrive).
     """
+    monitor = _monitors.get(sock)
+    if monitor is not None:
+        socket_auth.count_failed_handshakes(monitor, socket_name)
     if counter is None:
         counter = metrics.MALFORMED_MESSAGES
     messages: list[Message] = []

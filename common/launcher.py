@@ -1,8 +1,17 @@
-"""`pdserve launch`: bootstrap + N prefill + M decode processes on this machine, up and down together.
+"""`pdserve launch`: bootstrap + N prefill + M decode processes on this machine, supervised.
 
 Flags of its own: --host, --port (API, 8000), --num-prefill (1), --num-decode (1),
---model-path, --startup-timeout. Every other flag goes to each role whose own parser
-knows it (so `--schedule-policy lpm` reaches prefill only, `--auth-token` all three).
+--model-path, --startup-timeout, --no-restart. Every other flag goes to each role whose
+own parser knows it (so `--schedule-policy lpm` reaches prefill only, `--auth-token` all
+three, `--api-key` the bootstrap service).
+
+The cluster is always closed: without --auth-token (or $PDSERVE_AUTH_TOKEN) launch makes
+a random cluster token, hands it to its children in the environment (never argv, which
+`ps` shows) and prints none of it. A process that exits after start-up is started again
+after a back-off (1 s, doubling to 30 s; back to 1 s once it ran 60 s), logged, while the
+others serve on; a restarted node re-registers under its node id once its old lease is
+gone. A process that dies during start-up stops everything (a bad flag, a missing model:
+restarting would not help).
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,6 +34,7 @@ from common.roles import ROLE_MODULES
 
 ROLE_PARSERS = {"bootstrap": add_bootstrap_args, "prefill": add_prefill_args, "decode": add_decode_args}
 LAUNCH_OWNED = {"--host", "--port", "--model-path"}
+TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--model-path", default=None, help="HF directory or .gguf (default: built-in)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--no-restart", dest="restart", action="store_false",
+                   help="stop the whole cluster when one process exits (default: restart it)")
     return p
 
 
@@ -63,30 +76,87 @@ def split_extra_args(extra: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def child_env() -> dict[str, str]:
+def child_env(token: str | None = None) -> dict[str, str]:
     """Several torch processes share this machine's cores: OpenMP threads that spin while
     waiting starve the other processes (two decode loops side by side ran 30x slower);
     passive waiting costs a lone process ~40% but keeps a shared machine usable."""
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if token is not None:
+        env[TOKEN_ENV] = token
     return env
 
 
-class Child:
-    def __init__(self, name: str, argv: list[str]) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, text=True,
-                                     bufsize=1, env=child_env())
-        self.ready: dict[str, Any] | None = None
-        threading.Thread(target=self._read, daemon=True).start()
+class Backoff:
+    """Delay before restarting a process: doubles per quick exit, resets after a stable run."""
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(READY_PREFIX) and self.ready is None:
-                self.ready = json.loads(line[len(READY_PREFIX):])
+    def __init__(self, first_s: float = 1.0, max_s: float = 30.0, stable_s: float = 60.0) -> None:
+        self.first_s, self.max_s, self.stable_s = first_s, max_s, stable_s
+        self.num_quick_exits = 0
+
+    def delay_after_exit(self, ran_s: float) -> float:
+        """Seconds to wait before the next start of a process that ran ``ran_s``."""
+        if ran_s >= self.stable_s:
+            self.num_quick_exits = 0
+        delay = min(self.max_s, self.first_s * 2**self.num_quick_exits)
+        self.num_quick_exits += 1
+        return delay
+
+
+class Child:
+    """One supervised process: its argv, the running Popen, and when to start it again."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.backoff = Backoff()
+        self.num_restarts = 0
+        self.restart_at: float | None = None  # set while it waits to be started again
+        self.ready: dict[str, Any] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.started_at = time.monotonic()
+        self.restart_at = None
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=None, text=True,
+                                     bufsize=1, env=self.env)
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(READY_PREFIX):
+                if self.ready is None:
+                    self.ready = json.loads(line[len(READY_PREFIX):])
             else:
                 sys.stdout.write(f"[{self.name}] {line}")
+
+    def supervise(self, now: float) -> None:
+        """Notice an exit and schedule the restart; start it again when its back-off is over."""
+        if self.restart_at is None:
+            code = self.proc.poll()
+            if code is None:
+                return
+            delay = self.backoff.delay_after_exit(now - self.started_at)
+            self.restart_at = now + delay
+            print(f"pdserve launch: {self.name} exited ({_exit_text(code)}) after "
+                  f"{now - self.started_at:.0f} s; restarting it in {delay:g} s", file=sys.stderr,
+                  flush=True)
+        elif now >= self.restart_at:
+            self.num_restarts += 1
+            print(f"pdserve launch: restarting {self.name} (restart {self.num_restarts})",
+                  file=sys.stderr, flush=True)
+            self.start()
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _registered(url: str, token: str | None) -> list[dict[str, Any]]:
@@ -101,17 +171,25 @@ def main(argv: list[str]) -> int:
     args, extra = build_parser().parse_known_args(argv)
     per_role = split_extra_args(extra)
     registry_port = _value(per_role["bootstrap"], "--disaggregation-bootstrap-port", "8998")
-    token = _value(per_role["bootstrap"], "--auth-token", os.environ.get("PDSERVE_AUTH_TOKEN"))
+    token = _value(per_role["bootstrap"], "--auth-token", os.environ.get(TOKEN_ENV))
+    generated = None
+    if not token:
+        # A cluster of its own: closed with a token nobody else knows.
+        token = generated = secrets.token_urlsafe(32)
+        print("pdserve launch: no --auth-token given; this cluster uses a random token of its "
+              "own", flush=True)
+    env = child_env(generated)
     registry = f"http://{args.host}:{registry_port}"
     model = ["--model-path", args.model_path] if args.model_path else []
     py = sys.executable
     children = [Child("bootstrap", [py, "-m", "bootstrap", "--host", args.host, "--port",
-                                    str(args.port), *model, *per_role["bootstrap"]])]
+                                    str(args.port), *model, *per_role["bootstrap"]], env)]
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
         for i in range(count):
             children.append(Child(f"{role}-{i}", [
                 py, "-m", ROLE_MODULES[role], "--host", args.host, "--port", "0",
-                "--node-id", f"{role}-{i}", "--bootstrap-url", registry, *model, *per_role[role]]))
+                "--node-id", f"{role}-{i}", "--bootstrap-url", registry, *model, *per_role[role]],
+                env))
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
@@ -121,11 +199,15 @@ def main(argv: list[str]) -> int:
         print(f"pdserve is up: OpenAI API at http://{args.host}:{args.port}/v1 "
               f"({args.num_prefill} prefill, {args.num_decode} decode). Ctrl-C stops it.", flush=True)
         while not stopping.is_set():
-            dead = [c.name for c in children if c.proc.poll() is not None]
-            if dead:
-                print(f"pdserve launch: {', '.join(dead)} exited; stopping", file=sys.stderr)
-                return 1
-            stopping.wait(0.5)
+            if not args.restart:
+                dead = [c.name for c in children if c.proc.poll() is not None]
+                if dead:
+                    print(f"pdserve launch: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                    return 1
+            else:
+                for child in children:
+                    child.supervise(time.monotonic())
+            stopping.wait(0.2)
         return 0
     finally:
         _stop_all(children)
@@ -157,6 +239,7 @@ def _stop_all(children: list[Child], grace_s: float = 20.0) -> None:
     for c in reversed(children):  # nodes first, the bootstrap service last
         if c.proc.poll() is None:
             c.proc.send_signal(signal.SIGTERM)
+
     deadline = time.monotonic() + grace_s
     for c in children:
         try:

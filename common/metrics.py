@@ -156,6 +156,13 @@ MALFORMED_MESSAGES: Final = _counter(
     "Internal messages dropped as invalid, by socket.",
     "socket",
 )
+UNAUTHENTICATED_CONNECTIONS: Final = _counter(
+    "pdserve_unauthenticated_connections_total",
+    "Connections to an internal socket refused at the CURVE handshake (no cluster token), "
+    "by socket and reason; nothing they send is delivered.",
+    "socket",
+    "reason",
+)
 REJECTED_MESSAGES: Final = _counter(
     "pdserve_rejected_messages_total",
     "Well-formed internal messages dropped as unacceptable (unknown or impostor peer, "

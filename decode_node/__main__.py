@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from common import messages as msg
+from common import socket_auth
 from common.config import ConfigError, DecodeConfig, add_decode_args
 from common.model.loader import resolve_model_dir
 from common.node_process import (NodeArgs, NodeProcess, add_node_args, advertised,
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve decode: error: {exc}", file=sys.stderr)
         return 2
     setup_logging(ns.log_level, "decode")
+    socket_auth.configure(config.transfer.auth_token)  # before any socket: every zmq socket is CURVE
     node = NodeArgs.from_args("decode", ns, config.host, config.port)
     runner = build_runner(config.model)
     tokenizer = Tokenizer.from_pretrained(resolve_model_dir(config.model.model_path))

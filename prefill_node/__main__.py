@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from common import messages as msg
+from common import socket_auth
 from common.config import ConfigError, PrefillConfig, add_prefill_args
 from common.node_process import (
     NodeArgs,
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve prefill: error: {exc}", file=sys.stderr)
         return 2
     setup_logging(ns.log_level, "prefill")
+    socket_auth.configure(config.transfer.auth_token)  # before any socket: every zmq socket is CURVE
     node = NodeArgs.from_args("prefill", ns, config.host, config.port)
     runner = build_runner(config.model)
     backend = make_backend(config.transfer.backend, node.node_id)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import zmq
 
 from common import messages as msg
-from common.ipc import PushPool, bind_pull, recv_messages
+from common.ipc import PushPool, bind_pull, close_pull, recv_messages
 from common.kv_pool import KVPool
 from transfer.backend import TransferBackend
 from transfer.kv_control import ControlDispatcher
@@ -252,5 +252,5 @@ class KVManager:
         self._is_closed = True
         self._leases.close()
         self._push.close()
-        self._sock.close(linger=0)
+        close_pull(self._sock)
         self.backend.close()

@@ -14,7 +14,8 @@ from typing import Any
 import report
 from cluster import Proc, http, metric, start, wait_ready
 
-TOKEN = "faults-token"
+TOKEN = "faults-token"  # the cluster secret (registry, zmq CURVE keys)
+API_KEY = "faults-api-key"  # what clients send
 LEASE_S = 2.0
 # The specified bound is lease + 1 s; this 2-core machine runs four torch processes, so
 # allow 2 s more before calling it a hang.
@@ -85,12 +86,14 @@ class Cluster:
 
     def __post_init__(self) -> None:
         self.api_port, self.registry_port, reply = free_port(), free_port(), free_port()
+        self.reply_endpoint = f"tcp://{HOST}:{reply}"
         self.api = f"http://{HOST}:{self.api_port}"
         self.registry = f"http://{HOST}:{self.registry_port}"
         self.nodes["bootstrap"] = Node(  # /metrics is served on the API port
             "bootstrap", "bootstrap",
             ["--host", HOST, "--port", str(self.api_port), "--disaggregation-bootstrap-port",
              str(self.registry_port), "--reply-port", str(reply), "--auth-token", TOKEN,
+             "--api-key", API_KEY,
              "--lease-timeout", str(LEASE_S)], self.api_port)
         roles = [(f"prefill-{i}", "prefill_node", self.prefill_args)
                  for i in range(self.num_prefill)]
@@ -191,7 +194,7 @@ class Cluster:
     def unhealthy_nodes(self) -> list[str]:
         """Nodes the gateway does not list as healthy, or whose own /health says otherwise."""
         try:
-            status, body = http("GET", self.api + "/nodes", token=TOKEN, timeout=5)
+            status, body = http("GET", self.api + "/nodes", token=API_KEY, timeout=5)
         except OSError:
             return ["bootstrap"]
         live = healthy_ids(status, body)
@@ -215,7 +218,7 @@ class Cluster:
 
         def healthy() -> bool:
             try:
-                status, body = http("GET", self.api + "/nodes", token=TOKEN, timeout=5)
+                status, body = http("GET", self.api + "/nodes", token=API_KEY, timeout=5)
                 live = healthy_ids(status, body)
                 seen["registry"] = body
                 if not names <= live:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-from harness import TOKEN
+from harness import API_KEY
 
 # No single read may wait longer than this; a request as a whole gives up after TOTAL_S.
 READ_TIMEOUT_S = 30.0
@@ -124,7 +124,7 @@ class Stream:
                                           timeout=READ_TIMEOUT_S)
         self._conn = conn
         conn.request("POST", "/v1/completions", json.dumps(self.body),
-                     {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+                     {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
         resp = conn.getresponse()
         out.status = resp.status
         if resp.status != 200:

@@ -17,7 +17,7 @@ from checks import (
     wait_metric,
 )
 from cluster import http
-from harness import CHUNK, TOKEN, Cluster, wait_for
+from harness import API_KEY, CHUNK, TOKEN, Cluster, wait_for
 from streams import Stream
 
 pytestmark = pytest.mark.slow
@@ -87,7 +87,7 @@ def test_registering_a_live_node_id_from_another_instance_is_refused(cluster: Cl
     status, body = http("POST", cluster.registry + "/register", msg.to_jsonable(intruder),
                         token=TOKEN)
     assert status == 409, (status, body)
-    _, nodes = http("GET", cluster.api + "/nodes", token=TOKEN)
+    _, nodes = http("GET", cluster.api + "/nodes", token=API_KEY)
     entry = next(n for n in nodes["nodes"] if n["id"] == VICTIM)
     assert entry["http_url"] == cluster.nodes[VICTIM].http_url, entry
     assert_fresh_request_succeeds(cluster, key_for(VICTIM), VICTIM)

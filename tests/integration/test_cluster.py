@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
 openai = pytest.importorskip("openai")
 
-TOKEN = "test-cluster-token"
+TOKEN = "test-cluster-token"  # the cluster's secret: registry and every zmq socket
+API_KEY = "test-client-key"  # what clients send; never the cluster token
 SYSTEM = "You are a terse assistant for a lighthouse keeper. Answer in one short sentence. " * 6
 
 
@@ -30,7 +31,8 @@ def cluster():
     common = ["--auth-token", TOKEN, "--max-total-tokens", "6144",
               "--disaggregation-lease-timeout", "3"]
     boot = start("bootstrap", "bootstrap", "--host", "127.0.0.1", "--port", str(api),
-                 "--disaggregation-bootstrap-port", str(registry), "--auth-token", TOKEN)
+                 "--disaggregation-bootstrap-port", str(registry), "--auth-token", TOKEN,
+                 "--api-key", API_KEY)
     url = f"http://127.0.0.1:{registry}"
     nodes = [start(f"{role}-{i}", module, "--host", "127.0.0.1", "--port", "0",
                    "--node-id", f"{role}-{i}", "--bootstrap-url", url, *common)
@@ -41,7 +43,7 @@ def cluster():
         wait_ready(procs)
         deadline = time.monotonic() + 120
         while True:
-            status, body = http("GET", f"http://127.0.0.1:{api}/nodes", token=TOKEN)
+            status, body = http("GET", f"http://127.0.0.1:{api}/nodes", token=API_KEY)
             healthy = [n for n in body.get("nodes", [])] if status == 200 else []
             if sum(1 for n in healthy if n.get("healthy")) == 4:
                 break
@@ -55,7 +57,7 @@ def cluster():
 
 
 def client(c) -> "openai.OpenAI":
-    return openai.OpenAI(base_url=c["api"] + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=c["api"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def test_chat_and_completions_streaming_and_not_with_the_official_client(cluster):
@@ -141,7 +143,7 @@ def test_a_node_without_the_token_cannot_register(cluster):
                              auth_token="wrong")
     status, _ = http("POST", cluster["registry"] + "/register", msg.to_jsonable(rogue))
     assert status == 401
-    _, body = http("GET", cluster["api"] + "/nodes", token=TOKEN)
+    _, body = http("GET", cluster["api"] + "/nodes", token=API_KEY)
     assert "rogue" not in {n["id"] for n in body["nodes"]}
     status, _ = http("GET", cluster["api"] + "/v1/models")
     assert status == 401
@@ -156,7 +158,7 @@ def test_bad_inputs_get_openai_style_errors(cluster):
         ({"model": "default", "messages": [{"role": "user", "content": "hi " * 9000}]}, 400),
     ]
     for body, expect in cases:
-        status, resp = http("POST", api, body, token=TOKEN)
+        status, resp = http("POST", api, body, token=API_KEY)
         assert status == expect, (body, status, resp)
         assert isinstance(resp, dict) and "message" in resp["error"]
 

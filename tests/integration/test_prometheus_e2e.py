@@ -33,10 +33,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import helm_tools as ht
+from launched import Launch, free_port, get_json, stop
 
 pytestmark = pytest.mark.slow
 
-STARTUP_TIMEOUT_S = 300.0
 NUM_REQUESTS = 4
 NAMESPACE = "e2e"
 # Panels that must show data after a few requests (title/refId of the dashboard queries).
@@ -58,84 +58,9 @@ MUST_HAVE_DATA = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def _stop(proc: subprocess.Popen[str], grace_s: float = 30.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-
-
-class Launch:
-    """`pdserve launch` on loopback; skips the test when it does not come up."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.api_port, self.registry_port = _free_port(), _free_port()
-        backend = "nixl" if importlib.util.find_spec("nixl._api") else "fake"
-        argv = [
-            sys.executable,
-            "-m",
-            "common.cli",
-            "launch",
-            "--port",
-            str(self.api_port),
-            "--disaggregation-bootstrap-port",
-            str(self.registry_port),
-            "--disaggregation-transfer-backend",
-            backend,
-        ]
-        self.log: list[str] = []
-        self.is_up = threading.Event()
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=workdir,
-            start_new_session=True,
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.log.append(line.rstrip())
-            if line.startswith("pdserve is up"):
-                self.is_up.set()
-
-    def wait_up(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not self.is_up.wait(0.5):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                _stop(self.proc)
-                tail = "\n".join(self.log[-15:])
-                pytest.skip(f"pdserve launch did not start here:\n{tail}")
-
-    def targets(self) -> list[tuple[str, str]]:
-        """(host:port, pod name) of every process's /metrics."""
-        nodes = _get(f"http://127.0.0.1:{self.registry_port}/nodes")["nodes"]
-        out = [(f"127.0.0.1:{self.api_port}", "pdserve-bootstrap-0")]
-        for node in nodes:
-            out.append((urllib.parse.urlsplit(node["metrics_url"]).netloc, f"pdserve-{node['id']}"))
-        return out
-
-
 class Prometheus:
     def __init__(self, workdir: Path, targets: list[tuple[str, str]]) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(ht.FILES_DIR / "prometheus-rules.yaml")],
@@ -180,7 +105,7 @@ class Prometheus:
             {"query": expr}
         )
         try:
-            body = _get(url)
+            body = get_json(url)
         except urllib.error.HTTPError as exc:
             raise AssertionError(f"{expr}: {exc.read().decode()}") from None
         assert body["status"] == "success", body
@@ -245,8 +170,8 @@ def stack() -> Iterator[tuple[Launch, Prometheus]]:
         yield launch, prometheus
     finally:
         if prometheus is not None:
-            _stop(prometheus.proc)
-        _stop(launch.proc)
+            stop(prometheus.proc)
+        stop(launch.proc)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -275,7 +200,7 @@ def test_every_rule_evaluates_and_nothing_leaks_when_idle(stack: tuple[Launch, P
     expected = sum(len(g["rules"]) for g in rules_file["groups"])
     deadline = time.monotonic() + 30
     while True:
-        groups = _get(f"http://127.0.0.1:{prom.port}/api/v1/rules")["data"]["groups"]
+        groups = get_json(f"http://127.0.0.1:{prom.port}/api/v1/rules")["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
         if len(rules) == expected and all(r["health"] != "unknown" for r in rules):
             break  # every rule has been evaluated at least once

@@ -4,8 +4,10 @@ client disconnect (AbortReq to both nodes), ReqFailed mid-stream, a node's lease
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +23,7 @@ from test_gateway_harness import (
     stream_tokens,
 )
 
+from bootstrap import api_keys
 from common import messages as msg
 from common.registry_client import wait_until
 from common.tokenizer import Tokenizer
@@ -154,25 +157,59 @@ def test_more_bad_input(gw: Gateway, tokenizer: Tokenizer) -> None:
     assert ok.status_code == 200, ok.text
 
 
-def test_token_required_on_api_and_registry(
+def test_api_keys_guard_the_api_and_the_cluster_token_guards_the_registry(
     gateway_factory: Callable[..., Gateway],
     tokenizer: Tokenizer,
 ) -> None:
-    gw = gateway_factory(auth_token="s3cret")
+    gw = gateway_factory(auth_token="s3cret", api_keys=("key-a", "key-b"))
     gw.node("prefill")
     gw.node("decode", stream_tokens(reply_ids(tokenizer)))
-    c = openai.OpenAI(base_url=gw.api_url + "/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
-        c.chat.completions.create(model="m", messages=OK_MESSAGES)
+    for wrong in ("wrong", "s3cret"):  # the cluster token is not an API key
+        c = openai.OpenAI(base_url=gw.api_url + "/v1", api_key=wrong, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            c.chat.completions.create(model="m", messages=OK_MESSAGES)
     error = assert_error(httpx.post(gw.api_url + CHAT, json={"messages": OK_MESSAGES}), 401)
-    assert error["type"] == "authentication_error"
+    assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
     assert_error(httpx.get(gw.api_url + "/v1/models"), 401)
     assert_error(httpx.get(gw.api_url + "/nodes"), 401)
-    assert_error(httpx.get(gw.registry_url + "/nodes"), 401)
     assert httpx.get(gw.api_url + "/health").status_code == 200
-    good = openai.OpenAI(base_url=gw.api_url + "/v1", api_key="s3cret", max_retries=0)
-    out = good.chat.completions.create(model="m", messages=OK_MESSAGES, max_tokens=3)
-    assert out.choices[0].finish_reason == "length"
+    for key in ("key-a", "key-b"):
+        good = openai.OpenAI(base_url=gw.api_url + "/v1", api_key=key, max_retries=0)
+        out = good.chat.completions.create(model="m", messages=OK_MESSAGES, max_tokens=3)
+        assert out.choices[0].finish_reason == "length"
+    # The registry wants the cluster token, never an API key.
+    assert_error(httpx.get(gw.registry_url + "/nodes"), 401)
+    bearer = {"Authorization": "Bearer key-a"}
+    assert_error(httpx.get(gw.registry_url + "/nodes", headers=bearer), 401)
+    ok = httpx.get(gw.registry_url + "/nodes", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and len(ok.json()["nodes"]) == 2
+
+
+def test_api_key_file_rotates_without_a_restart(
+    gateway_factory: Callable[..., Gateway],
+    tokenizer: Tokenizer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(api_keys, "RELOAD_INTERVAL_S", 0.0)
+    key_file = tmp_path / "keys"
+    key_file.write_text("# clients\nold-key\n\n")
+    gw = gateway_factory(api_key_file=str(key_file))
+    models = gw.api_url + "/v1/models"
+
+    def status(key: str) -> int:
+        return httpx.get(models, headers={"Authorization": f"Bearer {key}"}).status_code
+
+    assert (status("old-key"), status("new-key")) == (200, 401)
+    key_file.write_text("old-key\nnew-key\n")
+    os.utime(key_file, ns=(time.time_ns(), time.time_ns() + 10**9))  # a new mtime for sure
+    assert (status("old-key"), status("new-key")) == (200, 200)
+    key_file.write_text("new-key\n")
+    os.utime(key_file, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    assert (status("old-key"), status("new-key")) == (401, 200)
+    key_file.write_text("")  # a broken rotation keeps the last good keys
+    os.utime(key_file, ns=(time.time_ns(), time.time_ns() + 3 * 10**9))
+    assert (status("old-key"), status("new-key")) == (401, 200)
 
 
 def test_no_nodes_is_503(gateway_factory: Callable[..., Gateway]) -> None:
