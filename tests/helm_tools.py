@@ -75,6 +75,7 @@ TOGGLES: dict[str, dict[str, Any]] = {
         "auth": {"existingSecret": "pdserve-token", "existingSecretKey": "cluster"}
     },
     "given-token": {"auth": {"token": "s3cret-token"}},
+    "api-keys": {"apiKeys": {"existingSecret": "client-keys"}},
     "model-pvc": {"model": {"source": "pvc", "pvc": {"claimName": "models"}, "path": "llama-3-8b"}},
     "model-hostpath": {
         "model": {

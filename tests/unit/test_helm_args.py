@@ -95,6 +95,22 @@ def test_every_pod_gets_the_cluster_token_from_the_secret() -> None:
             assert "--auth-token" not in container["args"]  # never on a command line
 
 
+def test_api_keys_come_from_their_own_secret_as_a_file_that_rotates() -> None:
+    ns, container = _parsed("default", "bootstrap")
+    assert ns.api_key_file is None and not ns.api_keys  # an open API by default
+    ns, container = _parsed("api-keys", "bootstrap")
+    assert ns.api_key_file == "/etc/pdserve/api-keys/keys"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "api-keys")
+    assert mount == {"name": "api-keys", "mountPath": "/etc/pdserve/api-keys", "readOnly": True}
+    docs = ht.toggle_manifests("api-keys")
+    pod = ht.named(docs, "Deployment", ht.role_name("bootstrap"))["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"] == {"secretName": "client-keys"}  # not the cluster token's Secret
+    for role in ht.NODE_ROLES:  # nodes never see the API keys
+        _, node = _parsed("api-keys", role)
+        assert all(m["name"] != "api-keys" for m in node.get("volumeMounts", []))
+
+
 def test_the_model_comes_from_the_image_or_a_read_only_mount_never_a_hub() -> None:
     for role in ht.ROLES:
         ns, container = _parsed("default", role)
