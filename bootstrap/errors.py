@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
 
 # HTTP status -> OpenAI error type.
 _TYPES = {
@@ -98,3 +103,110 @@ def install_error_handlers(app: FastAPI, on_invalid: Callable[[], None] | None =
         return JSONResponse(
             error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code
         )
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error body of the API (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {
+    400: "invalid request: bad JSON, a wrong type, a value out of range, a prompt too long "
+    "(code context_length_exceeded), a parameter that is not served",
+    401: "missing or wrong API key",
+    404: "no such route",
+    413: "request body over the limit",
+    429: "too many requests in flight (--max-queued-requests)",
+    503: "no healthy prefill or decode node, or the node is shutting down",
+    504: "the request timed out (--request-timeout)",
+}
+
+
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the given error statuses, all with the ErrorResponse body."""
+    return {s: {"model": ErrorResponse, "description": _DESCRIPTIONS[s]} for s in statuses}
+
+
+class BodyLimit:
+    """ASGI middleware: a body over ``max_bytes`` is a 413 (by Content-Length, or as it streams)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._too_large(send)
+                return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # Raised inside the route's body read: the app's handler answers it.
+                    raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return f"request body over {self.max_bytes} bytes"
+
+    async def _too_large(self, send: Send) -> None:
+        response = JSONResponse(error_body(413, self._message()), status_code=413)
+        await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class CatchAll:
+    """ASGI middleware: an unexpected exception is a JSON 500 (logged), never plain text.
+
+    Starlette's own last resort answers in plain text and re-raises, which also cost the
+    client its keep-alive connection; here the exception ends with the response.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            logger.exception("unexpected error serving %s %s", scope.get("method"),
+                             scope.get("path"))
+            if started:
+                return  # the body was under way: nothing can be said any more
+            response = JSONResponse(
+                error_body(500, "internal error; the request was not served", code="internal"),
+                status_code=500,
+            )
+            await response(scope, _no_receive, send)

@@ -17,9 +17,10 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Header, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from bootstrap.errors import APIError, install_error_handlers
+from bootstrap.errors import APIError, BodyLimit, CatchAll, documented, install_error_handlers
 from bootstrap.gateway_metrics import count_request
 from bootstrap.generation import Generation, PreparedRequest
 from bootstrap.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -38,6 +39,9 @@ from common import metrics
 
 T = TypeVar("T")
 CLIENT_CLOSED_STATUS = 499
+# A prompt of 128k tokens is ~600 KB of JSON text; 16 MiB leaves room and bounds memory.
+MAX_BODY_BYTES = 16 << 20
+GENERATION_ERRORS = documented(400, 401, 413, 429, 503, 504)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -69,14 +73,54 @@ async def _unless_disconnected(request: Request, work: Awaitable[T], gen: Genera
     return task.result()
 
 
+def _document_limits(app: FastAPI, service: BootstrapService) -> None:
+    """Write this deployment's vocabulary and context sizes into the OpenAPI schema."""
+    max_id = service.tokenizer.vocab_size - 1
+
+    def fill(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("description") == "below the vocabulary size":
+                node["maximum"] = max_id
+            for key in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
+                prop = node.get("properties", {}).get(key)
+                if isinstance(prop, dict):
+                    prop["maximum"] = service.context_length
+            for value in node.values():
+                fill(value)
+        elif isinstance(node, list):
+            for value in node:
+                fill(value)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = get_openapi(
+                title=app.title, version=app.version, summary=app.summary, routes=app.routes
+            )
+            fill(app.openapi_schema)
+            for path in app.openapi_schema["paths"].values():
+                for operation in path.values():
+                    # FastAPI documents a 422 for bodies; invalid bodies are 400s here.
+                    operation.get("responses", {}).pop("422", None)
+            schemas = app.openapi_schema.get("components", {}).get("schemas", {})
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(unused, None)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def build_api_app(service: BootstrapService) -> FastAPI:
     """The API app over ``service`` (shared with the registry app in the same process)."""
     app = FastAPI(
         title="pdserve",
         summary="Prefill/decode disaggregated serving: OpenAI-compatible API",
         version="0.1.0",
+        responses=documented(404),
     )
     install_error_handlers(app, on_invalid=lambda: count_request("rejected"))
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(CatchAll)  # outermost: whatever slips through is still JSON
+    _document_limits(app, service)
 
     async def require_token(authorization: str | None = Header(default=None)) -> None:
         if not service.api_keys.accepts(bearer_token(authorization)):
@@ -110,7 +154,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
             sse_stream(first, events, fmt), media_type="text/event-stream", headers=_SSE_HEADERS
         )
 
-    @app.post("/v1/chat/completions", dependencies=auth, response_model=None)
+    @app.post("/v1/chat/completions", dependencies=auth, response_model=None, responses=GENERATION_ERRORS)
     async def chat_completions(
         body: ChatCompletionRequest,
         request: Request,
@@ -130,7 +174,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
 
         return await serve(request, prepared, fmt, body.stream, arrival)
 
-    @app.post("/v1/completions", dependencies=auth, response_model=None)
+    @app.post("/v1/completions", dependencies=auth, response_model=None, responses=GENERATION_ERRORS)
     async def completions(
         body: CompletionRequest,
         request: Request,
@@ -150,7 +194,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
 
         return await serve(request, prepared, fmt, body.stream, arrival)
 
-    @app.post("/generate", dependencies=auth, response_model=None)
+    @app.post("/generate", dependencies=auth, response_model=None, responses=GENERATION_ERRORS)
     async def generate(
         body: GenerateRequest,
         request: Request,
@@ -166,7 +210,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
 
         return await serve(request, prepared, fmt, body.stream, arrival)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=auth, responses=documented(401))
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
@@ -181,7 +225,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
             ],
         }
 
-    @app.get("/nodes", dependencies=auth)
+    @app.get("/nodes", dependencies=auth, responses=documented(401))
     async def nodes() -> dict[str, Any]:
         return {"nodes": service.registry.table()}
 

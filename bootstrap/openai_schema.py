@@ -1,7 +1,9 @@
 """Request bodies of the public API (OpenAI's completions and chat, SGLang's /generate).
 
 Strict types (a string is not a number, "yes" is not a boolean: 400), unknown fields ignored.
-Values are checked later, in ``bootstrap.prepare``, where the tokenizer and context are known.
+Values are checked later, in ``bootstrap.prepare``, where the tokenizer and context are known;
+the ranges and enums that check enforces are written into the OpenAPI schema here
+(``json_schema_extra``), so a client or a schema-driven fuzzer knows what is served.
 """
 
 from __future__ import annotations
@@ -15,6 +17,35 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 UINT64_MAX = 2**64 - 1
+MAX_TOP_LOGPROBS = 20  # common.sampling_params.MAX_TOP_LOGPROBS
+# common.tokenizer.CHAT_ROLES, plus OpenAI's "developer" (served as "system").
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+_TEXT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+}
+_MESSAGES = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": {"enum": list(CHAT_ROLES)},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
+            "name": {"type": "string"},
+        },
+    },
+}
+_STOP_TEXT = {"type": "string", "minLength": 1}
+_TOKEN_ID = {"type": "integer", "minimum": 0, "description": "below the vocabulary size"}
+
+
+def _served(**schema: Any) -> Any:
+    """JSON-schema keywords for what ``bootstrap.prepare`` accepts (it gives the 400s)."""
+    return schema
 
 
 def _find_surrogate(value: Any, path: str = "") -> str | None:
@@ -62,18 +93,34 @@ class _OpenAISampling(_Body):
 
     model: str | None = None
     max_tokens: int | None = Field(
-        default=None, le=INT64_MAX,
-        description="unset: 16 (completions), the rest of the context (chat)"
+        default=None, le=INT64_MAX, json_schema_extra=_served(minimum=1),
+        description="unset: 16 (completions), the rest of the context (chat); prompt + "
+        "max_tokens must fit the context length",
     )
-    temperature: float | None = Field(default=None, description="0: greedy; unset: 1")
-    top_p: float | None = None
-    top_k: int | None = Field(default=None, le=INT64_MAX, description="-1 or 0: disabled")
-    min_p: float | None = None
-    seed: int | None = Field(default=None, le=UINT64_MAX)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    temperature: float | None = Field(
+        default=None, json_schema_extra=_served(minimum=0), description="0: greedy; unset: 1"
+    )
+    top_p: float | None = Field(
+        default=None, json_schema_extra=_served(exclusiveMinimum=0, maximum=1)
+    )
+    top_k: int | None = Field(
+        default=None, le=INT64_MAX, json_schema_extra=_served(minimum=-1),
+        description="-1 or 0: disabled",
+    )
+    min_p: float | None = Field(default=None, json_schema_extra=_served(minimum=0, maximum=1))
+    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
+    stop: str | list[str] | None = Field(
+        default=None, json_schema_extra=_served(
+            anyOf=[_STOP_TEXT, {"type": "array", "items": _STOP_TEXT}, {"type": "null"}]
+        ),
+    )
+    stop_token_ids: list[int] | None = Field(
+        default=None, json_schema_extra=_served(
+            anyOf=[{"type": "array", "items": _TOKEN_ID}, {"type": "null"}]
+        ),
+    )
     ignore_eos: bool = False
-    n: int = Field(default=1, description="only 1 is served")
+    n: int = Field(default=1, json_schema_extra=_served(enum=[1]), description="only 1 is served")
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX,
@@ -81,40 +128,96 @@ class _OpenAISampling(_Body):
     routing_key: str | None = Field(
         default=None, description="prefix-affinity key (also header x-routing-key)"
     )
-    frequency_penalty: float | None = Field(default=None, description="only 0 is served")
-    presence_penalty: float | None = Field(default=None, description="only 0 is served")
-    repetition_penalty: float | None = Field(default=None, description="only 1 is served")
-    logit_bias: dict[str, float] | None = Field(default=None, description="not served")
+    frequency_penalty: float | None = Field(
+        default=None, json_schema_extra=_served(enum=[0, None]), description="only 0 is served"
+    )
+    presence_penalty: float | None = Field(
+        default=None, json_schema_extra=_served(enum=[0, None]), description="only 0 is served"
+    )
+    repetition_penalty: float | None = Field(
+        default=None, json_schema_extra=_served(enum=[1, None]), description="only 1 is served"
+    )
+    logit_bias: dict[str, float] | None = Field(
+        default=None, json_schema_extra=_served(maxProperties=0), description="not served"
+    )
     user: str | None = None
 
 
 class CompletionRequest(_OpenAISampling):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, description="top logprobs per token, 0-20")
-    echo: bool = Field(default=False, description="not served")
-    best_of: int | None = Field(default=None, description="only 1 is served")
-    suffix: str | None = Field(default=None, description="not served")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        json_schema_extra=_served(anyOf=[
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+             "maxItems": 1},
+            {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+            {"type": "array", "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+             "minItems": 1, "maxItems": 1},
+        ]),
+        description="one prompt: text or token ids (a batch of one is accepted)",
+    )
+    logprobs: int | None = Field(
+        default=None, json_schema_extra=_served(minimum=0, maximum=MAX_TOP_LOGPROBS),
+        description="top logprobs per token, 0-20",
+    )
+    echo: bool = Field(default=False, json_schema_extra=_served(enum=[False]),
+                       description="not served")
+    best_of: int | None = Field(default=None, json_schema_extra=_served(enum=[1, None]),
+                                description="only 1 is served")
+    suffix: str | None = Field(default=None, json_schema_extra=_served(enum=["", None]),
+                               description="not served")
 
 
 class ChatCompletionRequest(_OpenAISampling):
     """POST /v1/chat/completions."""
 
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
+    messages: list[dict[str, Any]] = Field(json_schema_extra=_served(**_MESSAGES))
+    max_completion_tokens: int | None = Field(
+        default=None, le=INT64_MAX, json_schema_extra=_served(minimum=1)
+    )
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(
+        default=None, json_schema_extra=_served(minimum=0, maximum=MAX_TOP_LOGPROBS),
+        description="needs logprobs: true",
+    )
 
 
 class GenerateRequest(_Body):
     """POST /generate, SGLang's native shape: text or input_ids plus sampling_params."""
 
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["text"], "properties": {"text": {"type": "string", "minLength": 1},
+                                              "input_ids": {"type": "null"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"},
+                                                   "text": {"type": "null"}}},
+    ]})
+
+    text: str | None = Field(default=None, description="exactly one of text and input_ids")
+    input_ids: list[int] | None = Field(
+        default=None, json_schema_extra=_served(
+            anyOf=[{"type": "array", "items": _TOKEN_ID, "minItems": 1}, {"type": "null"}]
+        ),
+    )
+    sampling_params: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra=_served(properties={
+            "max_new_tokens": {"type": "integer", "minimum": 1, "maximum": INT64_MAX},
+            "temperature": {"type": "number", "minimum": 0},
+            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+            "top_k": {"type": "integer", "minimum": -1, "maximum": INT64_MAX},
+            "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+            "seed": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": UINT64_MAX},
+                               {"type": "null"}]},
+            "stop": {"anyOf": [_STOP_TEXT, {"type": "array", "items": _STOP_TEXT}]},
+            "stop_token_ids": {"type": "array", "items": _TOKEN_ID},
+            "ignore_eos": {"type": "boolean"},
+        }),
+        description="SGLang's sampling parameters; unknown keys are ignored",
+    )
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    top_logprobs_num: int = Field(
+        default=0, json_schema_extra=_served(minimum=0, maximum=MAX_TOP_LOGPROBS)
+    )
     priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     routing_key: str | None = None

@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 MALFORMED_LOG_INTERVAL_S = 10.0
 DEFAULT_SNDHWM = 10_000
+# The largest frame a PULL socket takes: a GenerateReq of a 1M-token prompt is ~5 MB. A peer
+# sending more is disconnected by libzmq before the frame is buffered whole.
+MAX_FRAME_BYTES = 64 << 20
 
 Socket = zmq.Socket[Any]
 Context = zmq.Context[Any]
@@ -37,6 +40,7 @@ def bind_pull(ctx: Context, endpoint: str) -> tuple[Socket, str]:
     """
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     monitor = socket_auth.current().secure_server(sock)
     try:
         sock.bind(endpoint)

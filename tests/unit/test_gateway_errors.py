@@ -382,3 +382,37 @@ def test_losing_a_prefill_node_fails_only_requests_without_their_kv(
                    for x in [first, *rest[:-1]] if json.loads(x[6:])["choices"])
     assert text == tokenizer.decode(ids[:5])
     assert_error(waiting["r"], 503)
+
+
+def test_a_body_over_the_limit_is_a_413_in_json(gateway_factory: Callable[..., Gateway]) -> None:
+    from bootstrap.gateway import MAX_BODY_BYTES
+
+    gw = gateway_factory()
+    big = b'{"messages": [{"role": "user", "content": "' + b"x" * MAX_BODY_BYTES + b'"}]}'
+    with httpx.Client(timeout=30) as c:
+        error = assert_error(c.post(gw.api_url + CHAT, content=big), 413)
+        assert "over" in error["message"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it streams
+            for i in range(0, len(big), 1 << 20):
+                yield big[i : i + (1 << 20)]
+
+        error = assert_error(c.post(gw.api_url + CHAT, content=chunks()), 413)
+        assert "over" in error["message"]
+        assert c.get(gw.api_url + "/health").status_code == 200
+
+
+def test_an_unexpected_error_is_a_json_500_and_the_connection_serves_on(
+    gateway_factory: Callable[..., Gateway], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gw = gateway_factory()
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(gw.service, "admit", broken)
+    with httpx.Client(timeout=10) as c:
+        resp = c.post(gw.api_url + CHAT, json={"messages": OK_MESSAGES, "max_tokens": 2})
+        error = assert_error(resp, 500)
+        assert error["code"] == "internal" and "a bug" not in error["message"]
+        assert c.get(gw.api_url + "/health").status_code == 200  # same keep-alive connection
