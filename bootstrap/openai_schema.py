@@ -12,12 +12,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from common.sampling_params import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
+
 # What the nodes hold: integers travel as msgpack int64 (seeds as uint64) and become
 # torch int64 tensors, so a larger value is a 400 here, not a crash there.
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 UINT64_MAX = 2**64 - 1
-MAX_TOP_LOGPROBS = 20  # common.sampling_params.MAX_TOP_LOGPROBS
 # common.tokenizer.CHAT_ROLES, plus OpenAI's "developer" (served as "system").
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -39,7 +45,9 @@ _MESSAGES = {
         },
     },
 }
-_STOP_TEXT = {"type": "string", "minLength": 1}
+_STOP_TEXT = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+_MAX_STOPS = MAX_STOP_STRINGS
+_MAX_STOP_IDS = MAX_STOP_TOKEN_IDS
 _TOKEN_ID = {"type": "integer", "minimum": 0, "description": "below the vocabulary size"}
 
 
@@ -91,7 +99,8 @@ class StreamOptions(_Body):
 class _OpenAISampling(_Body):
     """Fields completions and chat share."""
 
-    model: str | None = None
+    # Echoed in every chunk of the answer: a long one would multiply the response size.
+    model: str | None = Field(default=None, max_length=256)
     max_tokens: int | None = Field(
         default=None, le=INT64_MAX, json_schema_extra=_served(minimum=1),
         description="unset: 16 (completions), the rest of the context (chat); prompt + "
@@ -111,12 +120,14 @@ class _OpenAISampling(_Body):
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
     stop: str | list[str] | None = Field(
         default=None, json_schema_extra=_served(
-            anyOf=[_STOP_TEXT, {"type": "array", "items": _STOP_TEXT}, {"type": "null"}]
+            anyOf=[_STOP_TEXT, {"type": "array", "items": _STOP_TEXT, "maxItems": _MAX_STOPS},
+                   {"type": "null"}]
         ),
     )
     stop_token_ids: list[int] | None = Field(
         default=None, json_schema_extra=_served(
-            anyOf=[{"type": "array", "items": _TOKEN_ID}, {"type": "null"}]
+            anyOf=[{"type": "array", "items": _TOKEN_ID, "maxItems": _MAX_STOP_IDS},
+                   {"type": "null"}]
         ),
     )
     ignore_eos: bool = False
@@ -126,7 +137,7 @@ class _OpenAISampling(_Body):
     priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX,
                                  description="prefill scheduling priority")
     routing_key: str | None = Field(
-        default=None, description="prefix-affinity key (also header x-routing-key)"
+        default=None, max_length=1024, description="prefix-affinity key (also header x-routing-key)"
     )
     frequency_penalty: float | None = Field(
         default=None, json_schema_extra=_served(enum=[0, None]), description="only 0 is served"
@@ -208,8 +219,9 @@ class GenerateRequest(_Body):
             "min_p": {"type": "number", "minimum": 0, "maximum": 1},
             "seed": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": UINT64_MAX},
                                {"type": "null"}]},
-            "stop": {"anyOf": [_STOP_TEXT, {"type": "array", "items": _STOP_TEXT}]},
-            "stop_token_ids": {"type": "array", "items": _TOKEN_ID},
+            "stop": {"anyOf": [_STOP_TEXT, {"type": "array", "items": _STOP_TEXT,
+                                             "maxItems": _MAX_STOPS}]},
+            "stop_token_ids": {"type": "array", "items": _TOKEN_ID, "maxItems": _MAX_STOP_IDS},
             "ignore_eos": {"type": "boolean"},
         }),
         description="SGLang's sampling parameters; unknown keys are ignored",
@@ -220,4 +232,4 @@ class GenerateRequest(_Body):
         default=0, json_schema_extra=_served(minimum=0, maximum=MAX_TOP_LOGPROBS)
     )
     priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    routing_key: str | None = None
+    routing_key: str | None = Field(default=None, max_length=1024)

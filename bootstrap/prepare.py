@@ -94,7 +94,13 @@ def _openai_sampling(
     return _sampling(params, tokenizer.vocab_size, is_openai=True)
 
 
+MAX_ROUTING_KEY_CHARS = 1024  # the body's routing_key has the same bound (openai_schema)
+
+
 def _routing_key(body_key: str | None, header_key: str | None) -> str | None:
+    if header_key is not None and len(header_key) > MAX_ROUTING_KEY_CHARS:
+        raise bad_request(f"the x-routing-key header is over {MAX_ROUTING_KEY_CHARS} characters",
+                          "x-routing-key")
     return body_key if body_key is not None else (header_key or None)
 
 

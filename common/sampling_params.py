@@ -8,6 +8,10 @@ from typing import Any, NoReturn
 
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
+# Stop strings are searched at every token: bound what one request can make a node do.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 INT64_MAX = 2**63 - 1  # integers travel as msgpack int64 and become torch int64 tensors
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -55,9 +59,16 @@ class SamplingParams:
             _fail("seed", f"must be in [0, 2**64 - 1], got {self.seed}")
         if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             _fail("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            _fail("stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for i, s in enumerate(self.stop):
             if not s:
                 _fail(f"stop[{i}]", "must be a non-empty string")
+            if len(s) > MAX_STOP_CHARS:
+                _fail(f"stop[{i}]", f"must be at most {MAX_STOP_CHARS} characters, got {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _fail("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                                    f"got {len(self.stop_token_ids)}")
         for i, tid in enumerate(self.stop_token_ids):
             if tid < 0 or (vocab_size is not None and tid >= vocab_size):
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"

@@ -55,6 +55,13 @@ def _num_generates(gw: Gateway) -> int:
     return sum(1 for m in gw.nodes[1].received if isinstance(m, msg.GenerateReq))
 
 
+def test_the_schema_roles_are_the_served_roles() -> None:
+    from bootstrap.openai_schema import CHAT_ROLES
+    from common.tokenizer import CHAT_ROLES as TEMPLATE_ROLES
+
+    assert set(CHAT_ROLES) == TEMPLATE_ROLES | {"developer"}
+
+
 def test_the_schema_documents_every_error_status_and_no_422(gw: Gateway) -> None:
     openapi = httpx.get(gw.api_url + "/openapi.json").json()
     for route in ROUTES:

@@ -416,3 +416,24 @@ def test_an_unexpected_error_is_a_json_500_and_the_connection_serves_on(
         error = assert_error(resp, 500)
         assert error["code"] == "internal" and "a bug" not in error["message"]
         assert c.get(gw.api_url + "/health").status_code == 200  # same keep-alive connection
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": OK_MESSAGES, "model": "m" * 257}, "model"),  # echoed in every chunk
+        ({"messages": OK_MESSAGES, "routing_key": "k" * 1025}, "routing_key"),
+        ({"messages": OK_MESSAGES, "stop": ["x"] * 65}, "stop"),
+        ({"messages": OK_MESSAGES, "stop": ["x" * 1025]}, "stop"),
+        ({"messages": OK_MESSAGES, "stop_token_ids": [1] * 1025}, "stop_token_ids"),
+    ],
+)
+def test_what_would_cost_every_token_is_bounded(gw: Gateway, body: dict[str, Any], param: str) -> None:
+    error = assert_error(httpx.post(gw.api_url + CHAT, json=body), 400)
+    assert error["param"] == param, error
+
+
+def test_a_long_routing_key_header_is_a_400(gw: Gateway) -> None:
+    resp = httpx.post(gw.api_url + CHAT, json={"messages": OK_MESSAGES},
+                      headers={"x-routing-key": "k" * 1025})
+    assert assert_error(resp, 400)["param"] == "x-routing-key"

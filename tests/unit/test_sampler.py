@@ -126,6 +126,10 @@ def test_from_wire_rejects_non_dict() -> None:
         (SamplingParams(stop=("ok", "")), r"stop\[1\]"),
         (SamplingParams(stop_token_ids=(3, VOCAB)), r"stop_token_ids\[1\]"),
         (SamplingParams(stop_token_ids=(-1,)), r"stop_token_ids\[0\]"),
+        # One request must not make every token's stop search costly.
+        (SamplingParams(stop=("x",) * 65), r"stop must hold at most 64"),
+        (SamplingParams(stop=("x" * 1025,)), r"stop\[0\] must be at most 1024"),
+        (SamplingParams(stop_token_ids=(1,) * 1025), r"stop_token_ids must hold at most 1024"),
     ],
 )
 def test_validate_names_the_bad_field(params: SamplingParams, field: str) -> None:
@@ -137,6 +141,7 @@ def test_validate_names_the_bad_field(params: SamplingParams, field: str) -> Non
 def test_validate_accepts_edges() -> None:
     SamplingParams(max_new_tokens=0, top_k=0, top_p=1.0, min_p=1.0, top_logprobs=20).validate()
     SamplingParams(stop_token_ids=(VOCAB - 1,)).validate(vocab_size=VOCAB)
+    SamplingParams(stop=("y" * 1024,) * 64, stop_token_ids=(1,) * 1024).validate(vocab_size=VOCAB)
 
 
 # --- make_generator ---------------------------------------------------------------------
