@@ -172,13 +172,14 @@ def main(argv: list[str]) -> int:
     per_role = split_extra_args(extra)
     registry_port = _value(per_role["bootstrap"], "--disaggregation-bootstrap-port", "8998")
     token = _value(per_role["bootstrap"], "--auth-token", os.environ.get(TOKEN_ENV))
-    generated = None
+    for role in per_role:  # the children read it from the environment, not from `ps`
+        per_role[role] = _without(per_role[role], "--auth-token")
     if not token:
         # A cluster of its own: closed with a token nobody else knows.
-        token = generated = secrets.token_urlsafe(32)
+        token = secrets.token_urlsafe(32)
         print("pdserve launch: no --auth-token given; this cluster uses a random token of its "
               "own", flush=True)
-    env = child_env(generated)
+    env = child_env(token)
     registry = f"http://{args.host}:{registry_port}"
     model = ["--model-path", args.model_path] if args.model_path else []
     py = sys.executable
@@ -246,6 +247,19 @@ def _stop_all(children: list[Child], grace_s: float = 20.0) -> None:
             c.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             c.proc.kill()
+
+
+def _without(args: list[str], flag: str) -> list[str]:
+    """``args`` without ``flag`` and its value (``--flag v`` or ``--flag=v``)."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i] == flag:
+            i += 2
+            continue
+        if not args[i].startswith(flag + "="):
+            out.append(args[i])
+        i += 1
+    return out
 
 
 def _value(args: list[str], flag: str, default: str | None) -> str | None:
