@@ -159,6 +159,9 @@ class PrefillConfig:
         default_factory=partial(_env_int, "IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD", 32)
     )
     cache_aware_fallback_threshold: int | None = None  # None: never fall back to fcfs
+    # dfs-weight sends in-batch dedup's deprioritized requests to the back; "off" is SGLang
+    # 0.5.23, which computes the dedup set under dfs-weight but does not use it.
+    dfs_weight_dedup: str = "on"
 
     def __post_init__(self) -> None:
         page, chunk = self.model.page_size, self.chunked_prefill_size
@@ -188,6 +191,8 @@ class PrefillConfig:
             " pass only one of them",
         )
         _check_non_negative(self.cache_aware_fallback_threshold, "--cache-aware-fallback-threshold")
+        _check(self.dfs_weight_dedup in ("on", "off"),
+               f"--dfs-weight-dedup must be on or off, got {self.dfs_weight_dedup!r}")
 
     @property
     def effective_schedule_policy(self) -> str:
@@ -343,6 +348,8 @@ def add_prefill_args(parser: Parser) -> None:
     add("--in-batch-prefix-caching-check-threshold", type=int)
     add("--in-batch-prefix-caching-deprioritize-threshold", type=int)
     add("--cache-aware-fallback-threshold", type=int, help="queue length above which fcfs runs")
+    add("--dfs-weight-dedup", choices=("on", "off"),
+        help="on: dfs-weight puts in-batch dedup's deprioritized requests last; off: as SGLang")
     parser.set_defaults(**_field_values(PrefillConfig, PrefillConfig()))
 
 

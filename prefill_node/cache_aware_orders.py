@@ -7,6 +7,9 @@ instead of calling Python per request:
 - ``StaticKeyOrder``: lpm and shortest-prefill-first, whose keys only change with those.
 - ``HrrnOrder``: the ratios move every round, so they are computed with numpy.
 - ``DfsWeightOrder``: request counts per radix node, ranked by one DFS over those nodes.
+
+Like SGLang, every order reads the match of the prompt less its last token
+(``usable_prefix_len``): that token is computed even when the whole prompt is cached.
 """
 
 from __future__ import annotations
@@ -19,12 +22,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from common.request import Req
+from common.request import TOKEN_BYTES, Req
 from prefill_node.radix_cache import RadixCache
 from prefill_node.radix_node import TreeNode
 
 _RID = attrgetter("rid")
 _BEHIND = TreeNode(b"", [], None, -1)  # dfs-weight's stand-in node of deprioritized requests
+
+
+def usable_prefix_len(r: Req, page_size: int) -> int:
+    """The cached prefix a prefill can start from: the match of the prompt less its last
+    token, in whole pages (SGLang matches ``input_ids[:-1]``)."""
+    return min(r.prefix_len, (len(r.origin_input_ids) - 1) // page_size * page_size)
 
 
 class CacheAwareOrder(Protocol):
@@ -52,15 +61,17 @@ class StaticKeyOrder:
 
 
 class HrrnOrder:
-    """SGLang's hrrn key, ascending: ``(+inf, rid)`` when deprioritized, ``(-inf, rid)``
-    when nothing is left to prefill (drains first), else ``(-(processed -
-    arrival_processed) / uncached, rid)`` with the waited tokens clamped at 0. Without a
-    counter (None) nothing ages: rid order within a class."""
+    """SGLang's hrrn key, ascending: ``(+inf, rid)`` when deprioritized, else
+    ``(-(processed - arrival_processed) / uncached, rid)`` with the waited tokens clamped
+    at 0, where uncached counts from the usable prefix, so it is at least 1 (a fully cached
+    prompt still computes its last token). Without a counter (None) nothing ages: rid order
+    within a class."""
 
     _DRAIN, _DEPRIORITIZED = 0.0, -1.0  # codes besides a positive uncached token count
     VECTOR_MIN = 256  # shorter queues sort with a Python key: numpy's fixed cost dominates
 
-    def __init__(self) -> None:
+    def __init__(self, page_size: int = 1) -> None:
+        self.page_size = page_size
         # complex(arrival_processed_tokens, uncached or a code): one C-level pass a round.
         self._state: dict[Req, complex] = {}
         self._deprioritized_by_rid: list[Req] = []  # the +inf class, already in key order
@@ -69,7 +80,7 @@ class HrrnOrder:
         flips = []
         for r in reqs:
             was = r in self._state and self._state[r].imag == self._DEPRIORITIZED
-            uncached = len(r.origin_input_ids) - r.prefix_len
+            uncached = len(r.origin_input_ids) - usable_prefix_len(r, self.page_size)
             if r.is_deprioritized:
                 code = self._DEPRIORITIZED
             else:
@@ -135,27 +146,51 @@ class HrrnOrder:
 
 class DfsWeightOrder:
     """SGLang's dfs-weight order (``RadixCache.dfs_weight_order``) over the requests that
-    are not deprioritized, then the deprioritized ones in queue order."""
+    are not deprioritized, then the deprioritized ones in queue order.
+
+    SGLang's match splits a node where a request's match ends inside it, so that request
+    hangs on the new upper part, below which the rest of the node (and its children) come
+    first in the post-order DFS. The same order without splitting: a request is ranked by
+    the node its usable prefix ends in, then by how deep in that node it ends, deepest
+    first (a split chain has one child per part, so the weights that order siblings do
+    not change)."""
 
     def __init__(self, tree: RadixCache) -> None:
         self.tree = tree
-        self._node_of: dict[Req, TreeNode] = {}  # _BEHIND: deprioritized
+        self._node_of: dict[Req, tuple[TreeNode, int]] = {}  # _BEHIND: deprioritized
         self._counts: Counter[TreeNode] = Counter()
 
     def update(self, reqs: Iterable[Req]) -> None:
         for r in reqs:
             self._drop(r)
             if r.is_deprioritized:
-                self._node_of[r] = _BEHIND
+                self._node_of[r] = (_BEHIND, 0)
             else:
-                node = self._node_of[r] = r.match.last_node  # type: ignore[union-attr]
+                node, depth = self._end_of(r)
+                self._node_of[r] = (node, depth)
                 self._counts[node] += 1
+
+    def _end_of(self, r: Req) -> tuple[TreeNode, int]:
+        """The node the request's usable prefix ends in and the tokens of it that it covers."""
+        match = r.match
+        assert match is not None
+        end = usable_prefix_len(r, self.tree.page_size)
+        node = match.last_node
+        # Where node starts: the tokens of its ancestors' keys.
+        start, up = 0, node.parent
+        while up is not None:
+            start += len(up.key) // TOKEN_BYTES
+            up = up.parent
+        while node.parent is not None and start >= end:  # the cap ended it higher up
+            node = node.parent
+            start -= len(node.key) // TOKEN_BYTES
+        return node, end - start
 
     def forget(self, r: Req) -> None:
         self._drop(r)
 
     def _drop(self, r: Req) -> None:
-        node = self._node_of.pop(r, _BEHIND)
+        node, _ = self._node_of.pop(r, (_BEHIND, 0))
         if node is not _BEHIND:
             self._counts[node] -= 1
             if not self._counts[node]:
@@ -164,6 +199,6 @@ class DfsWeightOrder:
     def sort(self, queue: list[Req], processed_tokens: int | None) -> None:
         rank = self.tree.dfs_node_ranks(self._counts)
         rank[_BEHIND] = len(rank)
-        keys = list(map(rank.__getitem__, map(self._node_of.__getitem__, queue)))
+        keys = [(rank[node], -depth) for node, depth in map(self._node_of.__getitem__, queue)]
         order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: queue order in a node
         queue[:] = list(map(queue.__getitem__, order))

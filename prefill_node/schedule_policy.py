@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from operator import attrgetter
@@ -40,6 +40,7 @@ from prefill_node.cache_aware_orders import (
     DfsWeightOrder,
     HrrnOrder,
     StaticKeyOrder,
+    usable_prefix_len,
 )
 from prefill_node.in_batch_dedup import InBatchDedup
 from prefill_node.prefix_matcher import PrefixMatcher, RefreshResult
@@ -85,8 +86,12 @@ def prefill_work(req: Req) -> int:
     return max(1, len(req.origin_input_ids) - req.prefix_len)
 
 
-def _lpm_key(r: Req) -> float:
-    return _INF if r.is_deprioritized else -float(r.prefix_len)
+def _lpm_key_for(page_size: int) -> Callable[[Req], float]:
+    # SGLang sorts on the match of the prompt less its last token (which is always computed).
+    def key(r: Req) -> float:
+        return _INF if r.is_deprioritized else -float(usable_prefix_len(r, page_size))
+
+    return key
 
 
 def _spf_key(r: Req) -> tuple[bool, int, float]:
@@ -113,6 +118,7 @@ class SchedulePolicy:
         enable_cache_agnostic_in_batch_prefix_caching: bool = False,
         waiting_prefix_refresh_interval: int = WAITING_PREFIX_REFRESH_INTERVAL,
         random_seed: int | None = None,
+        dfs_weight_dedup: bool = True,
     ) -> None:
         self.tree_cache = tree_cache
         self.requested_policy = policy
@@ -126,9 +132,13 @@ class SchedulePolicy:
         self._rng = random.Random(random_seed)
         self._matcher = PrefixMatcher(tree_cache) if tree_cache is not None else None
         self._order = _cache_aware_order(self.policy, tree_cache)
-        # Dedup runs when this policy can apply it: cache-aware, or fcfs with the flag.
+        # Dedup runs when this policy can apply it: cache-aware, or fcfs with the flag; not
+        # under dfs-weight with dedup off (SGLang computes the set there but ignores it).
+        uses_dedup = self._order is not None and (
+            dfs_weight_dedup or self.policy is not CacheAwarePolicy.DFS_WEIGHT
+        )
         self._dedup: InBatchDedup | None = None
-        if tree_cache is not None and (self._order is not None or self._fcfs_dedup):
+        if tree_cache is not None and (uses_dedup or self._fcfs_dedup):
             self._dedup = InBatchDedup(
                 in_batch_prefix_caching_check_threshold,
                 in_batch_prefix_caching_deprioritize_threshold,
@@ -151,6 +161,7 @@ class SchedulePolicy:
                 config.in_batch_prefix_caching_deprioritize_threshold
             ),
             cache_aware_fallback_threshold=config.cache_aware_fallback_threshold,
+            dfs_weight_dedup=config.dfs_weight_dedup == "on",
         )
 
     @property
@@ -187,9 +198,11 @@ class SchedulePolicy:
             flipped = self._dedup_round(waiting_queue, refreshed, is_dedup_on)
             if self._order is not None:
                 self._order.update(flipped.union(refreshed.changed))
-        self._sort(policy, waiting_queue, running_batch, processed_tokens)
+        if not is_fallback:  # SGLang's fallback keeps the queue's order, priorities or not
+            self._sort(policy, waiting_queue, running_batch, processed_tokens)
         self._is_last_sort_dedup_safe = is_dedup_on or (
-            policy is CacheAgnosticPolicy.FCFS and not self.enable_priority_scheduling
+            policy is CacheAgnosticPolicy.FCFS
+            and (is_fallback or not self.enable_priority_scheduling)
         )
         if self._matcher is not None:
             self._matcher.remember_order(waiting_queue)
@@ -310,11 +323,13 @@ class SchedulePolicy:
 
 def _cache_aware_order(policy: Policy, tree: RadixCache | None) -> CacheAwareOrder | None:
     if policy is CacheAwarePolicy.LPM:
-        return StaticKeyOrder(_lpm_key)
+        assert tree is not None
+        return StaticKeyOrder(_lpm_key_for(tree.page_size))
     if policy is CacheAwarePolicy.SHORTEST_PREFILL_FIRST:
         return StaticKeyOrder(_spf_key)
     if policy is CacheAwarePolicy.HRRN:
-        return HrrnOrder()
+        assert tree is not None
+        return HrrnOrder(tree.page_size)
     if policy is CacheAwarePolicy.DFS_WEIGHT:
         assert tree is not None
         return DfsWeightOrder(tree)

@@ -33,6 +33,7 @@ from common.sampling_params import SamplingParams
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
 from prefill_node.queues import BootstrapQueue, InflightQueue, PrefillState
 from prefill_node.radix_cache import RadixCache
+from prefill_node.cache_aware_orders import usable_prefix_len
 from prefill_node.schedule_policy import SchedulePolicy
 from prefill_node.stats import PrefillStats
 from transfer.kv_manager import KVManager
@@ -148,8 +149,7 @@ class PrefillScheduler:
         if self.chunked is None:
             for req in list(self.waiting_queue):
                 match = self.policy.match_prefix_for_req(req)
-                prefix = match.num_tokens if match is not None else 0
-                prefix = min(prefix, (req.num_input_tokens - 1) // self.page_size * self.page_size)
+                prefix = usable_prefix_len(req, self.page_size) if match is not None else 0
                 node = match.last_node if match is not None and prefix > 0 else None
                 if self._waits_for_batch_mate(req, prefix, adder.can_run_list):
                     continue

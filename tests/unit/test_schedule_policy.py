@@ -4,6 +4,7 @@ incremental policy against naive rematching + SGLang's temporary tree on random 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from os.path import commonprefix
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from common import metrics
 from common.config import PrefillConfig
 from common.kv_pool import PageAllocator
-from common.request import Req
+from common.request import Req, token_key
 from prefill_node.cache_aware_orders import HrrnOrder
 from prefill_node.radix_cache import RadixCache
 from prefill_node.schedule_policy import (
@@ -248,21 +249,24 @@ def test_dfs_weight_groups_requests_by_branch():
     assert rids(queue) == ["y1", "y2", "x1", "a1", "b1", "b2", "b3", "root"]
 
 
-def test_hrrn_ratio_drain_first_and_deprioritized_last():
+def test_hrrn_ratio_with_the_last_token_always_computed_and_deprioritized_last():
     tree, alloc = make_tree()
     cache(tree, alloc, list(range(8)))
     cold = list(range(200, 240))
     queue = [
         req("old-long", list(range(100, 140)), arrival_processed_tokens=0),  # 1000/40 = 25
         req("new-short", list(range(300, 304)), arrival_processed_tokens=900),  # 100/4 = 25
-        req("cold-1", cold + [1, 1], arrival_processed_tokens=500),  # 500/42
+        req("cold-1", cold + [1, 1], arrival_processed_tokens=500),  # 500/42 = 11.9
         req("cold-2", cold + [2, 2], arrival_processed_tokens=0),  # deprioritized
-        req("cached", list(range(8)), arrival_processed_tokens=990),  # nothing to prefill
+        # Fully cached, but SGLang matches the prompt less its last token: the usable
+        # prefix is 4 tokens (one page of 4), so 4 are uncached: 10/4 = 2.5. (pdserve used
+        # to count 0 uncached and drain it first; SGLang does not.)
+        req("cached", list(range(8)), arrival_processed_tokens=990),
         req("mid", list(range(8)) + [1] * 10, arrival_processed_tokens=800),  # 200/10 = 20
     ]
     SchedulePolicy("hrrn", tree).calc_priority(queue, None, processed_tokens=1000)
-    # Equal ratios (25) break by rid; the fully cached one drains first.
-    assert rids(queue) == ["cached", "new-short", "old-long", "mid", "cold-1", "cold-2"]
+    # Equal ratios (25) break by rid.
+    assert rids(queue) == ["new-short", "old-long", "mid", "cold-1", "cached", "cold-2"]
     SchedulePolicy("hrrn", tree).calc_priority(queue)  # no counter: rid order per class
     assert rids(queue) == ["cached", "cold-1", "mid", "new-short", "old-long", "cold-2"]
 
@@ -391,21 +395,57 @@ def _sglang_dedup(queue: list[Req], check: int, deprioritize: int) -> set[str]:
     return out
 
 
+def _usable(r: Req) -> int:
+    """SGLang matches the prompt less its last token (that one is always computed)."""
+    return min(r.prefix_len, (len(r.origin_input_ids) - 1) // PAGE * PAGE)
+
+
 def _hrrn_key(r: Req, deprio: set[str], now: int) -> tuple[float, str]:
-    uncached = len(r.origin_input_ids) - r.prefix_len
-    if r.rid in deprio or uncached <= 0:
-        return (INF if r.rid in deprio else -INF, r.rid)
+    if r.rid in deprio:
+        return (INF, r.rid)
+    uncached = len(r.origin_input_ids) - _usable(r)  # >= 1
     return (-max(0, now - r.arrival_processed_tokens) / uncached, r.rid)
 
 
+def _sglang_dfs_weight(reqs: list[Req], tree: RadixCache) -> list[Req]:
+    """SGLang's dfs-weight on a tree split at every request's match end, naively: a trie
+    with one node per page (fully split), children heaviest first, ties in the order the
+    real tree got them; a node's own requests after its children's, in queue order."""
+    path = {r: tuple(tuple(r.origin_input_ids[i : i + PAGE]) for i in range(0, _usable(r), PAGE))
+            for r in reqs}
+    weight: Counter[tuple] = Counter()
+    for p in path.values():
+        for k in range(len(p) + 1):
+            weight[p[:k]] += 1
+
+    def serial(p: tuple) -> int:  # the real node holding the last page of p
+        node, pos = tree.root, 0
+        while True:
+            node = node.children[bytes(token_key(list(p[pos])))]
+            pos += len(node.value)
+            if pos >= len(p):
+                return node.serial
+
+    out: list[Req] = []
+
+    def visit(p: tuple) -> None:
+        kids = [k for k in weight if len(k) == len(p) + 1 and k[: len(p)] == p]
+        for kid in sorted(kids, key=lambda k: (-weight[k], serial(k))):
+            visit(kid)
+        out.extend(r for r in reqs if path[r] == p)
+
+    visit(())
+    return out
+
+
 def _reference_order(name: str, before: list[Req], tree: RadixCache, deprio: set[str], now: int):
-    """SGLang's sorts on freshly matched requests (dfs-weight: ours, tested on its own)."""
+    """SGLang's sorts on freshly matched requests, written naively."""
     ahead, behind = (
         [r for r in before if r.rid not in deprio],
         [r for r in before if r.rid in deprio],
     )
     if name == "lpm":
-        return sorted(before, key=lambda r: INF if r.rid in deprio else -r.prefix_len)
+        return sorted(before, key=lambda r: INF if r.rid in deprio else -_usable(r))
     if name == "shortest-prefill-first":
         return sorted(
             before, key=lambda r: (r.rid in deprio, prefill_work(r), r.wait_queue_entry_time)
@@ -413,7 +453,7 @@ def _reference_order(name: str, before: list[Req], tree: RadixCache, deprio: set
     if name == "hrrn":
         return sorted(before, key=lambda r: _hrrn_key(r, deprio, now))
     if name == "dfs-weight":
-        ahead = [ahead[i] for i in tree.dfs_weight_order([r.last_node for r in ahead])]
+        ahead = _sglang_dfs_weight(ahead, tree)
     return ahead + behind  # fcfs with in-batch dedup
 
 
@@ -459,8 +499,9 @@ def test_incremental_policy_equals_naive_rematching_on_random_workloads(name: st
             assert (r.prefix_indices, r.prefix_len, r.last_node) == fresh[:3]
         if result.is_fallback:
             assert not any(r.is_deprioritized for r in queue)
-            key = lambda r: (r.priority is None, -(r.priority or 0), r.wait_queue_entry_time)
-            assert rids(queue) == rids(sorted(before, key=key))
+            # SGLang's fallback fcfs keeps the queue's order even with priorities on:
+            # its priority sort runs only when the configured policy is fcfs.
+            assert rids(queue) == rids(before)
         else:
             deprio = _sglang_dedup(before, check, deprioritize)
             assert {r.rid for r in queue if r.is_deprioritized} == deprio
@@ -498,3 +539,76 @@ def test_every_policy_handles_empty_and_draining_queues(name: str):
     result = policy.calc_priority(queue, None, 20)
     assert queue == [] and result.num_deprioritized == 0
     assert policy._matcher is not None and policy._matcher.num_tracked == 0
+
+
+# --- SGLang's exact orders on the smallest cases where pdserve used to differ ------------
+
+
+def _page1_tree(*cached: list[int]) -> RadixCache:
+    alloc = PageAllocator(64)
+    tree = RadixCache(1, alloc)
+    for tokens in cached:
+        tree.insert(tokens, alloc.allocate(len(tokens)))
+    return tree
+
+
+def test_lpm_sorts_on_the_prompt_less_its_last_token():
+    # Cache [[5, 6]]: y=[5, 6] is fully cached, but its last token is computed anyway, so
+    # SGLang matches y[:-1] = [5] (1 token), as for x=[5, 7]: a tie, queue order x, y.
+    # (pdserve used to sort y first on its uncapped match of 2.)
+    queue = [req("x", [5, 7]), req("y", [5, 6])]
+    SchedulePolicy("lpm", _page1_tree([5, 6])).calc_priority(queue)
+    assert rids(queue) == ["x", "y"]
+
+
+def test_hrrn_counts_a_fully_cached_prompt_as_one_uncached_token():
+    # Cache [[637]], processed 0: both have waited 0 tokens, ratio 0 for both (r1 has 1
+    # uncached token, not 0), so rid order: r0, r1. (pdserve drained r1 first.)
+    queue = [req("r1", [637]), req("r0", [345])]
+    SchedulePolicy("hrrn", _page1_tree([637])).calc_priority(queue, None, processed_tokens=0)
+    assert rids(queue) == ["r0", "r1"]
+
+
+def test_dfs_weight_orders_as_if_the_node_were_split_at_each_match_end():
+    # Cache [[79, 743]]: b=[79, 743] matches [79] (less its last token), ending inside the
+    # node; SGLang splits it and b hangs on the new [79] node, a child of the root where
+    # a=[79] (match of nothing) hangs: children first, so b, a.
+    queue = [req("a", [79]), req("b", [79, 743])]
+    SchedulePolicy("dfs-weight", _page1_tree([79, 743])).calc_priority(queue)
+    assert rids(queue) == ["b", "a"]
+    # Deeper ends inside one node come first; the node's children before all of them.
+    tree = _page1_tree([1, 2, 3, 4], [1, 2, 3, 4, 5, 6])
+    queue = [
+        req("one", [1, 2, 9]),  # ends after 2 tokens of node [1, 2, 3, 4]
+        req("child", [1, 2, 3, 4, 5, 6, 7]),  # in the child node [5, 6]
+        req("three", [1, 2, 3, 9]),  # ends after 3 tokens
+        req("whole", [1, 2, 3, 4, 8]),  # ends at the node's end
+    ]
+    SchedulePolicy("dfs-weight", tree).calc_priority(queue)
+    assert rids(queue) == ["child", "whole", "three", "one"]
+
+
+def test_dfs_weight_dedup_off_is_sglangs_unused_dedup_set():
+    tree = _page1_tree([1])
+    shared = [1, *range(100, 140)]  # 1 cached token, then 40 shared that are not
+
+    def queue() -> list[Req]:
+        return [req("plain", [7, 8]), req("lead", shared + [1]), req("mate", shared + [2])]
+
+    on = queue()
+    SchedulePolicy("dfs-weight", tree).calc_priority(on)
+    # pdserve: the mate would compute the lead's 40 tokens again; it goes last.
+    assert rids(on) == ["lead", "plain", "mate"] and on[2].is_deprioritized
+    off = queue()
+    SchedulePolicy("dfs-weight", tree, dfs_weight_dedup=False).calc_priority(off)
+    # SGLang 0.5.23: the dedup set is not used; both hang on the [1] node, before the root.
+    assert rids(off) == ["lead", "mate", "plain"]
+    assert not any(r.is_deprioritized for r in off)
+
+
+def test_dfs_weight_dedup_flag_reaches_the_policy():
+    config = PrefillConfig(schedule_policy="dfs-weight", dfs_weight_dedup="off")
+    policy = SchedulePolicy.from_config(config, _page1_tree([1]))
+    assert policy._dedup is None
+    assert SchedulePolicy.from_config(PrefillConfig(schedule_policy="dfs-weight"),
+                                      _page1_tree([1]))._dedup is not None
