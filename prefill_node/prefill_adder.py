@@ -71,6 +71,9 @@ class PrefillAdder:
         self.prefill_max_requests = prefill_max_requests
         self.can_run_list: list[PrefillChunk] = []
         self.new_chunked_req: Req | None = None
+        # False while an earlier chunked request stays unfinished this round: a new request
+        # is then admitted only whole.
+        self.can_start_chunk = True
 
     @property
     def rem_total_tokens(self) -> int:
@@ -113,6 +116,9 @@ class PrefillAdder:
             return AddReqResult.OTHER
         end = self._truncate(prefix_len, req.num_input_tokens, chunk_limit)
         if end <= prefix_len:
+            self._unlock(locked)
+            return AddReqResult.OTHER
+        if end < req.num_input_tokens and not self.can_start_chunk:
             self._unlock(locked)
             return AddReqResult.OTHER
         if end < req.num_input_tokens:

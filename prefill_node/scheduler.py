@@ -137,16 +137,19 @@ class PrefillScheduler:
             max_prefill_tokens=self.config.max_prefill_tokens,
             chunked_prefill_size=self.config.effective_chunked_prefill_size,
             prefill_max_requests=self.config.prefill_max_requests)
+        limit = None
         if self.chunked is not None:
             s = self.chunked
-            limit = None
             if adder.rem_chunk_tokens is not None:
                 limit = self.policy.shortest_prefill_chunk_limit(
                     s.req.num_input_tokens - s.num_computed, self.waiting_queue,
                     adder.rem_chunk_tokens, self.page_size)
             still_chunked = adder.add_chunked_req(s.req, s.num_computed, limit)
             self.chunked = s if still_chunked is not None else None
-        if self.chunked is None:
+            # shortest-prefill-first capped the chunk to leave room for shorter requests:
+            # admit them now, whole (a second unfinished chunked request is not allowed).
+            adder.can_start_chunk = self.chunked is None
+        if self.chunked is None or limit is not None:
             for req in list(self.waiting_queue):
                 match = self.policy.match_prefix_for_req(req)
                 prefix = usable_prefix_len(req, self.page_size) if match is not None else 0

@@ -98,3 +98,11 @@ def test_chunk_limit_caps_a_new_request():
     a = adder()
     a.add_one_req(req(1000), 0, chunk_limit=256)
     assert a.can_run_list[0].end == 256 and a.new_chunked_req is not None
+
+
+def test_beside_an_unfinished_chunked_request_new_ones_are_admitted_only_whole():
+    a = adder(chunked_prefill_size=64)
+    a.can_start_chunk = False  # an earlier chunked request is still unfinished this round
+    assert a.add_one_req(req(32, "fits"), 0) is AddReqResult.CONTINUE
+    assert a.add_one_req(req(64, "would-chunk"), 0) is AddReqResult.OTHER
+    assert [c.req.rid for c in a.can_run_list] == ["fits"] and a.new_chunked_req is None

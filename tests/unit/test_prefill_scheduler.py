@@ -222,3 +222,43 @@ def test_a_priority_while_priority_scheduling_is_off_is_refused_when_asked(model
         assert not h.sched.states
     finally:
         h.close()
+
+
+def test_shortest_prefill_first_admits_short_requests_beside_the_capped_chunk(model_dir):
+    # The seeds' chunk limit reserves budget beside a long chunked request for shorter
+    # waiting ones: they must be admitted in that same round (they used to wait for the
+    # long one to finish, so the reservation was never used).
+    h = Harness(model_dir, num_pages=512, chunked_prefill_size=16, max_prefill_tokens=256,
+                schedule_policy="shortest-prefill-first")
+    batches: list[list[str]] = []
+    schedule = h.sched._schedule
+
+    def recording():
+        chunks = schedule()
+        if chunks:
+            batches.append([c.req.rid for c in chunks])
+        return chunks
+
+    h.sched._schedule = recording
+    try:
+        long_ids = _prompt(h.runner.context_length - 1, 7)  # many rounds of 16
+        h.submit("long", 31, long_ids)
+        r_long, p_long = h.receive(31, len(long_ids))
+        h.run_until(lambda: h.sched.chunked is not None)
+        shorts = {"s1": (32, _prompt(6, 8)), "s2": (33, _prompt(7, 9))}
+        receivers = {}
+        for rid, (room, ids) in shorts.items():
+            h.submit(rid, room, ids)
+            receivers[rid] = h.receive(room, len(ids))
+        h.run_until(lambda: all(r.poll() is KVPoll.Success for r, _ in receivers.values()))
+        assert h.sched.chunked is not None, "the long request finished first: test too short"
+        beside = [b for b in batches if "long" in b and len(b) > 1]
+        assert beside, batches
+        assert set(beside[0]) <= {"long", "s1", "s2"}
+        h.run_until(lambda: r_long.poll() is KVPoll.Success and not h.sched.states)
+        for rid, (room, ids) in shorts.items():
+            _check_landed(h, *receivers[rid], ids)
+        _check_landed(h, r_long, p_long, long_ids)
+        h.sched.check_integrity()
+    finally:
+        h.close()
