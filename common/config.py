@@ -142,7 +142,6 @@ class PrefillConfig:
     host: str = "127.0.0.1"
     port: int = 30000  # /health and /metrics
     schedule_policy: str = "fcfs"
-    schedule_conservativeness: float = 1.0
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 8192  # SGLang's flag: -1 disables chunking
     prefill_max_requests: int | None = None  # None: unlimited
@@ -172,7 +171,6 @@ class PrefillConfig:
             "--schedule-policy shortest-prefill-first needs the radix cache;"
             " drop --disable-radix-cache or pick another policy",
         )
-        _check_non_negative(self.schedule_conservativeness, "--schedule-conservativeness")
         _check(
             self.max_prefill_tokens >= page,
             f"--max-prefill-tokens {self.max_prefill_tokens} is below --page-size {page}; raise it",
@@ -226,6 +224,9 @@ class DecodeConfig:
     schedule_low_priority_values_first: bool = False
     retraction_policy: str = "length"
     num_reserved_decode_tokens: int = 512
+    # Scales new_token_ratio (the share of max_new_tokens a running request is expected
+    # to still need), as SGLang's flag does; a prefill node reserves no decode room.
+    schedule_conservativeness: float = 1.0
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--port")
@@ -238,6 +239,7 @@ class DecodeConfig:
             " add it or use --retraction-policy length",
         )
         _check_non_negative(self.num_reserved_decode_tokens, "--num-reserved-decode-tokens")
+        _check_non_negative(self.schedule_conservativeness, "--schedule-conservativeness")
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> Self:
@@ -338,7 +340,6 @@ def add_prefill_args(parser: Parser) -> None:
     _add_node_args(parser)
     add = parser.add_argument
     add("--schedule-policy", help=", ".join(SCHEDULE_POLICIES))
-    add("--schedule-conservativeness", type=float)
     add("--max-prefill-tokens", type=int)
     add("--chunked-prefill-size", type=int, help="-1 disables chunked prefill")
     add("--prefill-max-requests", type=int, help="unset: unlimited")
@@ -360,6 +361,8 @@ def add_decode_args(parser: Parser) -> None:
     _add_node_args(parser)
     parser.add_argument("--retraction-policy", help=", ".join(RETRACTION_POLICIES))
     parser.add_argument("--num-reserved-decode-tokens", type=int)
+    parser.add_argument("--schedule-conservativeness", type=float,
+                        help="scales new_token_ratio: above 1 admits fewer, retracts less")
     parser.set_defaults(**_field_values(DecodeConfig, DecodeConfig()))
 
 

@@ -97,7 +97,7 @@ class DecodeScheduler:
         self.retracted_queue = RetractedQueue(self.pool, pin_memory=runner.device.type == "cuda")
         self.release_queue = ReleaseQueue(self.allocator)
         self.reqs: dict[str, DecodeReq] = {}  # by rid, every live request this node holds
-        self.new_token_ratio = NewTokenRatio()
+        self.new_token_ratio = NewTokenRatio(config.schedule_conservativeness)
         self.push = PushPool(zmq.Context.instance())
         self.stats = DecodeStats(self)
         self.gateway_watch = GatewayWatch()

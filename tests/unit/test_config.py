@@ -69,7 +69,6 @@ def test_prefill_defaults_match_sglang() -> None:
     )
     assert (cfg.host, cfg.port) == ("127.0.0.1", 30000)
     assert cfg.schedule_policy == "fcfs"
-    assert cfg.schedule_conservativeness == 1.0
     assert cfg.max_prefill_tokens == 16384
     assert cfg.chunked_prefill_size == 8192
     assert cfg.effective_chunked_prefill_size == 8192
@@ -131,7 +130,6 @@ def test_prefill_flags_reach_every_field() -> None:
             "--host=0.0.0.0",
             "--port=31000",
             "--schedule-policy=lpm",
-            "--schedule-conservativeness=0.5",
             "--max-prefill-tokens=4096",
             "--chunked-prefill-size=1024",
             "--prefill-max-requests=8",
@@ -147,7 +145,6 @@ def test_prefill_flags_reach_every_field() -> None:
     assert cfg.model == ModelConfig("/m", "float16", "cuda:1", 4096, 32, 65536, None)
     assert cfg.transfer == TransferConfig("fake", 9000, 5.0, 7.5, 10.0, "secret")
     assert (cfg.host, cfg.port, cfg.schedule_policy) == ("0.0.0.0", 31000, "lpm")
-    assert cfg.schedule_conservativeness == 0.5
     assert (cfg.max_prefill_tokens, cfg.chunked_prefill_size) == (4096, 1024)
     assert (cfg.prefill_max_requests, cfg.max_running_requests) == (8, 64)
     assert cfg.max_queued_requests == 128
@@ -166,8 +163,10 @@ def test_decode_and_bootstrap_flags() -> None:
             "--num-reserved-decode-tokens=0",
             "--max-running-requests=16",
             "--kv-cache-memory-gb=2.5",
+            "--schedule-conservativeness=1.3",
         ]
     )
+    assert decode.schedule_conservativeness == 1.3
     assert decode.retraction_policy == "priority"
     assert decode.num_reserved_decode_tokens == 0
     assert decode.max_running_requests == 16
@@ -242,7 +241,6 @@ def test_power_of_two_page_sizes_parse(page_size: int) -> None:
         (["--disaggregation-waiting-timeout=-1"], "--disaggregation-waiting-timeout"),
         (["--auth-token="], "--auth-token"),
         (["--port=-1"], "--port"),
-        (["--schedule-conservativeness=-0.1"], "--schedule-conservativeness"),
         (["--max-prefill-tokens=0"], "--max-prefill-tokens"),
         (["--page-size=32", "--max-prefill-tokens=16"], "--max-prefill-tokens 16"),
         (["--chunked-prefill-size=0"], "--chunked-prefill-size 0"),
@@ -275,6 +273,7 @@ def test_invalid_prefill_flags_raise_one_line_error(argv: list[str], fragment: s
         (["--num-reserved-decode-tokens=-1"], "--num-reserved-decode-tokens"),
         (["--max-running-requests=0"], "--max-running-requests"),
         (["--page-size=3"], "--page-size 3"),
+        (["--schedule-conservativeness=-0.1"], "--schedule-conservativeness"),
     ],
 )
 def test_invalid_decode_flags_raise_one_line_error(argv: list[str], fragment: str) -> None:

@@ -467,3 +467,15 @@ def test_prefill_node_learned_late_from_the_registry_is_waited_for(pd, ref):
     pd.run_until(lambda: pd.done("late"))
     assert pd.tokens("late") == greedy(ref, ids, 4)
     _assert_all_free(pd)
+
+
+def test_schedule_conservativeness_scales_the_new_token_ratio(model_dir):
+    # SGLang's flag on the decode node: init = min(0.7 * conservativeness, 1), reported in
+    # the node's load.
+    for conservativeness, init in ((1.0, 0.7), (0.5, 0.35), (2.0, 1.0)):
+        h = PD(model_dir, schedule_conservativeness=conservativeness)
+        try:
+            assert h.decode.new_token_ratio.init == pytest.approx(init)
+            assert h.decode.load()["new_token_ratio"] == pytest.approx(init)
+        finally:
+            h.close()
