@@ -32,6 +32,7 @@ class PreparedRequest:
     sampling: SamplingParams
     priority: int | None = None
     routing_key: str | None = None
+    cache_salt: str | None = None  # prefix-cache isolation (GenerateReq.cache_salt)
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,10 @@ class _OpenAISampling(_Body):
     routing_key: str | None = Field(
         default=None, max_length=1024, description="prefix-affinity key (also header x-routing-key)"
     )
+    cache_salt: str | None = Field(
+        default=None, max_length=1024,
+        description="prefix-cache isolation: requests share cached KV only with the same salt",
+    )
     frequency_penalty: float | None = Field(
         default=None, json_schema_extra=_served(enum=[0, None]), description="only 0 is served"
     )
@@ -233,3 +237,7 @@ class GenerateRequest(_Body):
     )
     priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     routing_key: str | None = Field(default=None, max_length=1024)
+    cache_salt: str | None = Field(
+        default=None, max_length=1024,
+        description="prefix-cache isolation: requests share cached KV only with the same salt",
+    )

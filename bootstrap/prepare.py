@@ -129,7 +129,8 @@ def prepare_completion(
     top = body.logprobs or 0
     sampling = _openai_sampling(body, max_tokens, top, tokenizer)
     return PreparedRequest(
-        input_ids, sampling, body.priority, _routing_key(body.routing_key, header_key)
+        input_ids, sampling, body.priority, _routing_key(body.routing_key, header_key),
+        body.cache_salt,
     )
 
 
@@ -162,7 +163,8 @@ def prepare_chat(
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     sampling = _openai_sampling(body, max_tokens, body.top_logprobs or 0, tokenizer)
     return PreparedRequest(
-        input_ids, sampling, body.priority, _routing_key(body.routing_key, header_key)
+        input_ids, sampling, body.priority, _routing_key(body.routing_key, header_key),
+        body.cache_salt,
     )
 
 
@@ -188,5 +190,6 @@ def prepare_generate(
         raise bad_request("max_new_tokens must be at least 1", "max_new_tokens")
     _check_lengths(len(input_ids), sampling.max_new_tokens, context_length, "input_ids")
     return PreparedRequest(
-        input_ids, sampling, body.priority, _routing_key(body.routing_key, header_key)
+        input_ids, sampling, body.priority, _routing_key(body.routing_key, header_key),
+        body.cache_salt,
     )

@@ -44,15 +44,23 @@ def affinity_key(
     routing_key: str | None,
     affinity_tokens: int = DEFAULT_AFFINITY_TOKENS,
     page_size: int = 16,
+    cache_salt: str | None = None,
 ) -> int:
-    """The stable 64-bit key a request is placed on the ring by (same in every process)."""
+    """The stable 64-bit key a request is placed on the ring by (same in every process).
+
+    A cache salt is part of it: requests of different salts share no cached page, so
+    nothing is gained by placing them together."""
+    salt = b""  # unsalted keys stay what they were
+    if cache_salt is not None:
+        raw = cache_salt.encode("utf-8", "surrogatepass")
+        salt = b"s:" + len(raw).to_bytes(4, "little") + raw
     if routing_key is not None:
-        return _hash64(b"k:" + routing_key.encode())
+        return _hash64(b"k:" + salt + routing_key.encode())
     n = min(len(input_ids), affinity_tokens)
     if n >= page_size:
         n -= n % page_size  # a radix cache shares whole pages only
     lead = input_ids[:n]
-    return _hash64(b"t:" + struct.pack(f"<{n}q", *lead))
+    return _hash64(b"t:" + salt + struct.pack(f"<{n}q", *lead))
 
 
 class HashRing:
@@ -195,12 +203,14 @@ class Router:
         routing_key: str | None,
         prefills: Sequence[PrefillCandidate],
         decodes: Sequence[DecodeCandidate],
+        cache_salt: str | None = None,
     ) -> RouteDecision:
         """The pair for one request; both candidate lists must be non-empty."""
         node_ids = frozenset(c.node_id for c in prefills)
         if node_ids != self._ring.node_ids:
             self._ring = HashRing(sorted(node_ids), self.virtual_nodes)
-        key = affinity_key(input_ids, routing_key, self.affinity_tokens, self.page_size)
+        key = affinity_key(input_ids, routing_key, self.affinity_tokens, self.page_size,
+                           cache_salt)
         prefill = choose_prefill(self._ring, key, prefills, self.epsilon)
         decode_id = choose_decode(decodes)
         is_hit = self._last_node_of_key.get(key) == prefill.node_id

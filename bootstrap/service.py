@@ -160,6 +160,7 @@ class BootstrapService:
                 )
                 for v in decodes
             ],
+            prepared.cache_salt,
         )
         prefill = next(v for v in prefills if v.node_id == decision.prefill_id)
         decode = next(v for v in decodes if v.node_id == decision.decode_id)
@@ -176,6 +177,7 @@ class BootstrapService:
             arrival_time=time.time(),
             return_logprob=prepared.sampling.logprobs,
             gateway_id=self.dispatcher.gateway_id,
+            cache_salt=prepared.cache_salt,
         )
         try:
             req = self.dispatcher.dispatch(gen, prefill.request_endpoint, decode.request_endpoint)

@@ -8,6 +8,7 @@ prefix matcher): read it, don't assign it.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,14 @@ TOKEN_BYTES = 4
 def token_key(token_ids: Sequence[int]) -> bytes:
     """The packed key of a token sequence: TOKEN_BYTES bytes per token id (int32)."""
     return struct.pack(f"={len(token_ids)}i", *token_ids)
+
+
+def salt_key(cache_salt: str | None) -> bytes | None:
+    """The radix-cache namespace of a cache salt (None: the shared one). 21 bytes, never a
+    whole number of tokens, so it cannot collide with a page key among the root's children."""
+    if cache_salt is None:
+        return None
+    return b"\x00" + hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()[:20]
 
 
 class PrefixMatch(Protocol):
@@ -52,6 +61,10 @@ class Req:
     arrival_processed_tokens: int = 0
     # Packed origin_input_ids (see token_key); computed when not given.
     key: bytes = field(default=b"", repr=False)
+    # Requests share cached pages only with requests of the same salt (None: no salt).
+    cache_salt: str | None = None
+    # The radix-cache namespace of the salt (salt_key), computed once.
+    namespace: bytes | None = field(default=None, init=False, repr=False)
 
     # --- scheduling state, owned by the schedule policy ----------------------------------
     # The current radix-cache match of origin_input_ids (None: not matched yet or no cache).
@@ -60,6 +73,7 @@ class Req:
     is_deprioritized: bool = False
 
     def __post_init__(self) -> None:
+        self.namespace = salt_key(self.cache_salt)
         if not self.key:
             self.key = token_key(self.origin_input_ids)
         elif len(self.key) != TOKEN_BYTES * len(self.origin_input_ids):

@@ -23,6 +23,9 @@ from itertools import compress
 from common.request import TOKEN_BYTES, Req
 
 
+GroupKey = tuple[bytes | None, bytes]
+
+
 class InBatchDedup:
     """Groups of low-match waiting requests by their first ``deprioritize_threshold`` tokens."""
 
@@ -32,10 +35,11 @@ class InBatchDedup:
         self._key_bytes = max(0, deprioritize_threshold) * TOKEN_BYTES
         # Threshold <= 0: every in-queue match reaches it, so every member is deprioritized.
         self._is_all = deprioritize_threshold <= 0
-        self._group_of: dict[Req, bytes] = {}
-        self._groups: dict[bytes, set[Req]] = {}
-        self._leader: dict[bytes, Req] = {}  # first in queue order, unless the group is unsure
-        self._unsure: set[bytes] = set()  # groups whose leader must be looked up again
+        # A group: (the salt's namespace, the first deprioritize-threshold tokens' bytes).
+        self._group_of: dict[Req, GroupKey] = {}
+        self._groups: dict[GroupKey, set[Req]] = {}
+        self._leader: dict[GroupKey, Req] = {}  # first in queue order, unless unsure
+        self._unsure: set[GroupKey] = set()  # groups whose leader must be looked up again
         self._deprioritized: set[Req] = set()  # the non-leaders of sure groups
         self._moved: set[Req] = set()  # entered or left _deprioritized since the last round
 
@@ -80,7 +84,8 @@ class InBatchDedup:
     def _follow(self, r: Req, is_arrival: bool) -> None:
         key = None
         if r.prefix_len <= self.check_threshold and len(r.key) >= self._key_bytes:
-            key = r.key[: self._key_bytes]
+            # Requests of different cache salts share no pages: never one group.
+            key = (r.namespace, r.key[: self._key_bytes])
         if self._group_of.get(r) == key:
             return
         self._leave(r)

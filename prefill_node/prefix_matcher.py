@@ -167,7 +167,7 @@ class PrefixMatcher:
 
     def _rematch(self, req: Req) -> None:
         self._unregister(req)
-        m = self.tree.match_prefix(req.key)
+        m = self.tree.match_prefix(req.key, req.namespace)
         self.num_matches += 1
         req.match = m
         self._by_node.setdefault(m.last_node, set()).add(req)

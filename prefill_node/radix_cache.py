@@ -58,6 +58,7 @@ class RadixCache:
         self.num_evictable_pages = 0
         self.num_protected_pages = 0
         self._evictable_leaves: set[TreeNode] = set()
+        self._namespace_of: dict[TreeNode, bytes] = {}  # salt subtree roots (no pages)
 
     # --- sizes -----------------------------------------------------------------------------
     @property
@@ -83,12 +84,20 @@ class RadixCache:
             return token_ids
         return token_key(token_ids)
 
-    def match_prefix(self, token_ids: Sequence[int] | bytes) -> MatchResult:
-        """The longest cached prefix in whole pages. Pure: changes nothing (not even LRU)."""
+    def match_prefix(self, token_ids: Sequence[int] | bytes,
+                     namespace: bytes | None = None) -> MatchResult:
+        """The longest cached prefix in whole pages, within ``namespace`` (a cache salt's
+        ``salt_key``; None: the shared one). Pure: changes nothing (not even LRU)."""
         key = self._as_key(token_ids)
         pb = self._page_bytes
         end = len(key) - len(key) % pb
         node, pos, pages, is_partial = self.root, 0, [], False
+        if namespace is not None:
+            salted = self.root.children.get(namespace)
+            if salted is None:  # nothing cached under this salt: creating it can extend
+                extend = namespace if end else None
+                return MatchResult([], 0, self.root, self.version, self.generation, extend, False)
+            node = salted
         while pos < end:
             child = node.children.get(key[pos : pos + pb])
             if child is None:
@@ -109,7 +118,8 @@ class RadixCache:
             pages, pos // TOKEN_BYTES, node, self.version, self.generation, extend_key, is_partial
         )
 
-    def insert(self, token_ids: Sequence[int] | bytes, page_ids: Sequence[int]) -> int:
+    def insert(self, token_ids: Sequence[int] | bytes, page_ids: Sequence[int],
+               namespace: bytes | None = None) -> int:
         """Cache the whole pages of ``token_ids`` whose KV is in ``page_ids`` (one id per page,
         extra ids ignored); return how many leading tokens were cached already.
 
@@ -128,6 +138,9 @@ class RadixCache:
             raise ValueError(f"{num_pages} whole pages of tokens but {len(page_ids)} page ids")
         tick = self._next_tick()
         node, pos = self.root, 0
+        if namespace is not None and end:
+            node = self._namespace_node(namespace)
+            node.last_access = tick
         while pos < end:
             first = key[pos : pos + pb]
             child = node.children.get(first)
@@ -147,6 +160,22 @@ class RadixCache:
             node = self._split(child, n)
             pos += n * pb
         return end // TOKEN_BYTES
+
+    def _namespace_node(self, namespace: bytes) -> TreeNode:
+        """The root of a salt's subtree (a child of the root without pages), made on demand;
+        it goes with its last child (evict)."""
+        node = self.root.children.get(namespace)
+        if node is None:
+            node = TreeNode(b"", [], self.root, self._next_serial())
+            self.root.children[namespace] = node
+            self._namespace_of[node] = namespace
+            self._evictable_leaves.add(node)
+            self._log_event(EV_ADD, self.root, namespace)
+        return node
+
+    def _child_key(self, node: TreeNode) -> bytes:
+        """The key node is filed under in its parent's children."""
+        return self._namespace_of.get(node) or node.key[: self._page_bytes]
 
     def _add_leaf(self, parent: TreeNode, first: bytes, key: bytes, value: list[int]) -> None:
         leaf = TreeNode(key, value, parent, self._next_serial())
@@ -216,7 +245,8 @@ class RadixCache:
             parent = node.parent
             assert parent is not None
             freed += node.value
-            del parent.children[node.key[: self._page_bytes]]
+            del parent.children[self._child_key(node)]
+            self._namespace_of.pop(node, None)
             self._evictable_leaves.discard(node)
             self.num_evictable_pages -= len(node.value)
             node.is_evicted = True
@@ -366,9 +396,12 @@ class RadixCache:
             parent = node.parent
             _require(parent is not None and not node.is_evicted, f"{node} detached")
             assert parent is not None
-            _require(parent.children.get(node.key[:pb]) is node, f"{node} not under its key")
+            _require(parent.children.get(self._child_key(node)) is node,
+                     f"{node} not under its key")
+            is_namespace = node in self._namespace_of
             _require(
-                len(node.key) > 0 and len(node.key) == len(node.value) * pb,
+                (len(node.key) > 0 or (is_namespace and parent is self.root))
+                and len(node.key) == len(node.value) * pb,
                 f"{node}: key length does not match its pages",
             )
             _require(node.lock_ref >= 0, f"{node} has a negative lock count")

@@ -120,7 +120,8 @@ class PrefillScheduler:
             return
         # A prefill node computes exactly one token: no decode room to reserve.
         req = Req(rid=g.rid, room=g.room, origin_input_ids=list(g.input_ids), max_new_tokens=1,
-                  priority=g.priority, routing_key=g.routing_key, arrival_time=g.arrival_time)
+                  priority=g.priority, routing_key=g.routing_key, arrival_time=g.arrival_time,
+                  cache_salt=g.cache_salt)
         state = PrefillState(req, g, sampling, self.kv.create_sender(g.room, n))
         self.states[g.rid] = state
         self.bootstrap_queue.add(state)
@@ -177,7 +178,7 @@ class PrefillScheduler:
             return False
         head = req.key[:num_bytes]
         return any(c.end >= prefix + self.page_size and c.req.key[:num_bytes] == head
-                   for c in chunks)
+                   and c.req.namespace == req.namespace for c in chunks)
 
     def _admit(self, req: Req, prefix_pages: list[int], chunk: PrefillChunk) -> None:
         self.waiting_queue.remove(req)
@@ -274,8 +275,8 @@ class PrefillScheduler:
         if num_whole <= s.num_prefix_pages:
             return
         key = s.req.origin_input_ids[: num_whole * ps]
-        self.tree.insert(key, s.pages[:num_whole])
-        match = self.tree.match_prefix(key)
+        self.tree.insert(key, s.pages[:num_whole], s.req.namespace)
+        match = self.tree.match_prefix(key, s.req.namespace)
         # Pages another request cached first are duplicates: ours may still be the source
         # of a write in flight, so they are freed only when the request ends.
         s.duplicate_pages += [own for own, cached in zip(s.pages[s.num_prefix_pages:num_whole],

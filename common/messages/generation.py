@@ -25,6 +25,8 @@ class GenerateReq(Message):
     # The instance id of the gateway that owns the request: nodes abort it when that
     # gateway is gone (common/gateway_watch.py).
     gateway_id: str = ""
+    # Prefix-cache isolation: cached pages are shared only among requests of one salt.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -437,3 +437,22 @@ def test_a_long_routing_key_header_is_a_400(gw: Gateway) -> None:
     resp = httpx.post(gw.api_url + CHAT, json={"messages": OK_MESSAGES},
                       headers={"x-routing-key": "k" * 1025})
     assert assert_error(resp, 400)["param"] == "x-routing-key"
+
+
+def test_cache_salt_reaches_the_nodes_and_is_bounded(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    gw = gateway_factory()
+    prefill = gw.node("prefill")
+    gw.node("decode", stream_tokens(reply_ids(tokenizer)))
+    for route, body in (
+        (CHAT, {"messages": OK_MESSAGES, "max_tokens": 2, "cache_salt": "tenant-1"}),
+        (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "cache_salt": "tenant-2"}),
+        ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2},
+                       "cache_salt": "tenant-3"}),
+    ):
+        assert httpx.post(gw.api_url + route, json=body, timeout=10).status_code == 200
+    prefill.wait_generates(3)
+    assert [g.cache_salt for g in prefill.generates()] == ["tenant-1", "tenant-2", "tenant-3"]
+    body = {"messages": OK_MESSAGES, "cache_salt": "s" * 1025}
+    assert assert_error(httpx.post(gw.api_url + CHAT, json=body), 400)["param"] == "cache_salt"

@@ -173,7 +173,7 @@ def test_registry_is_consistent() -> None:
     for tag, cls in MESSAGE_TYPES.items():
         assert cls.TAG == tag
         assert cls.__doc__
-    assert PROTOCOL_VERSION == 2
+    assert PROTOCOL_VERSION == 3  # 3: GenerateReq.cache_salt
     assert is_supported_protocol(PROTOCOL_VERSION)
     assert not is_supported_protocol(PROTOCOL_VERSION + 1)
 

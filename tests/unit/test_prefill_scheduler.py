@@ -62,7 +62,7 @@ class Harness:
             rid=rid, room=room, input_ids=ids, sampling=kw.pop("sampling", sampling),
             priority=kw.pop("priority", None), routing_key=None, prefill_node_id="p",
             decode_node_id="d", reply_endpoint=self.reply_endpoint, arrival_time=time.time(),
-            return_logprob=False)))
+            return_logprob=False, cache_salt=kw.pop("cache_salt", None))))
 
     def receive(self, room, num_tokens):
         r = self.decode.create_receiver(room, self.kv.control_endpoint)
@@ -262,3 +262,21 @@ def test_shortest_prefill_first_admits_short_requests_beside_the_capped_chunk(mo
         h.sched.check_integrity()
     finally:
         h.close()
+
+
+def test_requests_of_different_cache_salts_share_no_cached_page(h):
+    ids = _prompt(33, 21)
+
+    def computed(rid, room, salt):
+        before = h.sched.processed_tokens
+        h.submit(rid, room, ids, cache_salt=salt)
+        r, pages = h.receive(room, len(ids))
+        h.run_until(lambda: r.poll() is KVPoll.Success and not h.sched.states)
+        _check_landed(h, r, pages, ids)
+        return h.sched.processed_tokens - before
+
+    assert computed("a1", 41, "tenant-a") == 33
+    assert computed("b1", 42, "tenant-b") == 33  # identical prompt, another salt: no reuse
+    assert computed("n1", 43, None) == 33  # unsalted: no reuse of either
+    assert computed("a2", 44, "tenant-a") == 33 - 32  # its own salt: 8 cached pages of 4
+    h.sched.check_integrity()

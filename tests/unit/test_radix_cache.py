@@ -335,3 +335,45 @@ def test_matcher_tracks_arrivals_and_departures():
     tree.reset()
     assert matcher.refresh(queue).num_rematched == 3  # a reset invalidates every match
     assert all(r.prefix_len == 0 for r in queue)
+
+
+# --- cache salts: one namespace per salt -----------------------------------------------------
+
+
+def test_a_salt_shares_pages_only_with_its_own_salt():
+    from common.request import salt_key
+
+    alloc = PageAllocator(64)
+    tree = RadixCache(2, alloc)
+    a, b = salt_key("tenant-a"), salt_key("tenant-b")
+    tokens = [1, 2, 3, 4, 5, 6]
+    tree.insert(tokens, alloc.allocate(3), a)
+    assert tree.match_prefix(tokens, a).num_tokens == 6
+    assert tree.match_prefix(tokens).num_tokens == 0  # unsalted: nothing cached
+    miss = tree.match_prefix(tokens, b)
+    assert miss.num_tokens == 0 and miss.last_node is tree.root and miss.extend_key == b
+    # The same tokens unsalted are cached apart, with pages of their own.
+    assert tree.insert(tokens, alloc.allocate(3)) == 0
+    assert set(tree.match_prefix(tokens).page_ids).isdisjoint(tree.match_prefix(tokens, a).page_ids)
+    tree.check_integrity()
+    # A salt's subtree goes with its last page; its namespace node with it.
+    assert tree.evict(6) == 6 and tree.num_pages == 0
+    assert tree.match_prefix(tokens, a).last_node is tree.root
+    tree.check_integrity()
+    assert alloc.num_free_pages == 64
+
+
+def test_a_locked_salted_match_survives_eviction_of_the_rest():
+    from common.request import salt_key
+
+    alloc = PageAllocator(64)
+    tree = RadixCache(2, alloc)
+    a = salt_key("a")
+    tree.insert([1, 2, 3, 4], alloc.allocate(2), a)
+    tree.insert([1, 2, 9, 9], alloc.allocate(2))
+    m = tree.match_prefix([1, 2, 3, 4], a)
+    tree.inc_lock_ref(m.last_node)
+    assert tree.evict(100) == 2  # only the unsalted pages were evictable
+    assert tree.match_prefix([1, 2, 3, 4], a).page_ids == m.page_ids
+    tree.dec_lock_ref(m.last_node)
+    tree.check_integrity()

@@ -165,3 +165,14 @@ def test_rooms_are_unique_63_bit_and_never_zero() -> None:
     wrap._next = 2**63 - 2
     assert [wrap.allocate() for _ in range(3)] == [2**63 - 2, 2**63 - 1, 1]
     assert RoomAllocator().allocate() != RoomAllocator().allocate()
+
+
+def test_a_cache_salt_is_part_of_the_affinity_key():
+    from bootstrap.router import affinity_key
+
+    ids = list(range(64))
+    assert affinity_key(ids, None) == affinity_key(ids, None, cache_salt=None)
+    assert affinity_key(ids, None, cache_salt="a") == affinity_key(ids, None, cache_salt="a")
+    keys = {affinity_key(ids, None, cache_salt=s) for s in (None, "a", "b")}
+    keys |= {affinity_key(ids, "rk", cache_salt=s) for s in (None, "a", "b")}
+    assert len(keys) == 6

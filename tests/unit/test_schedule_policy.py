@@ -612,3 +612,30 @@ def test_dfs_weight_dedup_flag_reaches_the_policy():
     assert policy._dedup is None
     assert SchedulePolicy.from_config(PrefillConfig(schedule_policy="dfs-weight"),
                                       _page1_tree([1]))._dedup is not None
+
+
+# --- cache salts ---------------------------------------------------------------------------
+
+
+def test_salted_requests_match_only_their_salts_pages_and_are_never_deduped_together():
+    from common.request import salt_key
+
+    tree, alloc = make_tree()
+    prompt = list(range(50, 90))  # 40 tokens: far past the dedup thresholds
+    queue = [req("a1", prompt, cache_salt="a"), req("b1", prompt, cache_salt="b"),
+             req("plain", prompt)]
+    policy = SchedulePolicy("lpm", tree)
+    policy.calc_priority(queue)
+    # Three salts (none is one): three groups, nobody deprioritized.
+    assert not any(r.is_deprioritized for r in queue)
+    pages = alloc.allocate(len(prompt) // PAGE)
+    tree.insert(prompt, pages, salt_key("a"))  # a1's prefill finished
+    policy.calc_priority(queue)
+    by_rid = {r.rid: r for r in queue}
+    assert by_rid["a1"].prefix_len == len(prompt)  # rematched when salt a's subtree appeared
+    assert by_rid["b1"].prefix_len == 0 and by_rid["plain"].prefix_len == 0
+    assert rids(queue)[0] == "a1"
+    # Same salt: shared, and deduped as usual.
+    mates = [req("a2", prompt + [1], cache_salt="a"), req("a3", prompt + [2], cache_salt="a")]
+    policy.calc_priority(mates)
+    assert [r.prefix_len for r in mates] == [len(prompt), len(prompt)]
