@@ -227,6 +227,10 @@ class DecodeConfig:
     # Scales new_token_ratio (the share of max_new_tokens a running request is expected
     # to still need), as SGLang's flag does; a prefill node reserves no decode room.
     schedule_conservativeness: float = 1.0
+    # With priority scheduling: retract running requests less urgent by at least this much
+    # to admit a waiting one (decode_node/preemption.py).
+    priority_scheduling_preemption_threshold: int = 10
+    disable_priority_preemption: bool = False
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--port")
@@ -240,6 +244,8 @@ class DecodeConfig:
         )
         _check_non_negative(self.num_reserved_decode_tokens, "--num-reserved-decode-tokens")
         _check_non_negative(self.schedule_conservativeness, "--schedule-conservativeness")
+        _check_non_negative(self.priority_scheduling_preemption_threshold,
+                            "--priority-scheduling-preemption-threshold")
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> Self:
@@ -363,6 +369,9 @@ def add_decode_args(parser: Parser) -> None:
     parser.add_argument("--num-reserved-decode-tokens", type=int)
     parser.add_argument("--schedule-conservativeness", type=float,
                         help="scales new_token_ratio: above 1 admits fewer, retracts less")
+    parser.add_argument("--priority-scheduling-preemption-threshold", type=int,
+                        help="priority gap at which a waiting request preempts running ones")
+    parser.add_argument("--disable-priority-preemption", action="store_true")
     parser.set_defaults(**_field_values(DecodeConfig, DecodeConfig()))
 
 

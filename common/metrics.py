@@ -131,6 +131,11 @@ PREFIX_CACHE_EVICTED_PAGES: Final = _counter(
     "pdserve_prefix_cache_evicted_pages_total", "KV pages evicted from the radix cache (LRU)."
 )
 RETRACTIONS: Final = _counter("pdserve_retractions_total", "Decode retractions.")
+PREEMPTIONS: Final = _counter(
+    "pdserve_priority_preemptions_total",
+    "Running requests retracted on the decode node to admit a more urgent one (also counted "
+    "in pdserve_retractions_total).",
+)
 
 # --- requests as the client saw them (gateway) -------------------------------------------
 TIME_TO_FIRST_TOKEN_SECONDS: Final = _histogram(

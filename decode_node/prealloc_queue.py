@@ -150,6 +150,16 @@ class DecodePreallocQueue:
             return True
         return False
 
+    def most_urgent_ready(self) -> DecodeReq | None:
+        """The first request in priority order (FIFO among equals) whose receiver waits
+        for its pages; None if there is none."""
+        ready = [r for r in self.queue
+                 if r.receiver is not None and r.receiver.poll() is KVPoll.WaitingForInput]
+        if not ready:
+            return None
+        low = self.low_priority_values_first
+        return min(ready, key=lambda r: priority_order_key(r.priority, low))
+
     def pop_failed(self) -> list[DecodeReq]:
         """Requests whose handshake failed (bootstrap timeout, refused peer)."""
         failed = [r for r in self.queue if r.receiver is not None and r.receiver.poll() is KVPoll.Failed]

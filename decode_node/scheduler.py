@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import zmq
 
@@ -34,6 +35,7 @@ from common.stop import FinishReason
 from common.tokenizer import Tokenizer
 from decode_node.ingress import NodeLimits, Rejection, build_request, check_request
 from decode_node.output import append_token, req_finished, token_chunk
+from decode_node.preemption import is_more_urgent_by, plan_preemption
 from decode_node.prealloc_queue import (
     BudgetReq,
     DecodeBudget,
@@ -41,7 +43,7 @@ from decode_node.prealloc_queue import (
     resume_retracted,
 )
 from decode_node.req import DecodeReq, DecodeState
-from decode_node.retract import NewTokenRatio
+from decode_node.retract import NewTokenRatio, RetractCandidate
 from decode_node.retracted_queue import RetractedQueue
 from decode_node.running_batch import RunningBatch
 from decode_node.stats import DecodeStats
@@ -200,14 +202,49 @@ class DecodeScheduler:
             self._fail(r, 500, f"KV bootstrap with the prefill node failed: {reason}")
         if self.retracted_queue:
             self._resume_retracted()
-        if self.retracted_queue:
-            return  # no new admission while any request waits in host memory
-        for r in self.prealloc_queue.pop_preallocated(self._budget()):
-            assert r.receiver is not None
-            r.pages = self.allocator.allocate(pages_needed(r.num_input_tokens, self.page_size))
-            r.advance(DecodeState.TRANSFER)
-            r.receiver.send_metadata(r.pages, aux_slot=0)
-            self.transfer_queue.add(r)
+        if not self.retracted_queue:  # no new admission while a request waits in host memory
+            for r in self.prealloc_queue.pop_preallocated(self._budget()):
+                self._preallocate(r)
+        if self.is_preemption_on:
+            self._preempt_for_priority()
+
+    @property
+    def is_preemption_on(self) -> bool:
+        return (self.config.enable_priority_scheduling
+                and not self.config.disable_priority_preemption)
+
+    def _preallocate(self, r: DecodeReq) -> None:
+        assert r.receiver is not None
+        r.pages = self.allocator.allocate(pages_needed(r.num_input_tokens, self.page_size))
+        r.advance(DecodeState.TRANSFER)
+        r.receiver.send_metadata(r.pages, aux_slot=0)
+        self.transfer_queue.add(r)
+
+    def _preempt_for_priority(self) -> None:
+        """Admit the most urgent ready prealloc request now if retracting running requests
+        less urgent by the threshold makes room (decode_node/preemption.py)."""
+        head = self.prealloc_queue.most_urgent_ready()
+        if head is None or head.priority is None:
+            return
+        threshold = self.config.priority_scheduling_preemption_threshold
+        low = self.config.schedule_low_priority_values_first
+        if not all(is_more_urgent_by(head.priority, r.priority, threshold, low)
+                   for r in self.retracted_queue):
+            return  # a retracted request at least as urgent comes back first
+        running = list(self.running)
+        victims = plan_preemption(
+            BudgetReq(head.num_input_tokens, 0, head.max_new_tokens),
+            head.priority,
+            [RetractCandidate(i, r.num_input_tokens, r.num_output_tokens, r.max_new_tokens,
+                              len(r.pages), r.priority) for i, r in enumerate(running)],
+            replace(self._budget(), retracted=()), threshold, low)
+        if victims is None:
+            return
+        for key in victims:
+            self._retract(running[key])
+        self.stats.preempted(len(victims))
+        self.prealloc_queue.remove(head)
+        self._preallocate(head)
 
     def _resume_retracted(self) -> None:
         self.waiting_queue += self.retracted_queue.resume(resume_retracted(self._budget()))

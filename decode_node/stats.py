@@ -71,12 +71,14 @@ class DecodeStats:
         self._held = metrics.KV_PAGES_HELD.labels(role=ROLE)
         metrics.KV_PAGES_TOTAL.labels(role=ROLE).set(scheduler.allocator.num_pages)
         self._retractions = metrics.RETRACTIONS.labels(role=ROLE)
+        self._preemptions = metrics.PREEMPTIONS.labels(role=ROLE)
         self._itl = metrics.INTER_TOKEN_LATENCY_SECONDS.labels(role=ROLE)
         self._tokens = DECODE_TOKENS.labels(role=ROLE)
         self._throughput = DECODE_THROUGHPUT.labels(role=ROLE)
         self._window: deque[tuple[float, int]] = deque()
         self._window_tokens = 0
         self.num_retractions = 0
+        self.num_preemptions = 0
         self.num_decode_tokens = 0
 
     def update(self) -> None:
@@ -99,6 +101,11 @@ class DecodeStats:
     def retracted(self, num: int) -> None:
         self.num_retractions += num
         self._retractions.inc(num)
+
+    def preempted(self, num: int) -> None:
+        """``num`` running requests were retracted for a more urgent one (after retracted())."""
+        self.num_preemptions += num
+        self._preemptions.inc(num)
 
     def token(self, gap_s: float | None) -> None:
         """One output token sent; `gap_s` is the time since the request's previous token."""
