@@ -1,0 +1,368 @@
+"""Why the schedule policies exist: the real prefill scheduler under cache pressure, policy by policy.
+
+The real ``PrefillScheduler`` (its SchedulePolicy, RadixCache and PrefillAdder, its zmq
+request socket and KV senders) runs against a stand-in model and a real loopback KV
+transfer into a stand-in decode side. Order and reuse do not depend on the logits, so
+the stand-in's extend only charges time on a virtual clock from a cost model of the
+built-in model's prefill: ``c + a * tokens + b * tokens * context`` per batch (measured
+with --measure-cost on this machine, else the defaults below, measured on an Intel Xeon
+with AVX-512 BF16/AMX, float32). The prefill KV pool is smaller than each workload's
+working set, so the order decides what stays cached.
+
+Workloads (token ids from fixed seeds, vocabulary 32000; ``sched-q1000`` is the shared
+bench-data queue):
+  few-templates    600 short requests on 8 templates of 768 tokens, one burst, pool of ~3
+  system-batches   8 batches of 40 requests; 4 system prompts of 3072 tokens mixed in
+                   every batch; pool of ~2 system prompts
+  many-tenants     48 tenants x 8 requests, 1024-token templates, interleaved; pool of ~6
+  short-among-long 90 unique 6000-token prompts and 60 short 48-token ones among them,
+                   arriving over time (TTFT of the short ones reported too)
+  sched-q1000      bench-data/sched-workload.npz's q1000 queue (its cache sequences
+                   inserted first), one burst
+For each policy (fcfs, random, lpm, dfs-weight, hrrn, shortest-prefill-first): prompt
+tokens computed / the minimum (every page-aligned shared prefix computed once, the last
+token of each prompt always), the cache hit rate (1 - computed / prompt tokens), TTFT
+p50/p99 in virtual seconds (arrival to the first token), and the makespan. Prints a
+table per workload and one JSON line per (workload, policy).
+Usage: python bench/policy_ablation.py [--quick] [--measure-cost] [--workloads ...]
+       [--policies ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import zmq  # noqa: E402
+
+from common import messages as msg  # noqa: E402
+from common.config import ModelConfig, PrefillConfig  # noqa: E402
+from common.ipc import bind_pull, close_pull, recv_messages  # noqa: E402
+from common.kv_pool import KVLayout, KVPool, pages_needed  # noqa: E402
+from prefill_node.radix_cache import RadixCache  # noqa: E402
+from prefill_node.scheduler import PrefillScheduler  # noqa: E402
+from transfer.kv_manager import KVManager  # noqa: E402
+from transfer.kv_poll import KVPoll  # noqa: E402
+from transfer.loopback_backend import LoopbackBackend  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "bench-data" / "sched-workload.npz"
+POLICIES = ("fcfs", "random", "lpm", "dfs-weight", "hrrn", "shortest-prefill-first")
+PAGE = 16
+VOCAB = 32000
+LAYOUT = KVLayout(1, 1, 1, PAGE, "float32")  # the stand-in moves no real KV
+# Seconds per batch: C + A * new tokens + B * new tokens * attended context.
+COST_C, COST_A, COST_B = 0.02, 6.7e-4, 1.6e-7
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    arrivals: list[float]  # virtual seconds
+    pool_pages: int
+    warm: list[list[int]] = field(default_factory=list)  # cached before the run
+    short_below: int = 0  # prompts shorter than this are "short" (their TTFT reported)
+
+
+# ---- workloads -------------------------------------------------------------------------------
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def few_templates(scale: float) -> Workload:
+    rng = random.Random(1)
+    templates = [_tokens(rng, 768) for _ in range(8)]
+    n = int(600 * scale)
+    prompts = [templates[rng.randrange(8)] + _tokens(rng, rng.randrange(16, 96)) for _ in range(n)]
+    return Workload("few-templates", prompts, [0.0] * n, pool_pages=3 * 768 // PAGE + 160)
+
+
+def system_batches(scale: float) -> Workload:
+    rng = random.Random(2)
+    systems = [_tokens(rng, 3072) for _ in range(4)]
+    prompts, arrivals = [], []
+    for b in range(max(2, int(8 * scale))):
+        for _ in range(40):
+            prompts.append(systems[rng.randrange(4)] + _tokens(rng, rng.randrange(32, 256)))
+            arrivals.append(b * 6.0)
+    return Workload("system-batches", prompts, arrivals, pool_pages=2 * 3072 // PAGE + 1100)
+
+
+def many_tenants(scale: float) -> Workload:
+    rng = random.Random(3)
+    tenants = [_tokens(rng, 1024) for _ in range(48)]
+    order = [t for t in range(48) for _ in range(max(2, int(8 * scale)))]
+    rng.shuffle(order)
+    prompts = [tenants[t] + _tokens(rng, rng.randrange(16, 128)) for t in order]
+    arrivals = [i * 0.02 for i in range(len(prompts))]
+    return Workload("many-tenants", prompts, arrivals, pool_pages=6 * 1024 // PAGE + 1100)
+
+
+def short_among_long(scale: float) -> Workload:
+    rng = random.Random(4)
+    kinds = ["long"] * int(90 * scale) + ["short"] * int(60 * scale)
+    rng.shuffle(kinds)
+    prompts = [_tokens(rng, 6000 if k == "long" else 48) for k in kinds]
+    arrivals = [i * 0.5 for i in range(len(prompts))]
+    return Workload("short-among-long", prompts, arrivals, pool_pages=4 * 6000 // PAGE,
+                    short_below=1000)
+
+
+def sched_q1000(scale: float) -> Workload:
+    data = np.load(DATA)
+    n = 1000 if scale >= 1 else 128
+
+    def seqs(prefix: str, count: int) -> list[list[int]]:
+        tokens, offsets = data[f"{prefix}_tokens"], data[f"{prefix}_offsets"]
+        return [tokens[offsets[i] : offsets[i + 1]].tolist() for i in range(count)]
+
+    cache = seqs("cache", len(data["cache_offsets"]) - 1)
+    prompts = seqs(f"q{n}", n)
+    total_pages = sum(pages_needed(len(p), PAGE) for p in prompts + cache)
+    return Workload("sched-q1000" if n == 1000 else "sched-q128", prompts, [0.0] * n,
+                    pool_pages=max(total_pages // 6, 2400), warm=cache)
+
+
+WORKLOADS = {w.__name__.replace("_", "-"): w for w in
+             (few_templates, system_batches, many_tenants, short_among_long, sched_q1000)}
+
+
+# ---- the stand-ins -----------------------------------------------------------------------------
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class StandInRunner:
+    """What PrefillScheduler uses of a ModelRunner; extend charges the cost model's time."""
+
+    def __init__(self, num_pages: int, clock: VirtualClock, cost: tuple[float, float, float]):
+        self.pool = KVPool(LAYOUT, num_pages)
+        self.layout = LAYOUT
+        self.page_size = PAGE
+        self.context_length = 1 << 20
+        self.spec = SimpleNamespace(vocab_size=VOCAB)
+        self.clock = clock
+        self.cost = cost
+        self.num_batches = 0
+
+    def extend(self, reqs: Sequence[Any]) -> SimpleNamespace:
+        c, a, b = self.cost
+        new = sum(len(r.token_ids) for r in reqs)
+        attended = sum(len(r.token_ids) * (r.prefix_len + len(r.token_ids) / 2) for r in reqs)
+        self.clock.now += c + a * new + b * attended
+        self.num_batches += 1
+        return SimpleNamespace(logits=torch.zeros(len(reqs), 8))
+
+
+# ---- one run -----------------------------------------------------------------------------------
+
+_ids = itertools.count()
+
+
+def minimum_tokens(w: Workload) -> int:
+    """Tokens a cache that never forgets computes: the unshared part of each prompt in
+    arrival order, in whole pages, and always the last token."""
+    tree = RadixCache(PAGE)
+    for seq in w.warm:
+        tree.insert(seq, list(range(len(seq) // PAGE)))
+    total = 0
+    for p in w.prompts:
+        usable = min(tree.match_prefix(p).num_tokens, (len(p) - 1) // PAGE * PAGE)
+        total += len(p) - usable
+        tree.insert(p, list(range(len(p) // PAGE)))
+    return total
+
+
+def run(w: Workload, policy: str, cost: tuple[float, float, float]) -> dict[str, Any]:
+    n = next(_ids)
+    clock = VirtualClock()
+    runner = StandInRunner(w.pool_pages, clock, cost)
+    config = PrefillConfig(model=ModelConfig(page_size=PAGE), schedule_policy=policy)
+    ctx = zmq.Context.instance()
+    kv = KVManager(f"ab-p{n}", "prefill", LoopbackBackend(f"ab-p{n}"), runner.pool,
+                   backend_kind="loopback", lease_s=1e6)
+    dpool = KVPool(LAYOUT, sum(pages_needed(len(p), PAGE) for p in w.prompts) + 64)
+    decode = KVManager(f"ab-d{n}", "decode", LoopbackBackend(f"ab-d{n}"), dpool,
+                       backend_kind="loopback", lease_s=1e6)
+    req_sock, req_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
+    reply_sock, reply_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
+    sched = PrefillScheduler(config, runner, kv, req_sock, clock=clock)
+    if sched.tree is not None:
+        for seq in w.warm:  # the warm cache, as if earlier requests had left it
+            pages = runner.pool.allocator.allocate(len(seq) // PAGE)
+            sched.tree.insert(seq, pages)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(req_endpoint)
+    order = sorted(range(len(w.prompts)), key=lambda i: w.arrivals[i])
+    receivers: dict[int, Any] = {}
+    waiting_meta: set[int] = set()
+    done: dict[int, float] = {}
+    nxt = 0
+    wall = time.perf_counter()
+    try:
+        while len(done) < len(w.prompts):
+            while nxt < len(order) and w.arrivals[order[nxt]] <= clock.now:
+                i = order[nxt]
+                nxt += 1
+                push.send(msg.encode(msg.GenerateReq(
+                    rid=f"r{i}", room=i + 1, input_ids=w.prompts[i],
+                    sampling={"max_new_tokens": 1, "temperature": 0.0}, priority=None,
+                    routing_key=None, prefill_node_id="p", decode_node_id="d",
+                    reply_endpoint=reply_endpoint, arrival_time=w.arrivals[i],
+                    return_logprob=False)))
+                receivers[i] = decode.create_receiver(i + 1, kv.control_endpoint)
+                waiting_meta.add(i)
+            did_work = sched.step()
+            decode.poll()
+            for i in list(waiting_meta):
+                if receivers[i].poll() is KVPoll.WaitingForInput:
+                    receivers[i].pages = dpool.allocator.allocate(
+                        pages_needed(len(w.prompts[i]), PAGE))
+                    receivers[i].send_metadata(receivers[i].pages)
+                    waiting_meta.discard(i)
+            for i, r in receivers.items():
+                if i not in done and i not in waiting_meta:
+                    state = r.poll()
+                    if state is KVPoll.Success:
+                        done[i] = clock.now
+                        dpool.allocator.free(r.pages)
+                    elif state is KVPoll.Failed:
+                        raise RuntimeError(f"request {i} failed: {r.failure_reason}")
+            for m in recv_messages(reply_sock):
+                if isinstance(m, msg.ReqFailed):
+                    raise RuntimeError(f"{m.rid} failed: {m.error}")
+            if not did_work and not sched.states and nxt < len(order):
+                clock.now = max(clock.now, w.arrivals[order[nxt]])  # idle until the next one
+    finally:
+        push.close(0)
+        kv.close()
+        decode.close()
+        close_pull(reply_sock)
+    ttft = [done[i] - w.arrivals[i] for i in range(len(w.prompts))]
+    short = [t for i, t in enumerate(ttft) if len(w.prompts[i]) < w.short_below]
+    total = sum(len(p) for p in w.prompts)
+    computed = sched.processed_tokens
+    out = {"computed": computed, "total": total, "hit_rate": 1 - computed / total,
+           "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "makespan": clock.now,
+           "batches": runner.num_batches, "wall_s": time.perf_counter() - wall}
+    if short:
+        out["short_ttft_p50"], out["short_ttft_p99"] = _pct(short, 50), _pct(short, 99)
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+# ---- the cost model ----------------------------------------------------------------------------
+
+
+def measure_cost() -> tuple[float, float, float]:
+    """Fit c + a*n + b*n*ctx to the built-in model's extend times on this machine."""
+    from common.model.runner import ExtendRequest, ModelRunner
+
+    runner = ModelRunner.from_path(None, progress=False, page_size=PAGE, max_total_tokens=8192)
+    rows, times = [], []
+    for prefix, n in ((0, 64), (0, 256), (0, 1024), (1024, 256), (2048, 512), (0, 2048)):
+        ids = list(range(100, 100 + prefix + n))
+        pages = runner.pool.allocator.allocate(pages_needed(prefix + n, PAGE))
+        if prefix:
+            runner.extend([ExtendRequest(ids[:prefix], 0, pages)])
+        best = float("inf")
+        for _ in range(2):
+            t = time.perf_counter()
+            runner.extend([ExtendRequest(ids[prefix:], prefix, pages)])
+            best = min(best, time.perf_counter() - t)
+        runner.pool.allocator.free(pages)
+        rows.append([1.0, n, n * (prefix + n / 2)])
+        times.append(best)
+    c, a, b = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)[0]
+    return max(float(c), 0.0), max(float(a), 1e-6), max(float(b), 0.0)
+
+
+def _cpu() -> str:
+    model, flags = platform.processor() or "", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model.strip("x86_64"):
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+                                     if f in have)
+                    break
+    except OSError:
+        pass
+    return f"{model or 'unknown'} [{flags}] x{os.cpu_count()}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller workloads")
+    ap.add_argument("--measure-cost", action="store_true", help="fit the cost model here")
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--policies", nargs="*", default=list(POLICIES))
+    args = ap.parse_args()
+    cost = measure_cost() if args.measure_cost else (COST_C, COST_A, COST_B)
+    print(f"cpu: {_cpu()}")
+    print(f"cost model: {cost[0]:.4f} s + {cost[1]:.3g} s/token + {cost[2]:.3g} s/token/context")
+    scale = 0.3 if args.quick else 1.0
+    lines = []
+    for name in args.workloads:
+        w = WORKLOADS[name](scale)
+        minimum = minimum_tokens(w)
+        print(f"\n{w.name}: {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, "
+              f"minimum {minimum}, pool {w.pool_pages} pages of {PAGE}")
+        print(f"{'policy':<24}{'computed/min':>13}{'hit rate':>10}{'ttft p50':>10}"
+              f"{'ttft p99':>10}{'short p99':>10}{'makespan':>10}")
+        base = None
+        for policy in args.policies:
+            r = run(w, policy, cost)
+            ratio = r["computed"] / minimum
+            base = base or r
+            print(f"{policy:<24}{ratio:>13.3f}{r['hit_rate']:>10.3f}{r['ttft_p50']:>10.2f}"
+                  f"{r['ttft_p99']:>10.2f}{r.get('short_ttft_p99', float('nan')):>10.2f}"
+                  f"{r['makespan']:>10.1f}")
+            line = {"bench": "policy_ablation", "workload": w.name, "policy": policy,
+                    "computed_over_min": round(ratio, 4), "hit_rate": round(r["hit_rate"], 4),
+                    "ttft_p50": round(r["ttft_p50"], 3), "ttft_p99": round(r["ttft_p99"], 3),
+                    "makespan_s": round(r["makespan"], 2),
+                    "computed_vs_fcfs": round(r["computed"] / base["computed"], 4)}
+            if "short_ttft_p99" in r:
+                line["short_ttft_p50"] = round(r["short_ttft_p50"], 3)
+                line["short_ttft_p99"] = round(r["short_ttft_p99"], 3)
+            lines.append(line)
+    print()
+    for line in lines:
+        print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()
