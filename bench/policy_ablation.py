@@ -13,7 +13,7 @@ Workloads (token ids from fixed seeds, vocabulary 32000; ``sched-q1000`` is the 
 bench-data queue):
   few-templates    600 short requests on 8 templates of 768 tokens, one burst, pool of ~3
   system-batches   8 batches of 40 requests; 4 system prompts of 3072 tokens mixed in
-                   every batch; pool of ~2 system prompts
+                   every batch; pool of ~2 system prompts and a batch's questions
   many-tenants     48 tenants x 8 requests, 1024-token templates, interleaved; pool of ~6
   short-among-long 90 unique 6000-token prompts and 60 short 48-token ones among them,
                    arriving over time (TTFT of the short ones reported too)
@@ -105,7 +105,7 @@ def system_batches(scale: float) -> Workload:
         for _ in range(40):
             prompts.append(systems[rng.randrange(4)] + _tokens(rng, rng.randrange(32, 256)))
             arrivals.append(b * 6.0)
-    return Workload("system-batches", prompts, arrivals, pool_pages=2 * 3072 // PAGE + 1100)
+    return Workload("system-batches", prompts, arrivals, pool_pages=2 * 3072 // PAGE + 400)
 
 
 def many_tenants(scale: float) -> Workload:
@@ -115,7 +115,7 @@ def many_tenants(scale: float) -> Workload:
     rng.shuffle(order)
     prompts = [tenants[t] + _tokens(rng, rng.randrange(16, 128)) for t in order]
     arrivals = [i * 0.02 for i in range(len(prompts))]
-    return Workload("many-tenants", prompts, arrivals, pool_pages=6 * 1024 // PAGE + 1100)
+    return Workload("many-tenants", prompts, arrivals, pool_pages=6 * 1024 // PAGE + 200)
 
 
 def short_among_long(scale: float) -> Workload:
@@ -214,9 +214,12 @@ def run(w: Workload, policy: str, cost: tuple[float, float, float]) -> dict[str,
     reply_sock, reply_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
     sched = PrefillScheduler(config, runner, kv, req_sock, clock=clock)
     if sched.tree is not None:
-        for seq in w.warm:  # the warm cache, as if earlier requests had left it
-            pages = runner.pool.allocator.allocate(len(seq) // PAGE)
-            sched.tree.insert(seq, pages)
+        for seq in w.warm:  # the warm cache, as if earlier requests had left it (LRU)
+            num = len(seq) // PAGE - sched.tree.match_prefix(seq).num_tokens // PAGE
+            if not runner.pool.allocator.can_allocate(num):
+                sched.tree.evict(num - runner.pool.allocator.num_free_pages)
+            own = sched.tree.match_prefix(seq).page_ids
+            sched.tree.insert(seq, own + runner.pool.allocator.allocate(num))
     push = ctx.socket(zmq.PUSH)
     push.connect(req_endpoint)
     order = sorted(range(len(w.prompts)), key=lambda i: w.arrivals[i])
