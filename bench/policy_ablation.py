@@ -17,9 +17,13 @@ bench-data queue):
   many-tenants     48 tenants x 8 requests, 1024-token templates, interleaved; pool of ~6
   short-among-long 90 unique 6000-token prompts and 60 short 48-token ones among them,
                    arriving over time (TTFT of the short ones reported too)
+  cached-long-vs-short  40 prompts of a cached 2048-token prefix + 64 new tokens among 40
+                   of a cached 4096-token prefix + 6000 new ones, one burst (the seeds'
+                   case against plain lpm)
   sched-q1000      bench-data/sched-workload.npz's q1000 queue (its cache sequences
                    inserted first), one burst
-For each policy (fcfs, random, lpm, dfs-weight, hrrn, shortest-prefill-first): prompt
+For each policy (fcfs, random, lpm, dfs-weight, hrrn, shortest-prefill-first, and the
+opt-in lpm-length-aware = lpm with --lpm-length-aware): prompt
 tokens computed / the minimum (every page-aligned shared prefix computed once, the last
 token of each prompt always), the cache hit rate (1 - computed / prompt tokens), TTFT
 p50/p99 in virtual seconds (arrival to the first token), and the makespan. Prints a
@@ -64,7 +68,12 @@ from transfer.kv_poll import KVPoll  # noqa: E402
 from transfer.loopback_backend import LoopbackBackend  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "bench-data" / "sched-workload.npz"
-POLICIES = ("fcfs", "random", "lpm", "dfs-weight", "hrrn", "shortest-prefill-first")
+POLICIES = ("fcfs", "random", "lpm", "dfs-weight", "hrrn", "shortest-prefill-first",
+            "lpm-length-aware")
+# Opt-in variants beyond SGLang: the policy and the PrefillConfig fields they set.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "lpm-length-aware": ("lpm", {"lpm_length_aware": True}),
+}
 PAGE = 16
 VOCAB = 32000
 LAYOUT = KVLayout(1, 1, 1, PAGE, "float32")  # the stand-in moves no real KV
@@ -128,6 +137,19 @@ def short_among_long(scale: float) -> Workload:
                     short_below=1000)
 
 
+def cached_long_vs_short(scale: float) -> Workload:
+    rng = random.Random(5)
+    short_prefix, long_prefix = _tokens(rng, 2048), _tokens(rng, 4096)
+    kinds = ["short"] * int(40 * scale) + ["long"] * int(40 * scale)
+    rng.shuffle(kinds)
+    # The seeds' case: 2K cached + 64 to compute waits, under lpm, behind 4K cached + 6K.
+    prompts = [short_prefix + _tokens(rng, 64) if k == "short" else long_prefix
+               + _tokens(rng, 6000) for k in kinds]
+    return Workload("cached-long-vs-short", prompts, [0.0] * len(prompts),
+                    pool_pages=(2048 + 4096) // PAGE + 2 * 6100 // PAGE + 64,
+                    warm=[short_prefix, long_prefix], short_below=3000)
+
+
 def sched_q1000(scale: float) -> Workload:
     data = np.load(DATA)
     n = 1000 if scale >= 1 else 128
@@ -144,7 +166,8 @@ def sched_q1000(scale: float) -> Workload:
 
 
 WORKLOADS = {w.__name__.replace("_", "-"): w for w in
-             (few_templates, system_batches, many_tenants, short_among_long, sched_q1000)}
+             (few_templates, system_batches, many_tenants, short_among_long,
+              cached_long_vs_short, sched_q1000)}
 
 
 # ---- the stand-ins -----------------------------------------------------------------------------
@@ -203,7 +226,8 @@ def run(w: Workload, policy: str, cost: tuple[float, float, float]) -> dict[str,
     n = next(_ids)
     clock = VirtualClock()
     runner = StandInRunner(w.pool_pages, clock, cost)
-    config = PrefillConfig(model=ModelConfig(page_size=PAGE), schedule_policy=policy)
+    name, extra = VARIANTS.get(policy, (policy, {}))
+    config = PrefillConfig(model=ModelConfig(page_size=PAGE), schedule_policy=name, **extra)
     ctx = zmq.Context.instance()
     kv = KVManager(f"ab-p{n}", "prefill", LoopbackBackend(f"ab-p{n}"), runner.pool,
                    backend_kind="loopback", lease_s=1e6)

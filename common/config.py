@@ -161,6 +161,9 @@ class PrefillConfig:
     # dfs-weight sends in-batch dedup's deprioritized requests to the back; "off" is SGLang
     # 0.5.23, which computes the dedup set under dfs-weight but does not use it.
     dfs_weight_dedup: str = "on"
+    # lpm on cached minus uncached tokens instead of cached ones (beyond SGLang; see
+    # bench/policy_ablation.py for what it does).
+    lpm_length_aware: bool = False
 
     def __post_init__(self) -> None:
         page, chunk = self.model.page_size, self.chunked_prefill_size
@@ -227,8 +230,8 @@ class DecodeConfig:
     # Scales new_token_ratio (the share of max_new_tokens a running request is expected
     # to still need), as SGLang's flag does; a prefill node reserves no decode room.
     schedule_conservativeness: float = 1.0
-    # With priority scheduling: retract running requests less urgent by at least this much
-    # to admit a waiting one (decode_node/preemption.py).
+    # With priority scheduling: retract running requests less urgent by more than this to
+    # admit a waiting one (decode_node/preemption.py).
     priority_scheduling_preemption_threshold: int = 10
     disable_priority_preemption: bool = False
 
@@ -357,6 +360,8 @@ def add_prefill_args(parser: Parser) -> None:
     add("--cache-aware-fallback-threshold", type=int, help="queue length above which fcfs runs")
     add("--dfs-weight-dedup", choices=("on", "off"),
         help="on: dfs-weight puts in-batch dedup's deprioritized requests last; off: as SGLang")
+    add("--lpm-length-aware", action="store_true",
+        help="lpm sorts on cached minus uncached tokens (not in SGLang)")
     parser.set_defaults(**_field_values(PrefillConfig, PrefillConfig()))
 
 

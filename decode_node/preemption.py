@@ -4,7 +4,8 @@ more urgent request waiting for pages is admitted now.
 In a P/D system the place to preempt is the decode node: its pool holds the long-lived
 KV. With --enable-priority-scheduling (and not --disable-priority-preemption), when the
 most urgent ready request of the prealloc queue does not fit, running requests whose
-priority is lower by at least --priority-scheduling-preemption-threshold are retracted
+priority is lower by more than --priority-scheduling-preemption-threshold (strictly, as
+SGLang's) are retracted
 (to host memory, as a retraction does; they resume later with their output intact),
 least urgent first, until it fits. A request without a priority is the least urgent: it
 can be preempted by any prioritized request and preempts no one. Nothing is retracted
@@ -24,13 +25,13 @@ DEFAULT_PREEMPTION_THRESHOLD = 10  # SGLang's --priority-scheduling-preemption-t
 
 def is_more_urgent_by(priority: int | None, other: int | None, threshold: int,
                       low_values_first: bool) -> bool:
-    """Whether ``priority`` is more urgent than ``other`` by at least ``threshold``."""
+    """Whether ``priority`` is more urgent than ``other`` by more than ``threshold``."""
     if priority is None:
         return False
     if other is None:
         return True
     gap = other - priority if low_values_first else priority - other
-    return gap >= threshold
+    return gap > threshold
 
 
 def plan_preemption(head: BudgetReq, head_priority: int | None,

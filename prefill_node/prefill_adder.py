@@ -110,8 +110,9 @@ class PrefillAdder:
         if total > self.rem_total_tokens:
             self._unlock(locked)
             return AddReqResult.NO_TOKEN
-        if (self.rem_chunk_tokens is None and self.can_run_list
-                and ceil_page(extend, self.page_size) >= self.rem_input_tokens):
+        # As SGLang: past the round's prefill-token cap only the first request may go
+        # (chunked or not); the others wait for the next round.
+        if self.can_run_list and ceil_page(extend, self.page_size) >= self.rem_input_tokens:
             self._unlock(locked)
             return AddReqResult.OTHER
         end = self._truncate(prefix_len, req.num_input_tokens, chunk_limit)

@@ -86,10 +86,18 @@ def prefill_work(req: Req) -> int:
     return max(1, len(req.origin_input_ids) - req.prefix_len)
 
 
-def _lpm_key_for(page_size: int) -> Callable[[Req], float]:
+def _lpm_key_for(page_size: int, is_length_aware: bool = False) -> Callable[[Req], float]:
     # SGLang sorts on the match of the prompt less its last token (which is always computed).
+    # Length-aware (opt-in, beyond SGLang): cached minus uncached tokens, so a request with
+    # 20K cached and 100 to compute no longer waits behind one with 10K cached and 100K to
+    # compute; among equal uncached work it is lpm, among equal matches shortest first.
     def key(r: Req) -> float:
-        return _INF if r.is_deprioritized else -float(usable_prefix_len(r, page_size))
+        if r.is_deprioritized:
+            return _INF
+        cached = usable_prefix_len(r, page_size)
+        if is_length_aware:
+            return float(len(r.origin_input_ids) - 2 * cached)
+        return -float(cached)
 
     return key
 
@@ -119,6 +127,7 @@ class SchedulePolicy:
         waiting_prefix_refresh_interval: int = WAITING_PREFIX_REFRESH_INTERVAL,
         random_seed: int | None = None,
         dfs_weight_dedup: bool = True,
+        lpm_length_aware: bool = False,
     ) -> None:
         self.tree_cache = tree_cache
         self.requested_policy = policy
@@ -131,7 +140,7 @@ class SchedulePolicy:
         self.waiting_prefix_refresh_interval = waiting_prefix_refresh_interval
         self._rng = random.Random(random_seed)
         self._matcher = PrefixMatcher(tree_cache) if tree_cache is not None else None
-        self._order = _cache_aware_order(self.policy, tree_cache)
+        self._order = _cache_aware_order(self.policy, tree_cache, lpm_length_aware)
         # Dedup runs when this policy can apply it: cache-aware, or fcfs with the flag; not
         # under dfs-weight with dedup off (SGLang computes the set there but ignores it).
         uses_dedup = self._order is not None and (
@@ -162,6 +171,7 @@ class SchedulePolicy:
             ),
             cache_aware_fallback_threshold=config.cache_aware_fallback_threshold,
             dfs_weight_dedup=config.dfs_weight_dedup == "on",
+            lpm_length_aware=config.lpm_length_aware,
         )
 
     @property
@@ -321,10 +331,11 @@ class SchedulePolicy:
             self.tree_cache.touch_paths(list(map(_LAST_NODE, queue)))
 
 
-def _cache_aware_order(policy: Policy, tree: RadixCache | None) -> CacheAwareOrder | None:
+def _cache_aware_order(policy: Policy, tree: RadixCache | None,
+                       lpm_length_aware: bool = False) -> CacheAwareOrder | None:
     if policy is CacheAwarePolicy.LPM:
         assert tree is not None
-        return StaticKeyOrder(_lpm_key_for(tree.page_size))
+        return StaticKeyOrder(_lpm_key_for(tree.page_size, lpm_length_aware))
     if policy is CacheAwarePolicy.SHORTEST_PREFILL_FIRST:
         return StaticKeyOrder(_spf_key)
     if policy is CacheAwarePolicy.HRRN:

@@ -23,8 +23,9 @@ HEAD = BudgetReq(13, 0, 8)  # needs 16 + 4 tokens, and 21 to finish alone
 
 
 def test_urgency_by_threshold_in_both_directions_and_without_a_priority():
-    assert is_more_urgent_by(20, 10, 10, False) and not is_more_urgent_by(19, 10, 10, False)
-    assert is_more_urgent_by(0, 10, 10, True) and not is_more_urgent_by(1, 10, 10, True)
+    # Strictly more than the threshold, as SGLang's preemption.
+    assert is_more_urgent_by(21, 10, 10, False) and not is_more_urgent_by(20, 10, 10, False)
+    assert is_more_urgent_by(-1, 10, 10, True) and not is_more_urgent_by(0, 10, 10, True)
     assert is_more_urgent_by(-5, None, 10, False)  # no priority: the least urgent
     assert not is_more_urgent_by(None, -100, 0, False)  # and it preempts no one
 
@@ -40,8 +41,8 @@ def test_least_urgent_eligible_first_and_only_as_many_as_needed():
     # is 12 < the 20 the head needs; two victims: 40 - 8 = 32 >= 20.
     plan = plan_preemption(HEAD, 50, running, budget(2, running), 10)
     assert plan == [2, 1]  # no priority first, then priority 0; 30 and 45 are kept
-    # With threshold 25 only the one without a priority and priority 0 qualify still.
-    assert plan_preemption(HEAD, 50, running, budget(2, running), 25) == [2, 1]
+    # With threshold 19 (gaps > 19) the one without a priority and priority 0 still qualify.
+    assert plan_preemption(HEAD, 50, running, budget(2, running), 19) == [2, 1]
 
 
 def test_none_when_every_eligible_victim_together_is_not_enough():

@@ -519,7 +519,7 @@ def test_a_high_priority_request_preempts_low_ones_and_they_resume_unchanged(mod
 
 
 @pytest.mark.parametrize("extra", [{"disable_priority_preemption": True},
-                                   {"priority_scheduling_preemption_threshold": 101}])
+                                   {"priority_scheduling_preemption_threshold": 100}])
 def test_no_preemption_when_disabled_or_below_the_threshold(model_dir, ref, extra):
     h = PD(model_dir, decode_pages=16, num_reserved_decode_tokens=4,
            enable_priority_scheduling=True, **extra)

@@ -106,3 +106,15 @@ def test_beside_an_unfinished_chunked_request_new_ones_are_admitted_only_whole()
     assert a.add_one_req(req(32, "fits"), 0) is AddReqResult.CONTINUE
     assert a.add_one_req(req(64, "would-chunk"), 0) is AddReqResult.OTHER
     assert [c.req.rid for c in a.can_run_list] == ["fits"] and a.new_chunked_req is None
+
+
+def test_the_prefill_token_cap_holds_with_chunking_on():
+    # SGLang's rule: past --max-prefill-tokens only the round's first request may go; the
+    # second waits, chunking or not (pdserve used to admit it with chunking on: cap -10).
+    a = adder(max_prefill_tokens=100, chunked_prefill_size=1000)
+    assert a.add_one_req(req(50, "first"), 0) is AddReqResult.CONTINUE
+    assert a.add_one_req(req(60, "second"), 0) is AddReqResult.OTHER
+    assert [c.req.rid for c in a.can_run_list] == ["first"] and a.rem_input_tokens == 50
+    alone = adder(max_prefill_tokens=100, chunked_prefill_size=1000)
+    assert alone.add_one_req(req(160, "big"), 0) is AddReqResult.OTHER  # first: admitted
+    assert [c.req.rid for c in alone.can_run_list] == ["big"]

@@ -355,9 +355,9 @@ def test_mixed_chunk_56_tokens_with_59_left_then_3_more():
 
 # SGLang test_prefill_adder.py: TestPrefillAdder.test_mixed_chunk_prefill_budgets at a page
 # size of 16. Here pdserve differs: SGLang compares the page-rounded extend (64) with the chunk
-# budget (56 or 59), so it chunks the prompt to 56 // 16 * 16 = 48 tokens and charges 64 per
-# whole prompt; pdserve compares the raw extend (56), admits it whole, and charges the chunk
-# budget 56 tokens, so 3 tokens remain for a 3-token prompt (SGLang: OTHER, nothing left).
+# budget left (56 or 59), so it chunks the prompt to 56 // 16 * 16 = 48 tokens (it becomes
+# new_chunked_req, 8 or 11 chunk tokens left); pdserve compares the raw extend (56), admits it
+# whole and takes 56 off the chunk budget (0 or 3 left; the 3 then fit a 3-token prompt).
 @pytest.mark.parametrize(
     ("num_decode", "result", "left"),
     [(8, AddReqResult.OTHER, 0), (5, AddReqResult.CONTINUE, 3)],
@@ -397,7 +397,7 @@ def preempt(
     need: int,
     prio: int,
     low_first: bool,
-    threshold: int = 1,
+    threshold: int = 0,
     free: int = 0,
 ) -> list[str] | None:
     """Names of the running requests to retract for a newcomer of ``need`` prompt tokens."""
@@ -408,15 +408,14 @@ def preempt(
     return None if keys is None else [specs[k][0] for k in keys]
 
 
-# SGLang's threshold test is strict (priority gap > threshold); pdserve's is_more_urgent_by
-# is not (gap >= threshold). SGLang's threshold 0 is therefore pdserve's threshold 1 below.
-def test_preemption_threshold_is_inclusive_where_sglang_is_strict():
-    # SGLang (threshold 10): a gap of exactly 10 does not preempt; pdserve's does.
-    assert is_more_urgent_by(20, 10, 10, low_values_first=False)
-    assert is_more_urgent_by(0, 10, 10, low_values_first=True)
-    assert not is_more_urgent_by(19, 10, 10, low_values_first=False)
-    # So at threshold 0 pdserve preempts equal priorities, which SGLang never does.
-    assert is_more_urgent_by(1, 1, 0, low_values_first=False)
+# SGLang's threshold test is strict (priority gap > threshold), and so is pdserve's.
+def test_preemption_threshold_is_strict_as_sglangs():
+    # Threshold 10: a gap of exactly 10 does not preempt, 11 does.
+    assert not is_more_urgent_by(20, 10, 10, low_values_first=False)
+    assert is_more_urgent_by(21, 10, 10, low_values_first=False)
+    assert not is_more_urgent_by(0, 10, 10, low_values_first=True)
+    assert is_more_urgent_by(-1, 10, 10, low_values_first=True)
+    assert not is_more_urgent_by(1, 1, 0, low_values_first=False)  # equal never preempts
 
 
 # SGLang test_prefill_adder.py: TestPrefillAdder.test_preempt_success_high_priority_values_first.
@@ -433,9 +432,6 @@ def test_preempt_success_low_priority_values_first():
 def test_preempt_fail_low_priority_values_first():
     assert preempt(RUN, 49, prio=2, low_first=True) is None  # no one is less urgent than 2
     assert preempt(RUN, 110, prio=1, low_first=True) is None  # run3's 100 are not enough
-    # With SGLang's literal threshold 0, pdserve may take run2 (equal priority) as well, and
-    # succeeds where SGLang returns False.
-    assert preempt(RUN, 110, prio=1, low_first=True, threshold=0) == ["run3", "run2"]
 
 
 # SGLang test_prefill_adder.py: TestPrefillAdder.test_preempt_fail_high_priority_values_first.
