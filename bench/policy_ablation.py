@@ -23,7 +23,8 @@ bench-data queue):
   sched-q1000      bench-data/sched-workload.npz's q1000 queue (its cache sequences
                    inserted first), one burst
 For each policy (fcfs, random, lpm, dfs-weight, hrrn, shortest-prefill-first, and the
-opt-in lpm-length-aware = lpm with --lpm-length-aware): prompt
+opt-in lpm-length-aware = lpm with --lpm-length-aware, and dfs-weight-dedup-off = SGLang's
+exact dfs-weight): prompt
 tokens computed / the minimum (every page-aligned shared prefix computed once, the last
 token of each prompt always), the cache hit rate (1 - computed / prompt tokens), TTFT
 p50/p99 in virtual seconds (arrival to the first token), and the makespan. Prints a
@@ -69,10 +70,11 @@ from transfer.loopback_backend import LoopbackBackend  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "bench-data" / "sched-workload.npz"
 POLICIES = ("fcfs", "random", "lpm", "dfs-weight", "hrrn", "shortest-prefill-first",
-            "lpm-length-aware")
+            "lpm-length-aware", "dfs-weight-dedup-off")
 # Opt-in variants beyond SGLang: the policy and the PrefillConfig fields they set.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "lpm-length-aware": ("lpm", {"lpm_length_aware": True}),
+    "dfs-weight-dedup-off": ("dfs-weight", {"dfs_weight_dedup": "off"}),  # SGLang's exact one
 }
 PAGE = 16
 VOCAB = 32000
@@ -162,7 +164,7 @@ def sched_q1000(scale: float) -> Workload:
     prompts = seqs(f"q{n}", n)
     total_pages = sum(pages_needed(len(p), PAGE) for p in prompts + cache)
     return Workload("sched-q1000" if n == 1000 else "sched-q128", prompts, [0.0] * n,
-                    pool_pages=max(total_pages // 6, 2400), warm=cache)
+                    pool_pages=max(total_pages // 24, 2400), warm=cache)
 
 
 WORKLOADS = {w.__name__.replace("_", "-"): w for w in
@@ -239,11 +241,12 @@ def run(w: Workload, policy: str, cost: tuple[float, float, float]) -> dict[str,
     sched = PrefillScheduler(config, runner, kv, req_sock, clock=clock)
     if sched.tree is not None:
         for seq in w.warm:  # the warm cache, as if earlier requests had left it (LRU)
-            num = len(seq) // PAGE - sched.tree.match_prefix(seq).num_tokens // PAGE
-            if not runner.pool.allocator.can_allocate(num):
-                sched.tree.evict(num - runner.pool.allocator.num_free_pages)
+            free = runner.pool.allocator.num_free_pages
+            if free < len(seq) // PAGE:  # room for all of it, whatever stays matched
+                sched.tree.evict(len(seq) // PAGE - free)
             own = sched.tree.match_prefix(seq).page_ids
-            sched.tree.insert(seq, own + runner.pool.allocator.allocate(num))
+            pages = runner.pool.allocator.allocate(len(seq) // PAGE - len(own))
+            sched.tree.insert(seq, own + pages)
     push = ctx.socket(zmq.PUSH)
     push.connect(req_endpoint)
     order = sorted(range(len(w.prompts)), key=lambda i: w.arrivals[i])
