@@ -96,7 +96,7 @@ class PrefillScheduler:
 
     def _add_request(self, g: msg.GenerateReq) -> None:
         n = len(g.input_ids)
-        error = None
+        error, status = None, 400
         if g.rid in self.states:
             error = f"duplicate request id {g.rid}"
         elif n == 0 or n >= self.runner.context_length:
@@ -107,6 +107,7 @@ class PrefillScheduler:
               and self.config.abort_on_priority_when_disabled):
             error = ("priority given but priority scheduling is disabled "
                      "(--abort-on-priority-when-disabled)")
+            status = 503  # SGLang's status for it (the seeds)
         try:
             sampling = SamplingParams.from_wire(g.sampling)
             sampling.validate(self.runner.spec.vocab_size)
@@ -115,7 +116,7 @@ class PrefillScheduler:
         except ValueError as exc:
             error = error or str(exc)
         if error is not None:
-            self.push.send(g.reply_endpoint, msg.ReqFailed(rid=g.rid, status=400, error=error))
+            self.push.send(g.reply_endpoint, msg.ReqFailed(rid=g.rid, status=status, error=error))
             self.stats.finished("rejected")
             return
         # A prefill node computes exactly one token: no decode room to reserve.
