@@ -218,7 +218,8 @@ def test_a_priority_while_priority_scheduling_is_off_is_refused_when_asked(model
         h.submit("p", 1, _prompt(9, 1), priority=3)
         h.run_until(lambda: any(isinstance(m, msg.ReqFailed) for m in h.replies))
         [failed] = [m for m in h.replies if isinstance(m, msg.ReqFailed)]
-        assert failed.rid == "p" and failed.status == 503 and "priority" in failed.error  # the seeds: 503
+        # The seeds: SGLang rejects it with 503.
+        assert failed.rid == "p" and failed.status == 503 and "priority" in failed.error
         assert not h.sched.states
     finally:
         h.close()
