@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -23,28 +22,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import zmq  # noqa: E402
+import zmq
+from cpu_info import describe_cpu
 
-from common import messages as msg  # noqa: E402
-from common import socket_auth  # noqa: E402
-from common.ipc import PushPool, bind_pull, close_pull, recv_messages  # noqa: E402
-
-
-def _cpu() -> str:
-    model, flags = platform.processor() or "unknown", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("unknown", "x86_64", ""):
-                    model = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile")
-                                     if f in have)
-                    break
-    except OSError:
-        pass
-    return f"{model} [{flags}] x{os.cpu_count()}"
+from common import messages as msg
+from common import socket_auth
+from common.ipc import PushPool, bind_pull, close_pull, recv_messages
 
 
 def _generate(num_tokens: int) -> msg.Message:
@@ -101,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     n = 5_000 if args.quick else 20_000
     rounds = 3 if args.quick else 5
-    print(f"cpu: {_cpu()}")
+    print(f"cpu: {describe_cpu()}")
     print(f"{'message':<12} {'bytes':>7} {'open us/msg':>12} {'curve us/msg':>13} {'ratio':>6}")
     lines = []
     for name, message in CASES.items():

@@ -9,8 +9,15 @@ from common import messages as msg
 from common import socket_auth
 from common.config import ConfigError, DecodeConfig, add_decode_args
 from common.model.loader import resolve_model_dir
-from common.node_process import (NodeArgs, NodeProcess, add_node_args, advertised,
-                                 bind_request_socket, build_runner, setup_logging)
+from common.node_process import (
+    NodeArgs,
+    NodeProcess,
+    add_node_args,
+    advertised,
+    bind_request_socket,
+    build_runner,
+    setup_logging,
+)
 from common.tokenizer import Tokenizer
 from decode_node.scheduler import DecodeScheduler
 from transfer.backends import make_backend

@@ -35,13 +35,13 @@ from common.stop import FinishReason
 from common.tokenizer import Tokenizer
 from decode_node.ingress import NodeLimits, Rejection, build_request, check_request
 from decode_node.output import append_token, req_finished, token_chunk
-from decode_node.preemption import is_more_urgent_by, plan_preemption
 from decode_node.prealloc_queue import (
     BudgetReq,
     DecodeBudget,
     DecodePreallocQueue,
     resume_retracted,
 )
+from decode_node.preemption import is_more_urgent_by, plan_preemption
 from decode_node.req import DecodeReq, DecodeState
 from decode_node.retract import NewTokenRatio, RetractCandidate
 from decode_node.retracted_queue import RetractedQueue

@@ -22,7 +22,6 @@ from itertools import compress
 
 from common.request import TOKEN_BYTES, Req
 
-
 GroupKey = tuple[bytes | None, bytes]
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from common import messages as msg
 from common.request import Req
 from common.sampling_params import SamplingParams
-from transfer.kv_poll import KVPoll
 from prefill_node.radix_node import TreeNode
+from transfer.kv_poll import KVPoll
 from transfer.kv_sender import KVSender
 
 

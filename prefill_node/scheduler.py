@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import zmq
@@ -30,10 +30,10 @@ from common.model.runner import ExtendRequest, ModelRunner
 from common.request import TOKEN_BYTES, Req
 from common.sampler import Sampler, make_generator
 from common.sampling_params import SamplingParams
+from prefill_node.cache_aware_orders import usable_prefix_len
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
 from prefill_node.queues import BootstrapQueue, InflightQueue, PrefillState
 from prefill_node.radix_cache import RadixCache
-from prefill_node.cache_aware_orders import usable_prefix_len
 from prefill_node.schedule_policy import SchedulePolicy
 from prefill_node.stats import PrefillStats
 from transfer.kv_manager import KVManager
