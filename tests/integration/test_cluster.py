@@ -219,7 +219,7 @@ def test_hostile_api_bodies_never_5xx_and_leave_nothing_held(cluster):
         return resp.status
 
     @settings(max_examples=FUZZ_EXAMPLES_PER_ROUTE * len(FUZZ_ROUTES), deadline=None,
-              database=None, suppress_health_check=list(HealthCheck))
+              derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     @given(st.sampled_from(FUZZ_ROUTES).flatmap(
         lambda r: st.tuples(st.just(r), hostile.hostile_body(r))))
     def one(case) -> None:
