@@ -113,6 +113,7 @@ class LlamaModel:
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
         self.q_size = spec.num_heads * spec.head_dim
+        self.num_groups = spec.num_heads // spec.num_kv_heads  # query heads per KV head
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
 
@@ -132,7 +133,8 @@ class LlamaModel:
             slots = pool.slots
             slots[batch.write_rows + 2 * idx, batch.write_offsets] = k.reshape(num_tokens, self.kv_size)
             slots[batch.write_rows + (2 * idx + 1), batch.write_offsets] = v
-            attn = self._attention(q, pool, batch, idx)
+            attn = self._attention(q, k, v.view(num_tokens, spec.num_kv_heads, spec.head_dim),
+                                   pool, batch, idx)
             x = x + linear(attn, layer.o)
             h = rms_norm(x, layer.mlp_norm, spec.rms_norm_eps)
             gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
@@ -160,7 +162,9 @@ class LlamaModel:
         torch.index_select(pool.rows, 0, base + 1, out=out[1])
         return out[0].view(shape), out[1].view(shape)
 
-    def _attention(self, q: torch.Tensor, pool: KVPool, batch: AttentionBatch, layer: int) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool,
+                   batch: AttentionBatch, layer: int) -> torch.Tensor:
+        """Attention of this layer; k_new/v_new: [tokens, kv_heads, head_dim], just written."""
         if batch.decode_mask is not None:
             assert isinstance(batch.read_rows, torch.Tensor)
             if batch.gather_out is None:
@@ -176,17 +180,23 @@ class LlamaModel:
         assert batch.spans is not None and isinstance(batch.read_rows, list)
         outs = []
         for (start, num_new, total, prefix), rows in zip(batch.spans, batch.read_rows):
-            k, v = self._gather(pool, rows, layer)
-            k, v = k[:total].transpose(0, 1), v[:total].transpose(0, 1)
-            qr = q[start : start + num_new].transpose(0, 1)  # [heads, n, d]
+            # The new tokens' K/V are at hand: only a cached prefix is read from the pages.
+            k, v = k_new[start : start + num_new], v_new[start : start + num_new]
+            if prefix:
+                num_pages = -(-prefix // pool.page_size)
+                pk, pv = self._gather(pool, rows[:num_pages], layer)
+                k, v = torch.cat([pk[:prefix], k]), torch.cat([pv[:prefix], v])
+            # 4-D inputs with the KV heads repeated run SDPA's flash kernel on CPU; 3-D or
+            # enable_gqa run the math kernel (12x slower at 4096 tokens, quadratic memory).
+            k = k.transpose(0, 1).repeat_interleave(self.num_groups, dim=0).unsqueeze(0)
+            v = v.transpose(0, 1).repeat_interleave(self.num_groups, dim=0).unsqueeze(0)
+            qr = q[start : start + num_new].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
             if prefix == 0:
-                out = F.scaled_dot_product_attention(
-                    qr, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+                out = F.scaled_dot_product_attention(qr, k, v, is_causal=True, scale=self.scale)
             else:
                 key_pos = torch.arange(total, device=q.device)
                 query_pos = torch.arange(prefix, total, device=q.device)
                 mask = key_pos[None, :] <= query_pos[:, None]
-                out = F.scaled_dot_product_attention(
-                    qr, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
-            outs.append(out.transpose(0, 1).reshape(num_new, self.q_size))
+                out = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=self.scale)
+            outs.append(out[0].transpose(0, 1).reshape(num_new, self.q_size))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
