@@ -170,7 +170,7 @@ def test_bad_inputs_get_openai_style_errors(cluster):
 # ---- fuzzing (before the kill test: every node must still be there) -----------------------
 
 FUZZ_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
-FUZZ_EXAMPLES_PER_ROUTE = 15
+FUZZ_EXAMPLES_PER_ROUTE = 10
 
 
 def _greedy(cluster) -> list[str]:

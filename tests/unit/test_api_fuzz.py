@@ -26,7 +26,7 @@ from common.tokenizer import Tokenizer
 tokenizer = harness.tokenizer
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
-EXAMPLES_PER_ROUTE = 30
+EXAMPLES_PER_ROUTE = 20
 # Generated bodies that must reach a node: the schema's ranges and enums are what is served;
 # what it cannot say (prompt + max_tokens within the context; a chat template's own rules)
 # turns some away.
