@@ -5,12 +5,18 @@ our extend and through transformers' forward (last-token logits only, no cache k
 best of --repeats; tokens/s, the ratio, and the fraction of the matmul bound (linear
 layers' and attention's FLOPs / this machine's measured GEMM FLOP/s).
 Decode: for each dtype (float32; bfloat16 where the CPU has native bf16) and batch size
-(1, 8, 32): prefill the same prompts in both, then time only the decode steps; bound step
-time = model FLOPs per decode step / measured GEMM FLOP/s.
+(1, 8, 32): prefill the same prompts in both, then time only the decode steps. The bound
+step time is the larger of compute (model FLOPs per step / measured GEMM FLOP/s) and memory
+(weight and KV bytes one step reads / measured read bandwidth): decode at small batches
+streams every weight once per step.
+Agreement (dtypes other than float32): greedy continuations of --new-tokens over the 16
+prompts of greedy_prompts.py, ours in that dtype and transformers' in it, each against
+transformers' float32: the share matching at the first token and over all tokens.
 
-Prints the CPU, both tables, then one JSON line per (phase, dtype, size).
+Prints the CPU, the tables, then one JSON line per (phase, dtype, size).
 Usage: python bench/model_runner.py [--batches 1 8 32] [--new-tokens 32] [--dtypes float32]
        [--prefill-lengths 128 1024 4096 8192] [--skip-decode] [--skip-prefill]
+       [--skip-agreement]
 """
 
 from __future__ import annotations
@@ -19,29 +25,19 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from common.cpu_features import has_native_bf16  # noqa: E402
 from common.kv_pool import pages_needed  # noqa: E402
 from common.model.default_model import default_model_dir  # noqa: E402
 from common.model.runner import ExtendRequest, ModelRunner  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
-
-PROMPTS = [
-    "Explain how a paged KV cache lets a server batch requests of different lengths.",
-    "Write a short poem about the tide coming in over a rocky shore at dusk.",
-    "List three ways to make a Python web service more robust under load.",
-    "What is the difference between prefill and decode in LLM inference?",
-]
-
-
-def bf16_supported() -> bool:
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+from cpu_info import describe_cpu  # noqa: E402
+from greedy_prompts import agreement, chat_ids, greedy  # noqa: E402
 
 
 def gemm_flops_per_s(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
@@ -54,6 +50,31 @@ def gemm_flops_per_s(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float
         a @ b
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best
+
+
+def read_bytes_per_s(megabytes: int = 512, reps: int = 5) -> float:
+    """Memory read bandwidth: a sum over a tensor far larger than the caches."""
+    a = torch.ones(megabytes << 18, dtype=torch.float32)
+    a.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    """Bytes of the matrices one decode step reads (every layer's, the LM head's)."""
+    m = runner.model
+    tensors = [m.lm_head, m.norm] + [t for layer in m.layers for t in vars(layer).values()
+                                     if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def kv_bytes(runner: ModelRunner, tokens: int) -> int:
+    """Bytes of KV attention reads over `tokens` cached tokens (all layers, K and V)."""
+    return runner.layout.bytes_per_page * tokens // runner.page_size
 
 
 def prefill_flops(spec, n: int) -> float:
@@ -93,7 +114,7 @@ def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths:
 
 
 def prompt_batch(tokenizer, batch: int) -> list[list[int]]:
-    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    ids = chat_ids(tokenizer)
     width = min(len(i) for i in ids)
     # Equal lengths, so transformers needs no padding and both do the same work.
     return [ids[i % len(ids)][-width:] for i in range(batch)]
@@ -130,6 +151,17 @@ def hf_decode_seconds(model, prompts: list[list[int]], new_tokens: int) -> tuple
     return total - prefill, out[:, ids.shape[1]:].tolist()
 
 
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuations, one prompt at a time (no padding to differ by)."""
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=0)
+            outs.append(out[0, len(p):].tolist())
+    return outs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -139,13 +171,11 @@ def main() -> None:
     ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[128, 1024, 4096, 8192])
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-agreement", action="store_true")
     args = ap.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cpu_info import describe_cpu
-
     print(f"cpu: {describe_cpu()}")
-    dtypes = args.dtypes or (["float32", "bfloat16"] if bf16_supported() else ["float32"])
-    if "bfloat16" not in dtypes and not bf16_supported():
+    dtypes = args.dtypes or (["float32", "bfloat16"] if has_native_bf16() else ["float32"])
+    if "bfloat16" not in dtypes and not has_native_bf16():
         print("# bfloat16 skipped: this CPU has no native bf16 (avx512_bf16/amx_bf16)")
 
     from transformers import AutoModelForCausalLM
@@ -155,6 +185,11 @@ def main() -> None:
     max_batch = max(args.batches)
     rows: list[dict] = []
     prefill: list[dict] = []
+    agree: list[dict] = []
+    bandwidth = read_bytes_per_s()
+    chat = chat_ids(tokenizer)
+    want_agreement = not args.skip_agreement and any(d != "float32" for d in dtypes)
+    reference: list[list[int]] | None = None  # transformers' float32 greedy over `chat`
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         gemm = gemm_flops_per_s(dtype)
@@ -181,7 +216,10 @@ def main() -> None:
             tok_s = batch * steps / min(ours)
             hf_tok_s = batch * steps / min(hf_s)
             step_s = min(ours) / steps
-            bound_s = batch * flops_per_token / gemm
+            compute_s = batch * flops_per_token / gemm
+            cached = batch * (len(prompts[0]) + args.new_tokens // 2)
+            memory_s = (weight_bytes(runner) + kv_bytes(runner, cached)) / bandwidth
+            bound_s = max(compute_s, memory_s)
             rows.append({
                 "bench": "model_runner", "phase": "decode", "dtype": dtype_name, "batch": batch,
                 "tokens_per_s": round(tok_s, 1),
@@ -190,9 +228,32 @@ def main() -> None:
                 "fraction_of_matmul_bound": round(bound_s / step_s, 3),
                 "step_ms": round(step_s * 1e3, 1),
                 "matmul_bound_ms": round(bound_s * 1e3, 1),
+                "compute_bound_ms": round(compute_s * 1e3, 1),
+                "memory_bound_ms": round(memory_s * 1e3, 1),
                 "gemm_gflops": round(gemm / 1e9, 1),
+                "read_gb_per_s": round(bandwidth / 1e9, 1),
                 "greedy_outputs_equal": same,
                 "spread_ours_pct": round(100 * (max(ours) - min(ours)) / statistics.mean(ours), 1),
+            })
+        if want_agreement and dtype_name == "float32":
+            reference = hf_greedy(hf, chat, args.new_tokens)
+        if want_agreement and dtype_name != "float32":
+            if reference is None:
+                ref_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+                ref_model.generation_config.eos_token_id = None
+                reference = hf_greedy(ref_model.eval(), chat, args.new_tokens)
+                del ref_model
+            ours_a = agreement(reference, greedy(runner, chat, args.new_tokens))
+            theirs_a = agreement(reference, hf_greedy(hf, chat, args.new_tokens))
+            agree.append({
+                "bench": "model_runner", "phase": "agreement", "dtype": dtype_name,
+                "prompts": len(chat), "new_tokens": args.new_tokens,
+                "first_token_match": ours_a["first_token"],
+                "all_tokens_match": ours_a["all_tokens"],
+                "mean_common_prefix": ours_a["mean_common_prefix"],
+                "transformers_first_token_match": theirs_a["first_token"],
+                "transformers_all_tokens_match": theirs_a["all_tokens"],
+                "transformers_mean_common_prefix": theirs_a["mean_common_prefix"],
             })
         del runner, hf
 
@@ -206,13 +267,22 @@ def main() -> None:
                   f"{r['fraction_of_matmul_bound']:9.2f}")
     if rows:
         print(f"decode\n{'dtype':9} {'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} "
-              f"{'ratio':>6} {'step ms':>8} {'bound ms':>9} {'of bound':>9} {'equal':>6}")
+              f"{'ratio':>6} {'step ms':>8} {'bound ms':>9} {'(flop':>6} {'mem)':>5} "
+              f"{'of bound':>9} {'equal':>6}")
     for r in rows:
         print(f"{r['dtype']:9} {r['batch']:5d} {r['tokens_per_s']:11.1f} "
               f"{r['transformers_tokens_per_s']:9.1f} {r['ratio_vs_transformers']:6.2f} "
-              f"{r['step_ms']:8.1f} {r['matmul_bound_ms']:9.1f} "
+              f"{r['step_ms']:8.1f} {r['matmul_bound_ms']:9.1f} {r['compute_bound_ms']:6.1f} "
+              f"{r['memory_bound_ms']:5.1f} "
               f"{r['fraction_of_matmul_bound']:9.2f} {str(r['greedy_outputs_equal']):>6}")
-    for r in prefill + rows:
+    if agree:
+        print(f"agreement with transformers' float32 over {len(chat)} prompts, {args.new_tokens} "
+              f"greedy tokens\n{'dtype':9} {'':13} {'first':>6} {'all':>6} {'prefix':>7}")
+    for r in agree:
+        for who, pre in (("ours", ""), ("transformers", "transformers_")):
+            print(f"{r['dtype']:9} {who:13} {r[pre + 'first_token_match']:6.2f} "
+                  f"{r[pre + 'all_tokens_match']:6.2f} {r[pre + 'mean_common_prefix']:7.1f}")
+    for r in prefill + rows + agree:
         print(json.dumps(r))
 
 

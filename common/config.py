@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any, Self
 
+from common.cpu_features import has_native_bf16
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRANSFER_BACKENDS = ("nixl", "fake")
 RETRACTION_POLICIES = ("length", "priority")
@@ -72,7 +74,7 @@ class ModelConfig:
     """Which weights to load, where, and how large the paged KV pool is."""
 
     model_path: str | None = None  # None: the built-in default model
-    dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
+    dtype: str = "auto"  # auto: bfloat16 on cuda and on CPUs with native bf16, else float32
     device: str = "cpu"  # whether a GPU exists is checked at model load
     context_length: int | None = None
     page_size: int = 16
@@ -98,10 +100,17 @@ class ModelConfig:
         )
 
     def resolved_dtype(self) -> str:
-        """The concrete dtype name: auto becomes float32 on cpu and bfloat16 on cuda."""
+        """The concrete dtype name: auto becomes bfloat16 on cuda and on a CPU with AMX or
+        AVX512-BF16 (bfloat16 decode 1.3-1.5x float32 there), float32 on other CPUs.
+
+        The KV layout carries the dtype, so prefill and decode nodes on different kinds of
+        CPU must be given the same --dtype: auto could pick two and their pages would not mix.
+        """
         if self.dtype != "auto":
             return self.dtype
-        return "float32" if self.device == "cpu" else "bfloat16"
+        if self.device != "cpu":
+            return "bfloat16"
+        return "bfloat16" if has_native_bf16() else "float32"
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> Self:
@@ -323,7 +332,8 @@ def add_model_args(parser: Parser) -> None:
     """Add the model and KV pool flags."""
     add = parser.add_argument
     _add_model_identity_args(parser)
-    add("--dtype", help=f"one of: {', '.join(DTYPES)}; auto: float32 on cpu, bfloat16 on cuda")
+    add("--dtype", help=f"one of: {', '.join(DTYPES)}; auto: bfloat16 on cuda and on CPUs with "
+                                 "AMX or AVX512-BF16, float32 on other CPUs")
     add("--device", help="cpu, cuda or cuda:N")
     add("--page-size", type=int, help="tokens per KV page, a power of two up to 256")
     add("--max-total-tokens", type=int, help="KV pool size in tokens")

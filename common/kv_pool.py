@@ -140,7 +140,8 @@ class KVPool:
         # gathering KV by row index (2-D index_select) is one memcpy per block.
         layer_rows = num_pages * layout.num_layers * 2
         self.rows = self.buffer.view(layer_rows, layout.page_size * layout.num_kv_heads * layout.head_dim)
-        self.slots = self.buffer.view(layer_rows, layout.page_size, layout.num_kv_heads * layout.head_dim)
+        # One token's K (or V) of one layer per row: the model scatters new KV here by index_copy_.
+        self.tokens = self.buffer.view(layer_rows * layout.page_size, layout.num_kv_heads * layout.head_dim)
 
     @staticmethod
     def num_pages_for(

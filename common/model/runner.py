@@ -78,10 +78,10 @@ class ModelRunner:
         pages_t = torch.as_tensor(pages, dtype=torch.long)
         return (pages_t * self._layer_stride).to(self.device)
 
-    def _write_slots(self, page_ids: Sequence[int], start: int, stop: int) -> tuple[list[int], list[int]]:
-        ps = self.page_size
-        pages = [page_ids[p // ps] for p in range(start, stop)]
-        return pages, [p % ps for p in range(start, stop)]
+    def _write_slots(self, page_ids: Sequence[int], start: int, stop: int) -> list[int]:
+        """Slots in the pool's token view of layer 0's K for positions start..stop-1."""
+        ps, stride = self.page_size, self._layer_stride * self.page_size
+        return [page_ids[p // ps] * stride + p % ps for p in range(start, stop)]
 
     def _check_span(self, prefix_len: int, num_new: int, num_pages: int) -> None:
         total = prefix_len + num_new
@@ -95,8 +95,7 @@ class ModelRunner:
         """Prefill new tokens of each request (a whole prompt or one chunk of it)."""
         tokens: list[int] = []
         positions: list[int] = []
-        write_pages: list[int] = []
-        write_offsets: list[int] = []
+        write_slots: list[int] = []
         spans, read_rows, last_rows = [], [], []
         for r in reqs:
             n = len(r.token_ids)
@@ -108,13 +107,10 @@ class ModelRunner:
             read_rows.append(self._rows(r.page_ids[: pages_needed(total, self.page_size)]))
             tokens.extend(r.token_ids)
             positions.extend(range(r.prefix_len, total))
-            pages, offs = self._write_slots(r.page_ids, r.prefix_len, total)
-            write_pages.extend(pages)
-            write_offsets.extend(offs)
+            write_slots.extend(self._write_slots(r.page_ids, r.prefix_len, total))
             last_rows.append(len(tokens) - 1)
         batch = AttentionBatch(
-            write_rows=self._rows(write_pages),
-            write_offsets=torch.tensor(write_offsets, device=self.device),
+            write_slots=torch.tensor(write_slots, device=self.device),
             read_rows=read_rows,
             spans=spans,
         )
@@ -151,21 +147,20 @@ class ModelRunner:
         bsz = len(token_ids)
         width = max(pages_needed(n, ps) for n in seq_lens)
         table = torch.zeros((bsz, width), dtype=torch.long)
-        write_pages, write_offsets = [], []
+        write_slots = []
         for i, (n, pages) in enumerate(zip(seq_lens, page_tables)):
             self._check_span(n - 1, 1, len(pages))
             used = pages_needed(n, ps)
             table[i, :used] = torch.as_tensor(pages[:used])
             table[i, used:] = pages[0]  # padding: any valid page, masked out below
-            write_pages.append(pages[(n - 1) // ps])
-            write_offsets.append((n - 1) % ps)
+            write_slots += self._write_slots(pages, n - 1, n)
         lens = torch.tensor(seq_lens, device=self.device)
-        mask = torch.arange(width * ps, device=self.device)[None, :] < lens[:, None]
+        padding = torch.arange(width * ps, device=self.device)[None, :] >= lens[:, None]
+        bias = torch.zeros(padding.shape, dtype=self.model.dtype, device=self.device)
         batch = AttentionBatch(
-            write_rows=self._rows(write_pages),
-            write_offsets=torch.tensor(write_offsets, device=self.device),
+            write_slots=torch.tensor(write_slots, device=self.device),
             read_rows=self._rows(table),
-            decode_mask=mask[:, None, None, :],
+            decode_bias=bias.masked_fill_(padding, float("-inf"))[:, None, None, :],
         )
         hidden = self.model.forward(torch.tensor(list(token_ids), device=self.device), lens - 1,
                                     self.pool, batch, None)

@@ -37,7 +37,14 @@ class Proc:
         self.popen.wait(10)
 
 
+# The tests compare token ids with transformers' float32 reference; --dtype auto would pick
+# bfloat16 on a CPU with AMX or AVX512-BF16.
+NODE_MODULES = ("prefill_node", "decode_node")
+
+
 def start(name: str, module: str, *args: str) -> Proc:
+    if module in NODE_MODULES and "--dtype" not in args:
+        args = (*args, "--dtype", "float32")
     popen = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, bufsize=1)
     proc = Proc(name, popen)

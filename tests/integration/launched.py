@@ -59,6 +59,8 @@ class Launch:
             str(self.registry_port),
             "--disaggregation-transfer-backend",
             backend,
+            "--dtype",  # the nodes' outputs are compared with transformers' float32 reference
+            "float32",
             *extra,
         ]
         self.log: list[str] = []

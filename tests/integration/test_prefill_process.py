@@ -28,7 +28,7 @@ PAGE_FLOATS = 30 * 2 * 16 * 3 * 64
 
 
 def start_node(module: str, *args: str, timeout: float = 120.0) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *args],
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--dtype", "float32", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     ready: dict = {}
 

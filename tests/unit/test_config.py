@@ -204,7 +204,6 @@ def test_model_and_transfer_parsers_stand_alone() -> None:
 @pytest.mark.parametrize(
     ("dtype", "device", "resolved"),
     [
-        ("auto", "cpu", "float32"),
         ("auto", "cuda", "bfloat16"),
         ("auto", "cuda:3", "bfloat16"),
         ("float16", "cpu", "float16"),
@@ -214,6 +213,24 @@ def test_model_and_transfer_parsers_stand_alone() -> None:
 )
 def test_resolved_dtype(dtype: str, device: str, resolved: str) -> None:
     assert ModelConfig(dtype=dtype, device=device).resolved_dtype() == resolved
+
+
+@pytest.mark.parametrize(
+    ("flags", "resolved"),
+    [
+        ({"avx2", "avx512f"}, "float32"),
+        ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
+        ({"avx2", "amx_bf16", "amx_tile"}, "bfloat16"),
+        (set(), "float32"),
+    ],
+)
+def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch: pytest.MonkeyPatch, flags: set[str],
+                                               resolved: str) -> None:
+    import common.cpu_features as cpu_features
+
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
+    assert ModelConfig(dtype="auto", device="cpu").resolved_dtype() == resolved
+    assert ModelConfig(dtype="float32", device="cpu").resolved_dtype() == "float32"
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 16, 64, 256])
