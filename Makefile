@@ -26,7 +26,7 @@ serve: $(STAMP)
 # Types are a check too: mypy on the five packages, then every test.
 test: $(STAMP)
 	$(BIN)/python -m mypy common transfer prefill_node decode_node bootstrap
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python bench/model_runner.py

@@ -42,16 +42,23 @@ class AttentionBatch:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """Normalized in float32, scaled in the model's dtype: transformers' LlamaRMSNorm.
+
+    F.rms_norm computes x * rsqrt(mean(x^2) + eps) as one op, bit-equal to the four it
+    replaces (checked in float32 and bfloat16); it saves the per-op cost that decode pays.
+    """
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim] (rotate-half convention)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos [T, head_dim]; sin_rot: sin with its first half negated.
+
+    The rotate-half convention, x * cos + cat(-x2, x1) * sin, with the sign folded into
+    sin_rot: cat(x2, x1) * sin_rot is bit-equal (negation is exact) and one op shorter.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + swapped * sin_rot[:, None, :]
 
 
 # Up to this many rows, x @ W.T runs weight-major (see `linear`).
@@ -113,7 +120,9 @@ class LlamaModel:
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        sin = emb.sin().to(device=device, dtype=dtype)
+        half = sin.shape[-1] // 2
+        self.sin_rot = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.q_size = spec.num_heads * spec.head_dim
         self.num_groups = spec.num_heads // spec.num_kv_heads  # query heads per KV head
         self.kv_size = spec.num_kv_heads * spec.head_dim
@@ -124,7 +133,7 @@ class LlamaModel:
         """Run the layers over all new tokens; return final hidden states of `out_rows` (or all)."""
         spec = self.spec
         x = F.embedding(token_ids, self.embed)
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin_rot = self.cos[positions], self.sin_rot[positions]
         num_tokens = token_ids.shape[0]
         heads = spec.num_heads + spec.num_kv_heads
         ps = pool.page_size
@@ -135,7 +144,7 @@ class LlamaModel:
             qkv = linear(h, layer.qkv, layer.qkv_bias).contiguous()
             # q and k rotated together: one set of rope ops per layer instead of two
             qk = apply_rope(qkv[:, : self.q_size + self.kv_size].reshape(num_tokens, heads, spec.head_dim),
-                            cos, sin)
+                            cos, sin_rot)
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :]
             pool.tokens.index_copy_(0, batch.write_slots + 2 * idx * ps, k.reshape(num_tokens, self.kv_size))
