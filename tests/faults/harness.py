@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable
@@ -13,6 +12,7 @@ from typing import Any
 
 import report
 from cluster import Proc, http, metric, start, wait_ready
+from ports import free_port
 
 TOKEN = "faults-token"  # the cluster secret (registry, zmq CURVE keys)
 API_KEY = "faults-api-key"  # what clients send
@@ -29,12 +29,6 @@ HEALTHY_TIMEOUT_S = 60.0
 HEAL_CHECK_S = 15.0  # a live node not healthy by then is restarted before the next case
 HOST = "127.0.0.1"
 CHUNK = 256  # --chunked-prefill-size of the prefill nodes: a ~2000-token prompt takes 8 chunks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float, what: str,

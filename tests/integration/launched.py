@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,14 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_port
 
 STARTUP_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_json(url: str, timeout: float = 5.0) -> Any:

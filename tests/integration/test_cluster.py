@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client as http_client
 import json
-import socket
 import threading
 import time
 import urllib.parse
@@ -12,6 +11,7 @@ import urllib.parse
 import pytest
 
 from cluster import Proc, http, metric, start, wait_ready
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -20,12 +20,6 @@ openai = pytest.importorskip("openai")
 TOKEN = "test-cluster-token"  # the cluster's secret: registry and every zmq socket
 API_KEY = "test-client-key"  # what clients send; never the cluster token
 SYSTEM = "You are a terse assistant for a lighthouse keeper. Answer in one short sentence. " * 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

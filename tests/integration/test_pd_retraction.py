@@ -3,13 +3,13 @@ small enough to force retractions: every output equals the single-process refere
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import pytest
 
 from cluster import http, metric, start, wait_ready
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -17,12 +17,6 @@ openai = pytest.importorskip("openai")
 
 NUM_REQUESTS = 32
 MAX_TOKENS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

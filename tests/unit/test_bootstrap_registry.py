@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -15,6 +14,7 @@ from bootstrap.registry import NodeRegistry, RegistryError, bearer_token
 from bootstrap.registry_app import build_registry_app
 from common import messages as msg
 from common.registry_client import wait_until
+from ports import free_port
 
 # The harness's fixtures, used here by name.
 gateway_factory = harness.gateway_factory
@@ -175,12 +175,6 @@ def test_http_refusals(api: TestClient) -> None:
 
 
 # ---- real nodes' client against a real server ------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_node_reregisters_after_a_bootstrap_restart(
