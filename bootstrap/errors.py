@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -176,6 +177,9 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
+RECEIVED_STATE_KEY = "pdserve_received"  # request.state.pdserve_received: wall clock
+
+
 class CatchAll:
     """ASGI middleware: an unexpected exception is a JSON 500 (logged), never plain text.
 
@@ -190,6 +194,8 @@ class CatchAll:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # The request's first mark (common/stages.py): its headers are in, its body is not.
+        scope.setdefault("state", {})[RECEIVED_STATE_KEY] = time.time()
         started = False
 
         async def tracked(message: Message) -> None:

@@ -20,7 +20,14 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from bootstrap.errors import APIError, BodyLimit, CatchAll, documented, install_error_handlers
+from bootstrap.errors import (
+    RECEIVED_STATE_KEY,
+    APIError,
+    BodyLimit,
+    CatchAll,
+    documented,
+    install_error_handlers,
+)
 from bootstrap.gateway_metrics import count_request
 from bootstrap.generation import Generation, PreparedRequest
 from bootstrap.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -35,7 +42,7 @@ from bootstrap.streaming import (
     collect,
     sse_stream,
 )
-from common import metrics
+from common import metrics, stages
 
 T = TypeVar("T")
 CLIENT_CLOSED_STATUS = 499
@@ -109,6 +116,22 @@ def _document_limits(app: FastAPI, service: BootstrapService) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+class Marks(dict[str, float]):
+    """The gateway's marks of one request (common/stages.py) and its monotonic arrival."""
+
+    arrival: float
+
+    @classmethod
+    def of(cls, request: Request) -> Marks:
+        """At the top of a route handler: the body has been read and validated."""
+        marks = cls()
+        marks.arrival = time.monotonic()
+        now = time.time()
+        marks[stages.RECEIVED] = float(getattr(request.state, RECEIVED_STATE_KEY, now))
+        marks[stages.PARSED] = now
+        return marks
+
+
 def build_api_app(service: BootstrapService) -> FastAPI:
     """The API app over ``service`` (shared with the registry app in the same process)."""
     app = FastAPI(
@@ -139,9 +162,13 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         return result
 
     async def serve(
-        request: Request, prepared: PreparedRequest, fmt_of: Any, stream: bool, arrival: float
+        request: Request, prepared: PreparedRequest, fmt_of: Any, stream: bool, marks: Marks
     ) -> Response:
-        gen = service.admit(prepared, arrival)
+        marks[stages.TOKENIZED] = time.time()
+        gen = service.admit(prepared, marks.arrival)
+        marks[stages.DISPATCHED] = time.time()
+        gen.marks.update(marks)
+        gen.is_streamed = stream
         fmt: OutputFormat = fmt_of(gen.rid)
         try:
             if not stream:
@@ -151,7 +178,9 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_STATUS)
         return StreamingResponse(
-            sse_stream(first, events, fmt), media_type="text/event-stream", headers=_SSE_HEADERS
+            sse_stream(first, events, fmt, on_first_bytes=gen.first_bytes_sent),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
         )
 
     @app.post("/v1/chat/completions", dependencies=auth, response_model=None, responses=GENERATION_ERRORS)
@@ -160,7 +189,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         request: Request,
         x_routing_key: str | None = Header(default=None),
     ) -> Response:
-        arrival = time.monotonic()
+        marks = Marks.of(request)
         prepared = prepared_or_400(prepare_chat, body, x_routing_key)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -172,7 +201,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
                 include_usage=include_usage,
             )
 
-        return await serve(request, prepared, fmt, body.stream, arrival)
+        return await serve(request, prepared, fmt, body.stream, marks)
 
     @app.post("/v1/completions", dependencies=auth, response_model=None, responses=GENERATION_ERRORS)
     async def completions(
@@ -180,7 +209,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         request: Request,
         x_routing_key: str | None = Header(default=None),
     ) -> Response:
-        arrival = time.monotonic()
+        marks = Marks.of(request)
         prepared = prepared_or_400(prepare_completion, body, x_routing_key)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -192,7 +221,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
                 include_usage=include_usage,
             )
 
-        return await serve(request, prepared, fmt, body.stream, arrival)
+        return await serve(request, prepared, fmt, body.stream, marks)
 
     @app.post("/generate", dependencies=auth, response_model=None, responses=GENERATION_ERRORS)
     async def generate(
@@ -200,15 +229,16 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         request: Request,
         x_routing_key: str | None = Header(default=None),
     ) -> Response:
-        arrival = time.monotonic()
+        marks = Marks.of(request)
         prepared = prepared_or_400(prepare_generate, body, x_routing_key)
 
         def fmt(rid: str) -> OutputFormat:
             return GenerateFormat(
-                rid, service.model_name, service.tokenizer, include_usage=False, arrival=arrival
+                rid, service.model_name, service.tokenizer, include_usage=False,
+                arrival=marks.arrival,
             )
 
-        return await serve(request, prepared, fmt, body.stream, arrival)
+        return await serve(request, prepared, fmt, body.stream, marks)
 
     @app.get("/v1/models", dependencies=auth, responses=documented(401))
     async def models() -> dict[str, Any]:

@@ -18,7 +18,7 @@ from bootstrap.dispatcher import Dispatcher, InflightReq, ReqState
 from bootstrap.errors import APIError
 from bootstrap.gateway_metrics import count_request
 from common import messages as msg
-from common import metrics
+from common import metrics, stages
 from common.sampling_params import SamplingParams
 from common.stop import StopChecker
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -116,6 +116,11 @@ class Generation:
         self._last_token_at: float | None = None
         self._num_output_tokens = 0
         self._has_ended = False
+        # Wall-clock marks (common/stages.py): the gateway's, then the nodes' with the first
+        # token. A streamed request's stages are recorded at its first bytes, another's at
+        # its first token (its response is sent whole at the end).
+        self.marks: dict[str, float] = {}
+        self.is_streamed = False
 
     async def events(self) -> AsyncIterator[Delta | Finish]:
         """Deltas as replies arrive, then one Finish; raises APIError when the request fails."""
@@ -162,12 +167,21 @@ class Generation:
                 504, "the request timed out (--request-timeout)", code="timeout"
             ) from None
 
+    def first_bytes_sent(self) -> None:
+        """The response's first bytes go to the client now: the TTFT stages are complete."""
+        self.marks[stages.FIRST_BYTE] = time.time()
+        metrics.observe_stages(stages.stage_seconds(self.marks))
+
     def _on_chunk(self, chunk: msg.TokenChunk) -> tuple[Delta, bool]:
         now = self._clock()
         if self._last_token_at is None:
             metrics.TIME_TO_FIRST_TOKEN_SECONDS.labels(**metrics.role_labels()).observe(
                 now - self._arrival
             )
+            self.marks.update(stages.forwarded(chunk.marks, stages.NODE_MARKS))
+            self.marks[stages.FIRST_TOKEN] = time.time()
+            if not self.is_streamed:
+                metrics.observe_stages(stages.stage_seconds(self.marks))
         else:
             metrics.INTER_TOKEN_LATENCY_SECONDS.labels(**metrics.role_labels()).observe(
                 now - self._last_token_at

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from bootstrap.errors import APIError
@@ -234,9 +234,16 @@ async def collect(gen: Generation, fmt: OutputFormat) -> dict[str, Any]:
 
 
 async def sse_stream(
-    first: Delta | Finish, rest: AsyncIterator[Delta | Finish], fmt: OutputFormat
+    first: Delta | Finish,
+    rest: AsyncIterator[Delta | Finish],
+    fmt: OutputFormat,
+    on_first_bytes: Callable[[], None] | None = None,
 ) -> AsyncIterator[bytes]:
-    """SSE bytes from the first event on; a failure becomes an error event, then [DONE]."""
+    """SSE bytes from the first event on; a failure becomes an error event, then [DONE].
+
+    ``on_first_bytes`` is called as the first bytes are handed to the server."""
+    if on_first_bytes is not None:
+        on_first_bytes()
     for chunk in fmt.start():
         yield sse(chunk)
     try:

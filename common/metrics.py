@@ -144,6 +144,27 @@ TIME_TO_FIRST_TOKEN_SECONDS: Final = _histogram(
 INTER_TOKEN_LATENCY_SECONDS: Final = _histogram(
     "pdserve_inter_token_latency_seconds", "Time between streamed tokens.", _ITL_BUCKETS
 )
+# Buckets from half a millisecond (a hop on loopback) to a minute (a long queue).
+_STAGE_BUCKETS: Final = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0,
+)
+REQUEST_STAGE_SECONDS: Final = _histogram(
+    "pdserve_request_stage_seconds",
+    "Time a request spent in each stage before its first token (common/stages.py). The "
+    "gateway records the whole path, whose chain stages add up to its TTFT; each node "
+    "records the stages it sees itself.",
+    _STAGE_BUCKETS,
+    "stage",
+)
+
+
+def observe_stages(seconds: dict[str, float]) -> None:
+    """One request's stage durations into pdserve_request_stage_seconds."""
+    for stage, value in seconds.items():
+        REQUEST_STAGE_SECONDS.labels(**role_labels(stage=stage)).observe(value)
+
+
 E2E_REQUEST_LATENCY_SECONDS: Final = _histogram(
     "pdserve_e2e_request_latency_seconds",
     "Request latency, arrival to last token.",

@@ -50,10 +50,19 @@ PARALLEL: Final = (
     ("decode_transfer_queue", DECODE_PREALLOCATED, DECODE_TRANSFERRED),
 )
 STAGES: Final = tuple(name for name, _, _ in CHAIN + PARALLEL)
+# What each node records itself, from its own marks: the same stage names, each seen from
+# the node (its bootstrap queue starts when it took the request, not when it was sent).
+PREFILL_STAGES: Final = (
+    ("prefill_bootstrap_queue", "prefill_received", "prefill_bootstrapped"),
+    ("prefill_waiting_queue", "prefill_bootstrapped", "prefill_scheduled"),
+    ("prefill_compute", "prefill_scheduled", "prefill_computed"),
+)
+DECODE_STAGES: Final = PARALLEL
 
 # Marks each node stamps and forwards; the gateway's own never leave it.
 PREFILL_MARKS: Final = (PREFILL_RECEIVED, PREFILL_BOOTSTRAPPED, PREFILL_SCHEDULED, PREFILL_COMPUTED)
 DECODE_MARKS: Final = (DECODE_RECEIVED, DECODE_PREALLOCATED, DECODE_TRANSFERRED)
+NODE_MARKS: Final = PREFILL_MARKS + DECODE_MARKS
 # Bounds a forwarded mark must respect to be used (a peer's message is not trusted).
 MAX_MARKS: Final = 16
 

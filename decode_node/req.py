@@ -74,6 +74,9 @@ class DecodeReq:
     generator: torch.Generator | None = None  # None: greedy
     is_logprob: bool = False
     arrival: float = 0.0  # node clock
+    # Wall-clock marks (common/stages.py): this node's, then the prefill node's with the KV;
+    # they go to the gateway with the first token.
+    marks: dict[str, float] = field(default_factory=dict)
     state: DecodeState = DecodeState.PREALLOC
     # Device pages in order; they hold KV for the first kv_len tokens.
     pages: list[int] = field(default_factory=list)

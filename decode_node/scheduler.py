@@ -25,6 +25,7 @@ from dataclasses import replace
 import zmq
 
 from common import messages as msg
+from common import stages
 from common.config import DecodeConfig
 from common.gateway_watch import GatewayWatch
 from common.ipc import PushPool, recv_messages
@@ -112,7 +113,7 @@ class DecodeScheduler:
         for m in recv_messages(self.request_socket, socket_name="decode_requests", max_frames=512):
             if isinstance(m, msg.GenerateReq):
                 try:
-                    self._add_request(m)
+                    self._add_request(m, time.time())
                 except Exception as exc:  # noqa: BLE001 - one request never stops the node
                     self._isolate(m.rid, m.reply_endpoint, "accepting it", exc)
             elif isinstance(m, msg.AbortReq):
@@ -138,7 +139,7 @@ class DecodeScheduler:
 
     # ---- ingress -------------------------------------------------------------------------------
 
-    def _add_request(self, g: msg.GenerateReq) -> None:
+    def _add_request(self, g: msg.GenerateReq, received: float) -> None:
         checked = self._check(g)
         if isinstance(checked, Rejection):
             self.push.send(g.reply_endpoint, msg.ReqFailed(rid=g.rid, status=checked.status,
@@ -147,6 +148,7 @@ class DecodeScheduler:
             return
         req = build_request(g, checked, self.limits, self.tokenizer, self.runner.device,
                             self.clock())
+        req.marks[stages.DECODE_RECEIVED] = received
         self.reqs[g.rid] = req
         self.prealloc_queue.add(req)
         self._attach_receiver(req)
@@ -218,6 +220,7 @@ class DecodeScheduler:
         r.pages = self.allocator.allocate(pages_needed(r.num_input_tokens, self.page_size))
         r.advance(DecodeState.TRANSFER)
         r.receiver.send_metadata(r.pages, aux_slot=0)
+        r.marks[stages.DECODE_PREALLOCATED] = time.time()
         self.transfer_queue.add(r)
 
     def _preempt_for_priority(self) -> None:
@@ -259,10 +262,14 @@ class DecodeScheduler:
             aux = r.receiver.aux
             r.receiver.clear()
             r.receiver = None
+            r.marks[stages.DECODE_TRANSFERRED] = time.time()
+            self.stats.stages(stages.stage_seconds(r.marks, stages.DECODE_STAGES))
+            r.marks.update(aux.marks)
             if r.max_new_tokens == 0:
                 self._finish(r, FinishReason.length())
                 continue
-            finish = self._emit(r, aux.first_token_id, aux.first_logprob, aux.top_logprobs)
+            finish = self._emit(r, aux.first_token_id, aux.first_logprob, aux.top_logprobs,
+                                r.marks)
             if finish is not None:
                 self._finish(r, finish)
                 continue
@@ -323,12 +330,13 @@ class DecodeScheduler:
     # ---- output --------------------------------------------------------------------------------
 
     def _emit(self, r: DecodeReq, token_id: int, logprob: float | None,
-              top: list[tuple[int, float]] | None) -> FinishReason | None:
+              top: list[tuple[int, float]] | None,
+              marks: dict[str, float] | None = None) -> FinishReason | None:
         finish = append_token(r, token_id)
         now = self.clock()
         self.stats.token(None if r.last_token_at is None else now - r.last_token_at)
         r.last_token_at = now
-        self.push.send(r.generate.reply_endpoint, token_chunk(r, token_id, logprob, top))
+        self.push.send(r.generate.reply_endpoint, token_chunk(r, token_id, logprob, top, marks))
         return finish
 
     def _finish(self, r: DecodeReq, finish: FinishReason) -> None:

@@ -107,6 +107,9 @@ class DecodeStats:
         self.num_preemptions += num
         self._preemptions.inc(num)
 
+    def stages(self, seconds: dict[str, float]) -> None:
+        metrics.observe_stages(seconds)
+
     def token(self, gap_s: float | None) -> None:
         """One output token sent; `gap_s` is the time since the request's previous token."""
         if gap_s is not None:

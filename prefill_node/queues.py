@@ -35,6 +35,8 @@ class PrefillState:
     locked_node: TreeNode | None = None
     # Own pages whose tokens another request cached first; freed when this request ends.
     duplicate_pages: list[int] = field(default_factory=list)
+    # Wall-clock marks (common/stages.py), sent on to the decode node with the KV.
+    marks: dict[str, float] = field(default_factory=dict)
 
     @property
     def own_pages(self) -> list[int]:

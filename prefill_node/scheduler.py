@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from common import messages as msg
+from common import stages
 from common.config import PrefillConfig
 from common.gateway_watch import GatewayWatch
 from common.ipc import PushPool, recv_messages
@@ -72,7 +73,7 @@ class PrefillScheduler:
         for m in recv_messages(self.request_socket, socket_name="prefill_requests", max_frames=512):
             if isinstance(m, msg.GenerateReq):
                 try:
-                    self._add_request(m)
+                    self._add_request(m, time.time())
                 except Exception as exc:  # noqa: BLE001 - one request never stops the node
                     self._isolate(m.rid, m.reply_endpoint, "accepting it", exc)
             elif isinstance(m, msg.AbortReq):
@@ -80,7 +81,9 @@ class PrefillScheduler:
         self.kv.poll()
         self._abort_orphans()
         ready, failed = self.bootstrap_queue.pop_bootstrapped()
+        now = time.time()
         for s in ready:
+            s.marks[stages.PREFILL_BOOTSTRAPPED] = now
             s.req.enter_waiting_queue(self.clock(), self.processed_tokens)
             self.waiting_queue.append(s.req)
         for s in failed:
@@ -94,7 +97,7 @@ class PrefillScheduler:
 
     # ---- ingress -------------------------------------------------------------------------------
 
-    def _add_request(self, g: msg.GenerateReq) -> None:
+    def _add_request(self, g: msg.GenerateReq, received: float) -> None:
         n = len(g.input_ids)
         error, status = None, 400
         if g.rid in self.states:
@@ -123,7 +126,8 @@ class PrefillScheduler:
         req = Req(rid=g.rid, room=g.room, origin_input_ids=list(g.input_ids), max_new_tokens=1,
                   priority=g.priority, routing_key=g.routing_key, arrival_time=g.arrival_time,
                   cache_salt=g.cache_salt)
-        state = PrefillState(req, g, sampling, self.kv.create_sender(g.room, n))
+        state = PrefillState(req, g, sampling, self.kv.create_sender(g.room, n),
+                             marks={stages.PREFILL_RECEIVED: received})
         self.states[g.rid] = state
         self.bootstrap_queue.add(state)
         self.stats.prompt_tokens(n)
@@ -187,6 +191,7 @@ class PrefillScheduler:
         s.pages, s.num_prefix_pages = list(prefix_pages), len(prefix_pages)
         s.num_computed = s.num_cached_tokens = chunk.start
         s.locked_node = chunk.locked_node
+        s.marks.setdefault(stages.PREFILL_SCHEDULED, time.time())  # a deferred chunk keeps its first
         self.stats.cache_hit_tokens(chunk.start)
 
     def _allocate(self, chunk: PrefillChunk) -> bool:
@@ -236,9 +241,11 @@ class PrefillScheduler:
         sample = self.sampler.sample(logits, [s.sampling], [make_generator(s.sampling.seed)])
         top = sample.top_logprobs[0] if sample.top_logprobs else []
         logprob = sample.logprobs[0] if sample.logprobs else None
+        s.marks[stages.PREFILL_COMPUTED] = time.time()
+        self.stats.stages(stages.stage_seconds(s.marks, stages.PREFILL_STAGES))
         s.sender.send(s.pages, c.end, AuxData(first_token_id=sample.token_ids[0],
                                               room_echo=s.req.room, first_logprob=logprob,
-                                              top_logprobs=list(top)))
+                                              top_logprobs=list(top), marks=dict(s.marks)))
         self.inflight_queue.add(s)
 
     def _isolate(self, rid: str, reply_endpoint: str, doing: str, exc: Exception) -> None:

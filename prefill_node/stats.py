@@ -73,5 +73,8 @@ class PrefillStats:
         if num_pages:
             metrics.PREFIX_CACHE_EVICTED_PAGES.labels(role=self.role).inc(num_pages)
 
+    def stages(self, seconds: dict[str, float]) -> None:
+        metrics.observe_stages(seconds)
+
     def finished(self, outcome: str) -> None:
         metrics.REQUESTS.labels(role=self.role, outcome=outcome).inc()

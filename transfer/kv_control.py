@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from common import messages as msg
+from common import stages
 from common.kv_pool import KVLayout, KVPool
 from transfer.backend import TransferBackend
 from transfer.fence import RenewalLog, writer_fence_end
@@ -255,7 +256,8 @@ class ControlDispatcher:
             return
         aux = AuxData(first_token_id=done.first_token_id, room_echo=done.room_echo,
                       first_logprob=done.first_logprob,
-                      top_logprobs=[(int(t), float(lp)) for t, lp in done.top_logprobs])
+                      top_logprobs=[(int(t), float(lp)) for t, lp in done.top_logprobs],
+                      marks=stages.forwarded(done.marks, stages.PREFILL_MARKS))
         receiver.on_done(aux, done.num_pages, now)
 
     def _on_TransferFailed(self, failed: msg.TransferFailed, now: float) -> None:

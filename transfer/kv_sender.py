@@ -36,6 +36,8 @@ class AuxData:
     room_echo: int
     first_logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    # The prefill node's wall-clock marks of the request (common/stages.py).
+    marks: dict[str, float] = field(default_factory=dict)
 
 
 class SenderHost(Protocol):

@@ -39,6 +39,8 @@ class TokenChunk(Message):
     logprobs: list[float] | None
     # Per new token, its (token_id, logprob) pairs, best first.
     top_logprobs: list[list[Any]] | None
+    # The first chunk only: the nodes' wall-clock marks (common/stages.py) for the gateway.
+    marks: dict[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

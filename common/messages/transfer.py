@@ -65,6 +65,8 @@ class TransferDone(Message):
     room_echo: int
     num_pages: int
     instance_id: str = ""
+    # The prefill node's wall-clock marks of this request (common/stages.py).
+    marks: dict[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

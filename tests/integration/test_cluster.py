@@ -11,6 +11,7 @@ import urllib.parse
 import pytest
 
 from cluster import Proc, http, metric, start, wait_ready
+from common import stages
 from ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -92,6 +93,51 @@ def test_greedy_output_equals_the_single_process_runner(cluster):
     chat = client(cluster).chat.completions.create(model="default", max_tokens=24, temperature=0,
                                                    messages=messages)
     assert chat.choices[0].message.content == offline.text
+
+
+def _stage_totals(url: str, stage_names: list[str]) -> dict[str, tuple[float, float]]:
+    """(count, sum) of pdserve_request_stage_seconds per stage on one process (0s if unseen)."""
+    out = {}
+    for name in stage_names:
+        try:
+            out[name] = (metric(url, "pdserve_request_stage_seconds_count", stage=name),
+                         metric(url, "pdserve_request_stage_seconds_sum", stage=name))
+        except KeyError:
+            out[name] = (0.0, 0.0)
+    return out
+
+
+def test_ttft_stages_are_recorded_and_add_up_to_the_ttft_the_client_saw(cluster):
+    chain = [name for name, _, _ in stages.CHAIN]
+    every = list(stages.STAGES)
+    nodes = cluster["nodes"].values()
+    before = _stage_totals(cluster["api"], every)
+    node_before = [_stage_totals(p.ready["http_url"], every) for p in nodes]
+    cl = client(cluster)
+    start = time.perf_counter()
+    stream = cl.completions.create(model="default", prompt="Tell me about tides. " * 40,
+                                   max_tokens=4, temperature=0, stream=True)
+    first = next(iter(stream))
+    client_ttft = time.perf_counter() - start
+    assert first.choices
+    for _ in stream:
+        pass
+    after = _stage_totals(cluster["api"], every)
+    seconds = {n: after[n][1] - before[n][1] for n in every}
+    # The gateway saw the whole path once: every stage, none negative.
+    assert {n: after[n][0] - before[n][0] for n in every} == dict.fromkeys(every, 1.0)
+    assert all(v >= 0 for v in seconds.values()), seconds
+    assert seconds["prefill_compute"] > 0 and seconds["kv_transfer"] > 0
+    # The chain runs inside the client's own span and leaves little of it out: the
+    # client's connection, request writing and response parsing (a few ms on loopback).
+    total = sum(seconds[n] for n in chain)
+    assert total <= client_ttft + 0.002, (total, client_ttft, seconds)
+    assert total >= client_ttft - max(0.05, 0.15 * client_ttft), (total, client_ttft, seconds)
+    # Each node recorded its own view of its stages, on the same metric.
+    grown = {n: sum(_stage_totals(p.ready["http_url"], every)[n][0] - b[n][0]
+                    for p, b in zip(nodes, node_before)) for n in every}
+    for name, _, _ in stages.PREFILL_STAGES + stages.DECODE_STAGES:
+        assert grown[name] == 1.0, (name, grown)
 
 
 def test_64_concurrent_streams_all_complete(cluster):

@@ -65,6 +65,7 @@ SAMPLES: list[Message] = [
         top_logprobs=[[42, -0.25], [7, -1.5]],
         room_echo=7,
         num_pages=3,
+        marks={"prefill_received": 1764600000.125, "prefill_computed": 1764600000.5},
     ),
     TransferFailed(room=7, node_id="prefill-0", reason="lease expired"),
     LeaseRenew(node_id="prefill-0", rooms=[7, 8, 2**40], instance_id="a1", seq=3),
@@ -103,6 +104,7 @@ SAMPLES: list[Message] = [
         token_ids=[5, 6],
         logprobs=[-0.1, -2.0],
         top_logprobs=[[[5, -0.1], [8, -3.0]], [[6, -2.0]]],
+        marks={"decode_transferred": 1764600000.75},
     ),
     TokenChunk(rid="req-2", token_ids=[], logprobs=None, top_logprobs=None),
     ReqFinished(
@@ -173,7 +175,7 @@ def test_registry_is_consistent() -> None:
     for tag, cls in MESSAGE_TYPES.items():
         assert cls.TAG == tag
         assert cls.__doc__
-    assert PROTOCOL_VERSION == 3  # 3: GenerateReq.cache_salt
+    assert PROTOCOL_VERSION == 4  # 3: GenerateReq.cache_salt; 4: marks on TokenChunk, TransferDone
     assert is_supported_protocol(PROTOCOL_VERSION)
     assert not is_supported_protocol(PROTOCOL_VERSION + 1)
 
