@@ -170,18 +170,24 @@ class Generation:
     def first_bytes_sent(self) -> None:
         """The response's first bytes go to the client now: the TTFT stages are complete."""
         self.marks[stages.FIRST_BYTE] = time.time()
+        self._observe_ttft(stages.FIRST_BYTE)
+
+    def _observe_ttft(self, last: str) -> None:
+        """TTFT from the request's first byte in to ``last``, and the stages that make it up."""
+        if stages.RECEIVED in self.marks:
+            ttft = self.marks[last] - self.marks[stages.RECEIVED]
+        else:  # no gateway marks (a Generation built outside the API)
+            ttft = self._clock() - self._arrival
+        metrics.TIME_TO_FIRST_TOKEN_SECONDS.labels(**metrics.role_labels()).observe(max(0.0, ttft))
         metrics.observe_stages(stages.stage_seconds(self.marks))
 
     def _on_chunk(self, chunk: msg.TokenChunk) -> tuple[Delta, bool]:
         now = self._clock()
         if self._last_token_at is None:
-            metrics.TIME_TO_FIRST_TOKEN_SECONDS.labels(**metrics.role_labels()).observe(
-                now - self._arrival
-            )
             self.marks.update(stages.forwarded(chunk.marks, stages.NODE_MARKS))
             self.marks[stages.FIRST_TOKEN] = time.time()
-            if not self.is_streamed:
-                metrics.observe_stages(stages.stage_seconds(self.marks))
+            if not self.is_streamed:  # answered whole at the end: TTFT is the first token's
+                self._observe_ttft(stages.FIRST_TOKEN)
         else:
             metrics.INTER_TOKEN_LATENCY_SECONDS.labels(**metrics.role_labels()).observe(
                 now - self._last_token_at

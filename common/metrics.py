@@ -139,7 +139,10 @@ PREEMPTIONS: Final = _counter(
 
 # --- requests as the client saw them (gateway) -------------------------------------------
 TIME_TO_FIRST_TOKEN_SECONDS: Final = _histogram(
-    "pdserve_time_to_first_token_seconds", "Time to first token.", _CLIENT_BUCKETS
+    "pdserve_time_to_first_token_seconds",
+    "Time to first token: from the request's first byte at the gateway to its response's "
+    "first byte (streamed) or its first token (answered whole at the end).",
+    _CLIENT_BUCKETS,
 )
 INTER_TOKEN_LATENCY_SECONDS: Final = _histogram(
     "pdserve_inter_token_latency_seconds", "Time between streamed tokens.", _ITL_BUCKETS

@@ -112,6 +112,7 @@ def test_ttft_stages_are_recorded_and_add_up_to_the_ttft_the_client_saw(cluster)
     every = list(stages.STAGES)
     nodes = cluster["nodes"].values()
     before = _stage_totals(cluster["api"], every)
+    ttft_before = metric(cluster["api"], "pdserve_time_to_first_token_seconds_sum")
     node_before = [_stage_totals(p.ready["http_url"], every) for p in nodes]
     cl = client(cluster)
     start = time.perf_counter()
@@ -133,6 +134,9 @@ def test_ttft_stages_are_recorded_and_add_up_to_the_ttft_the_client_saw(cluster)
     total = sum(seconds[n] for n in chain)
     assert total <= client_ttft + 0.002, (total, client_ttft, seconds)
     assert total >= client_ttft - max(0.05, 0.15 * client_ttft), (total, client_ttft, seconds)
+    # The gateway's TTFT is the same span the stages cut up.
+    ttft = metric(cluster["api"], "pdserve_time_to_first_token_seconds_sum") - ttft_before
+    assert abs(ttft - total) <= 1e-3, (ttft, total)
     # Each node recorded its own view of its stages, on the same metric.
     grown = {n: sum(_stage_totals(p.ready["http_url"], every)[n][0] - b[n][0]
                     for p, b in zip(nodes, node_before)) for n in every}

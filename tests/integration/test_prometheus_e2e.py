@@ -45,6 +45,7 @@ MUST_HAVE_DATA = (
     "Time to first token/B",
     "Inter-token latency/B",
     "End-to-end latency/B",
+    "Time to first token by stage/A",
     "Requests by outcome/A",
     "Tokens per second/A",
     "Tokens per second/C",

@@ -97,6 +97,7 @@ def test_dashboard_covers_what_operators_look_at() -> None:
         "transfer failures": "pdserve_kv_transfer_failures_total",
         "retractions": "pdserve_retractions_total",
         "replicas per role": "sum by (node_role) (pdserve_registered_nodes",
+        "TTFT by stage": "sum by (stage) (rate(pdserve_request_stage_seconds_sum",
     }
     missing = [topic for topic, text in wanted.items() if text not in exprs]
     assert missing == []
