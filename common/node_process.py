@@ -80,10 +80,13 @@ def build_runner(model: ModelConfig, progress: bool = True) -> ModelRunner:
     from common.model.runner import ModelRunner
 
     budget = None if model.kv_cache_memory_gb is None else int(model.kv_cache_memory_gb * (1 << 30))
-    return ModelRunner.from_path(model.model_path, progress=progress, dtype=model.resolved_dtype(),
-                                 device=model.device, page_size=model.page_size,
-                                 max_total_tokens=model.max_total_tokens, kv_memory_bytes=budget,
-                                 context_length=model.context_length)
+    runner = ModelRunner.from_path(model.model_path, progress=progress,
+                                   dtype=model.resolved_dtype(), device=model.device,
+                                   page_size=model.page_size,
+                                   max_total_tokens=model.max_total_tokens,
+                                   kv_memory_bytes=budget, context_length=model.context_length)
+    runner.warmup()  # before the node registers: its first request runs at full speed
+    return runner
 
 
 def bind_request_socket(node: NodeArgs) -> tuple[zmq.Socket, str]:

@@ -50,6 +50,7 @@ class RegistryClient:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._is_leaving = threading.Event()
+        self._wake = threading.Event()  # heartbeat now: the node table is needed early
         self._thread = threading.Thread(target=self._run, name="registry", daemon=True)
 
     def start(self) -> RegistryClient:
@@ -61,8 +62,13 @@ class RegistryClient:
             return dict(self._nodes)
 
     def peer(self, node_id: str) -> dict[str, Any] | None:
+        """The node's entry in the registry's table; an unknown id asks for a fresh table
+        now (a request may name a node that registered since our last heartbeat)."""
         with self._lock:
-            return self._nodes.get(node_id)
+            found = self._nodes.get(node_id)
+        if found is None:
+            self._wake.set()
+        return found
 
     def is_gateway_alive(self, gateway_id: str, now: float) -> bool:
         """Whether requests of gateway `gateway_id` still have someone to answer to.
@@ -84,6 +90,7 @@ class RegistryClient:
 
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
+        self._wake.set()
         if deregister and self.is_registered:
             self._deregister()
         self._thread.join(timeout=self.timeout_s + 1)
@@ -113,7 +120,9 @@ class RegistryClient:
                     logger.info("registered %s with %s", self.register_msg.node_id, self.url)
                     self.is_registered = True
                 backoff = 0.5
-                self._stop.wait(max(0.2, self.lease_s / 3))
+                self._wake.wait(max(0.2, self.lease_s / 3))
+                self._wake.clear()
+                self._stop.wait(0.05)  # at most 20 beats a second, however often woken
             except urllib.error.HTTPError as exc:
                 self.last_error = f"HTTP {exc.code}: {exc.read()[:200]!r}"
                 if exc.code == 404:

@@ -66,10 +66,17 @@ def main(argv: list[str] | None = None) -> int:
         peer = registry.peer(node_id) if registry is not None else None
         return peer.get("control_endpoint") if peer else None
 
+    def prefill_endpoints() -> list[str]:
+        registry = holder["process"].registry if "process" in holder else None
+        table = registry.peers().values() if registry is not None else []
+        return [*static.values(), *(p["control_endpoint"] for p in table
+                                    if p.get("role") == "prefill" and p.get("control_endpoint"))]
+
     # The registry's table reaches us a heartbeat (lease/3) after the gateway's: a request
-    # naming a prefill node not known here yet waits that long, not more.
+    # naming a prefill node not known here yet asks for the table at once (registry_client).
     scheduler = DecodeScheduler(config, runner, kv, request_socket, tokenizer, prefill_endpoint_for,
-                                prefill_lookup_timeout_s=max(2.0, config.transfer.lease_s))
+                                prefill_lookup_timeout_s=max(2.0, config.transfer.lease_s),
+                                prefill_endpoints=prefill_endpoints)
     load = scheduler.load
     process = NodeProcess(node, scheduler.step, lambda: {**load()})
     holder["process"] = process

@@ -57,6 +57,8 @@ MAX_RUNNING_REQUESTS_CAP = 4096
 # The decode node's copy of the node table can lag the gateway's by a heartbeat: a request
 # naming a prefill node not known here yet waits this long in the prealloc queue.
 PREFILL_LOOKUP_TIMEOUT_S = 30.0
+# How often the node table's prefill nodes are checked for a handshake to make.
+PEER_WARM_INTERVAL_S = 1.0
 
 
 def default_max_running_requests(num_pages: int, page_size: int) -> int:
@@ -69,7 +71,8 @@ class DecodeScheduler:
                  request_socket: zmq.Socket, tokenizer: Tokenizer,
                  prefill_endpoint_for: Callable[[str], str | None], *,
                  clock: Callable[[], float] = time.monotonic,
-                 prefill_lookup_timeout_s: float = PREFILL_LOOKUP_TIMEOUT_S) -> None:
+                 prefill_lookup_timeout_s: float = PREFILL_LOOKUP_TIMEOUT_S,
+                 prefill_endpoints: Callable[[], list[str]] = list) -> None:
         self.config = config
         self.runner = runner
         self.kv = kv
@@ -78,6 +81,9 @@ class DecodeScheduler:
         self.prefill_endpoint_for = prefill_endpoint_for
         self.clock = clock
         self.prefill_lookup_timeout_s = prefill_lookup_timeout_s
+        # Known prefill nodes' control endpoints: handshakes made ahead of their first room.
+        self.prefill_endpoints = prefill_endpoints
+        self._peers_warmed_at = -float("inf")
         self.pool = runner.pool
         self.allocator = runner.pool.allocator
         self.page_size = runner.page_size
@@ -119,6 +125,7 @@ class DecodeScheduler:
             elif isinstance(m, msg.AbortReq):
                 self.abort(m.rid, m.room, m.reason)
         self._abort_orphans()
+        self._warm_peers()
         self._process_prealloc()
         self.kv.poll()
         self._process_transferred()
@@ -128,6 +135,13 @@ class DecodeScheduler:
             self.new_token_ratio.on_idle()
         self.stats.update()
         return ran
+
+    def _warm_peers(self) -> None:
+        now = self.clock()
+        if now - self._peers_warmed_at >= PEER_WARM_INTERVAL_S:
+            self._peers_warmed_at = now
+            for endpoint in self.prefill_endpoints():
+                self.kv.connect_peer(endpoint)
 
     @property
     def max_running_requests(self) -> int:

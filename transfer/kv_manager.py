@@ -116,6 +116,14 @@ class KVManager:
             self._control.send_hello(peer, now)
         return receiver
 
+    def connect_peer(self, peer_endpoint: str) -> None:
+        """Shake hands with a peer before a room needs it, so a pair's first request does
+        not wait for the handshake; a no-op while one is under way or done."""
+        now = self.clock()
+        peer = self.peers.setdefault(peer_endpoint, Peer(peer_endpoint))
+        if peer.may_retry(now):
+            self._control.send_hello(peer, now)
+
     def remove_sender(self, sender: KVSender) -> None:
         if self.senders.get(sender.room) is sender:
             del self.senders[sender.room]
