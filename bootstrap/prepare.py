@@ -55,6 +55,37 @@ def _check_lengths(num_prompt: int, max_new_tokens: int, context_length: int, pa
         )
 
 
+# A normalizer may drop characters (control characters, say): the bound below leaves 2x.
+_TEXT_BOUND_MARGIN = 2
+
+
+def _check_text_fits(num_chars: int, tokenizer: Tokenizer, context_length: int, param: str) -> None:
+    """A text that cannot fit the context is refused before it is tokenized: its tokens are
+    at least its characters over the longest token's (Tokenizer.max_token_chars)."""
+    at_least = num_chars // (_TEXT_BOUND_MARGIN * tokenizer.max_token_chars)
+    if at_least >= context_length:
+        raise bad_request(
+            f"this model's maximum context length is {context_length} tokens; the prompt of "
+            f"{num_chars} characters has at least {at_least} tokens",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def _message_chars(messages: list[Any]) -> int:
+    """Characters of every string in the messages (contents, text parts, names)."""
+    total, stack = 0, list(messages)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
 def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
     for i, tid in enumerate(ids):
         if not 0 <= tid < vocab_size:
@@ -120,6 +151,7 @@ def prepare_completion(
             raise bad_request("one prompt per request is served (got a batch)", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_text_fits(len(prompt), tokenizer, context_length, "prompt")
         input_ids = tokenizer.encode(prompt)
     else:
         input_ids = list(prompt)
@@ -145,6 +177,7 @@ def prepare_chat(
         {**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
         for m in body.messages
     ]
+    _check_text_fits(_message_chars(messages), tokenizer, context_length, "messages")
     try:
         input_ids = tokenizer.apply_chat_template(messages)
     except ValueError as exc:
@@ -175,6 +208,7 @@ def prepare_generate(
         raise bad_request("pass exactly one of text and input_ids", "text")
     _check_served(body.sampling_params)
     if body.text is not None:
+        _check_text_fits(len(body.text), tokenizer, context_length, "text")
         input_ids = tokenizer.encode(body.text)
     else:
         input_ids = list(body.input_ids or [])

@@ -277,6 +277,9 @@ class BootstrapConfig:
     api_key_file: str | None = None
     max_queued_requests: int | None = None  # None: unlimited
     request_timeout_s: float = 600.0
+    # API bodies above this are a 413 before they are parsed. 4 MiB holds a prompt of ~1M
+    # tokens of text, 100x the built-in model's context.
+    max_request_bytes: int = 4 << 20
     model_path: str | None = None  # for the tokenizer; None: the built-in default model
     context_length: int | None = None
 
@@ -289,6 +292,7 @@ class BootstrapConfig:
         )
         _check_positive(self.max_queued_requests, "--max-queued-requests")
         _check_positive(self.request_timeout_s, "--request-timeout")
+        _check_positive(self.max_request_bytes, "--max-request-bytes")
         _check(self.auth_token != "", "--auth-token is empty; pass a non-empty token or omit it")
         _check(all(k.strip() for k in self.api_keys), "--api-key is empty; pass a key or omit it")
         _check(
@@ -400,6 +404,8 @@ def add_bootstrap_args(parser: Parser) -> None:
     parser.add_argument("--api-key-file", help="one API key per line, re-read when it changes")
     parser.add_argument("--max-queued-requests", type=int, help="unset: unlimited")
     parser.add_argument("--request-timeout", dest="request_timeout_s", type=float)
+    parser.add_argument("--max-request-bytes", type=int,
+                        help="API bodies over this many bytes get a 413 (default 4 MiB)")
     _add_model_identity_args(parser)
     parser.set_defaults(**_field_values(BootstrapConfig, BootstrapConfig()))
     parser.set_defaults(api_keys=None)  # argparse's append needs a list or None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import functools
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -43,6 +44,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce, added tokens included."""
         return len(self._hf)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's string, in characters: a text of n characters has at least
+        n / max_token_chars tokens (byte-level BPE: one character per byte of text;
+        SentencePiece: one per character)."""
+        pieces = self._hf.convert_ids_to_tokens(list(range(len(self._hf))))
+        return max(1, max((len(p) for p in pieces if isinstance(p, str)), default=1))
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

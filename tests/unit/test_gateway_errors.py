@@ -385,10 +385,9 @@ def test_losing_a_prefill_node_fails_only_requests_without_their_kv(
 
 
 def test_a_body_over_the_limit_is_a_413_in_json(gateway_factory: Callable[..., Gateway]) -> None:
-    from bootstrap.gateway import MAX_BODY_BYTES
-
-    gw = gateway_factory()
-    big = b'{"messages": [{"role": "user", "content": "' + b"x" * MAX_BODY_BYTES + b'"}]}'
+    limit = 1 << 20
+    gw = gateway_factory(max_request_bytes=limit)
+    big = b'{"messages": [{"role": "user", "content": "' + b"x" * limit + b'"}]}'
     with httpx.Client(timeout=30) as c:
         error = assert_error(c.post(gw.api_url + CHAT, content=big), 413)
         assert "over" in error["message"]
