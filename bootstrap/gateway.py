@@ -278,6 +278,26 @@ def build_api_app(service: BootstrapService) -> FastAPI:
             "num_requests": service.num_active,
         }
 
+    @app.get("/ready", responses=documented(503))
+    async def ready() -> JSONResponse:
+        """Readiness (the chart's probe): 200 only while a healthy prefill and a healthy decode
+        node are registered, so no traffic reaches a gateway that would answer 503.
+        /health stays the liveness check: no nodes is no reason to restart the gateway."""
+        missing = [
+            role
+            for role in ("prefill", "decode")
+            if not any(v.is_healthy for v in service.registry.views(role))
+        ]
+        body = {
+            "status": "not_ready" if missing else "ready",
+            "missing_roles": missing,
+            "num_prefill_nodes": len(service.registry.views("prefill")),
+            "num_decode_nodes": len(service.registry.views("decode")),
+        }
+        if missing:
+            body["message"] = f"no healthy {' or '.join(missing)} node is registered"
+        return JSONResponse(body, status_code=503 if missing else 200)
+
     @app.get("/metrics")
     async def metrics_text() -> Response:
         return Response(metrics.render_latest(), media_type="text/plain; version=0.0.4")

@@ -127,7 +127,9 @@ def test_probes_ready_means_registered_and_able_to_serve() -> None:
     docs = ht.toggle_manifests("default")
     for role in ht.ROLES:
         [container] = ht.containers(ht.named(docs, "Deployment", ht.role_name(role)))
-        assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        # The gateway is ready once it can serve: a healthy prefill and decode node known.
+        path = "/ready" if role == "bootstrap" else "/health"
+        assert container["readinessProbe"]["httpGet"] == {"path": path, "port": "http"}
         assert "startupProbe" in container and "livenessProbe" in container
         # A node that loses its registration turns unready, but is not restarted for it.
         assert container["livenessProbe"]["httpGet"]["path"] != "/health" or role == "bootstrap"
