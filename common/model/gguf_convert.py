@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -125,12 +127,33 @@ def _dequantized_tensors(reader: Any, cfg: dict[str, Any]) -> dict[str, np.ndarr
     return out
 
 
+@contextlib.contextmanager
+def _conversion_lock(target: Path) -> Any:
+    """One converter per target across processes: the bootstrap, prefill and decode
+    processes of a first start would otherwise all convert at once. The others wait."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def convert_gguf(gguf_path: str | Path) -> Path:
-    """Return a cached HF directory for this GGUF, converting it on first use (atomically)."""
+    """Return a cached HF directory for this GGUF, converting it on first use (atomically,
+    by one process at a time)."""
     gguf_path = Path(gguf_path)
     target = converted_dir_for(gguf_path)
     if (target / "config.json").exists():
         return target
+    with _conversion_lock(target):
+        if not (target / "config.json").exists():  # converted while we waited
+            _convert(gguf_path, target)
+    return target
+
+
+def _convert(gguf_path: Path, target: Path) -> None:
     import gguf
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
@@ -155,4 +178,3 @@ def convert_gguf(gguf_path: str | Path) -> Path:
             # Another process finished the same conversion first; keep theirs.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
