@@ -46,5 +46,5 @@ def req_finished(req: DecodeReq, finish: FinishReason) -> msg.ReqFinished:
     return msg.ReqFinished(
         rid=req.rid, finish_reason=finish.kind.value, matched_stop=finish.matched,
         num_prompt_tokens=req.num_input_tokens, num_output_tokens=len(req.output_ids),
-        # Prefix-cache hits happen on the prefill node, which does not report them here.
-        num_cached_tokens=0)
+        # Prefix-cache hits happen on the prefill node; it reports them with the KV.
+        num_cached_tokens=min(req.num_cached_tokens, req.num_input_tokens))

@@ -77,6 +77,7 @@ class DecodeReq:
     # Wall-clock marks (common/stages.py): this node's, then the prefill node's with the KV;
     # they go to the gateway with the first token.
     marks: dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens the prefill node served from its radix cache
     state: DecodeState = DecodeState.PREALLOC
     # Device pages in order; they hold KV for the first kv_len tokens.
     pages: list[int] = field(default_factory=list)

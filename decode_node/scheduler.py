@@ -279,6 +279,7 @@ class DecodeScheduler:
             r.marks[stages.DECODE_TRANSFERRED] = time.time()
             self.stats.stages(stages.stage_seconds(r.marks, stages.DECODE_STAGES))
             r.marks.update(aux.marks)
+            r.num_cached_tokens = aux.num_cached_tokens
             if r.max_new_tokens == 0:
                 self._finish(r, FinishReason.length())
                 continue

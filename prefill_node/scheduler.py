@@ -245,7 +245,8 @@ class PrefillScheduler:
         self.stats.stages(stages.stage_seconds(s.marks, stages.PREFILL_STAGES))
         s.sender.send(s.pages, c.end, AuxData(first_token_id=sample.token_ids[0],
                                               room_echo=s.req.room, first_logprob=logprob,
-                                              top_logprobs=list(top), marks=dict(s.marks)))
+                                              top_logprobs=list(top), marks=dict(s.marks),
+                                              num_cached_tokens=s.num_cached_tokens))
         self.inflight_queue.add(s)
 
     def _isolate(self, rid: str, reply_endpoint: str, doing: str, exc: Exception) -> None:

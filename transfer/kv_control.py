@@ -257,7 +257,8 @@ class ControlDispatcher:
         aux = AuxData(first_token_id=done.first_token_id, room_echo=done.room_echo,
                       first_logprob=done.first_logprob,
                       top_logprobs=[(int(t), float(lp)) for t, lp in done.top_logprobs],
-                      marks=stages.forwarded(done.marks, stages.PREFILL_MARKS))
+                      marks=stages.forwarded(done.marks, stages.PREFILL_MARKS),
+                      num_cached_tokens=max(0, done.num_cached_tokens))
         receiver.on_done(aux, done.num_pages, now)
 
     def _on_TransferFailed(self, failed: msg.TransferFailed, now: float) -> None:

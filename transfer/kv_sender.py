@@ -38,6 +38,8 @@ class AuxData:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     # The prefill node's wall-clock marks of the request (common/stages.py).
     marks: dict[str, float] = field(default_factory=dict)
+    # Prompt tokens the prefill node read from its radix cache instead of computing.
+    num_cached_tokens: int = 0
 
 
 class SenderHost(Protocol):

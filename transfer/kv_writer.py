@@ -195,7 +195,8 @@ class KVWriter:
             room=sender.room, node_id=self.m.node_id, first_token_id=aux.first_token_id,
             first_logprob=aux.first_logprob, top_logprobs=[[t, lp] for t, lp in aux.top_logprobs],
             room_echo=aux.room_echo, num_pages=len(sender.dst_pages),
-            instance_id=self.m.instance_id, marks=aux.marks or None))
+            instance_id=self.m.instance_id, marks=aux.marks or None,
+            num_cached_tokens=aux.num_cached_tokens))
 
     def _write_failed(self, sender: KVSender, peer: Peer | None, error: str, now: float) -> None:
         self.fail(sender, FailureReason.WRITE_ERROR, error, now)

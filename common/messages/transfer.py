@@ -67,6 +67,8 @@ class TransferDone(Message):
     instance_id: str = ""
     # The prefill node's wall-clock marks of this request (common/stages.py).
     marks: dict[str, float] | None = None
+    # Prompt tokens served from the prefill node's radix cache (usage.cached_tokens).
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,6 +147,22 @@ def test_ttft_stages_are_recorded_and_add_up_to_the_ttft_the_client_saw(cluster)
         assert grown[name] == 1.0, (name, grown)
 
 
+def test_usage_reports_the_prompt_tokens_served_from_the_prefill_cache(cluster):
+    cl = client(cluster)
+    messages = [{"role": "system", "content": SYSTEM + " Cache check " + str(time.time())},
+                {"role": "user", "content": "Name one bird."}]
+    usages = [cl.chat.completions.create(model="default", max_tokens=2, temperature=0,
+                                         messages=messages,
+                                         extra_headers={"x-routing-key": "cache-usage"}).usage
+              for _ in range(2)]
+    first, second = usages
+    assert first.prompt_tokens == second.prompt_tokens
+    assert first.prompt_tokens_details.cached_tokens == 0
+    # The second found the whole pages of the first's prompt (less its last token) cached.
+    page = 16
+    assert second.prompt_tokens_details.cached_tokens == (first.prompt_tokens - 1) // page * page
+
+
 def test_64_concurrent_streams_all_complete(cluster):
     cl = client(cluster)
     results: list[str | Exception] = []
