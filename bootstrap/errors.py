@@ -123,7 +123,7 @@ _DESCRIPTIONS = {
     400: "invalid request: bad JSON, a wrong type, a value out of range, a prompt too long "
     "(code context_length_exceeded), a parameter that is not served",
     401: "missing or wrong API key",
-    404: "no such route",
+    404: "no such route, or a model this server does not serve (code model_not_found)",
     413: "request body over the limit",
     429: "too many requests in flight (--max-queued-requests)",
     503: "no healthy prefill or decode node, or the node is shutting down",

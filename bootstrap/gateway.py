@@ -51,7 +51,8 @@ CLIENT_CLOSED_STATUS = 499
 # releases the GIL while it encodes (measured: a Python thread kept 94% of its speed beside
 # a 0.8 s encode), so the loop serves streams and heartbeats meanwhile.
 TOKENIZER_THREADS = 2
-GENERATION_ERRORS = documented(400, 401, 413, 429, 503, 504)
+SERVED_ALIAS = "default"  # accepted as the model name besides the served one
+GENERATION_ERRORS = documented(400, 401, 404, 413, 429, 503, 504)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -154,6 +155,18 @@ def build_api_app(service: BootstrapService) -> FastAPI:
 
     auth = [Depends(require_token)]
 
+    def check_model(name: str | None) -> None:
+        """The served model, its alias "default", or no name: anything else is a 404."""
+        if name is not None and name not in (service.model_name, SERVED_ALIAS):
+            count_request("rejected")
+            raise APIError(
+                404,
+                f"the model {name!r:.300} does not exist here; this server serves "
+                f"{service.model_name!r} (also as {SERVED_ALIAS!r})",
+                param="model",
+                code="model_not_found",
+            )
+
     tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
     service.tokenizer.max_token_chars  # noqa: B018 - computed now, not on a first request
 
@@ -199,13 +212,14 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         x_routing_key: str | None = Header(default=None),
     ) -> Response:
         marks = Marks.of(request)
+        check_model(body.model)
         prepared = await prepared_or_400(prepare_chat, body, x_routing_key)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
         def fmt(rid: str) -> OutputFormat:
             return ChatFormat(
                 rid,
-                body.model or service.model_name,
+                service.model_name,
                 service.tokenizer,
                 include_usage=include_usage,
             )
@@ -219,13 +233,14 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         x_routing_key: str | None = Header(default=None),
     ) -> Response:
         marks = Marks.of(request)
+        check_model(body.model)
         prepared = await prepared_or_400(prepare_completion, body, x_routing_key)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
         def fmt(rid: str) -> OutputFormat:
             return CompletionFormat(
                 rid,
-                body.model or service.model_name,
+                service.model_name,
                 service.tokenizer,
                 include_usage=include_usage,
             )
@@ -249,20 +264,23 @@ def build_api_app(service: BootstrapService) -> FastAPI:
 
         return await serve(request, prepared, fmt, body.stream, marks)
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": service.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": service.context_length,
+        }
+
     @app.get("/v1/models", dependencies=auth, responses=documented(401))
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": service.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "pdserve",
-                    "max_model_len": service.context_length,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=auth, responses=documented(401, 404))
+    async def model(model: str) -> dict[str, Any]:
+        check_model(model)
+        return model_card()
 
     @app.get("/nodes", dependencies=auth, responses=documented(401))
     async def nodes() -> dict[str, Any]:

@@ -196,6 +196,38 @@ class ChatCompletionRequest(_OpenAISampling):
         default=None, json_schema_extra=_served(minimum=0, maximum=MAX_TOP_LOGPROBS),
         description="needs logprobs: true",
     )
+    # Fields that would change the output but are not served: a 400 names them, rather
+    # than a silently different answer.
+    tools: list[Any] | None = Field(
+        default=None, json_schema_extra=_served(anyOf=[{"type": "array", "maxItems": 0},
+                                                       {"type": "null"}]),
+        description="not served (no tool calling): omit it or pass []",
+    )
+    tool_choice: Any = Field(default=None, json_schema_extra=_served(enum=["none", None]),
+                             description='not served: omit it or pass "none"')
+    functions: list[Any] | None = Field(
+        default=None, json_schema_extra=_served(anyOf=[{"type": "array", "maxItems": 0},
+                                                       {"type": "null"}]),
+        description="not served (no function calling)",
+    )
+    function_call: Any = Field(default=None, json_schema_extra=_served(enum=["none", None]),
+                               description='not served: omit it or pass "none"')
+    response_format: Any = Field(
+        default=None, json_schema_extra=_served(anyOf=[
+            {"type": "object", "properties": {"type": {"enum": ["text"]}}, "required": ["type"]},
+            {"type": "null"},
+        ]),
+        description='only {"type": "text"} is served (no JSON mode or schema)',
+    )
+    modalities: list[Any] | None = Field(
+        default=None, json_schema_extra=_served(anyOf=[
+            {"type": "array", "items": {"enum": ["text"]}}, {"type": "null"}]),
+        description='only ["text"] is served',
+    )
+    audio: Any = Field(default=None, json_schema_extra=_served(type="null"),
+                       description="not served")
+    prediction: Any = Field(default=None, json_schema_extra=_served(type="null"),
+                            description="not served")
 
 
 class GenerateRequest(_Body):

@@ -86,6 +86,26 @@ def _message_chars(messages: list[Any]) -> int:
     return total
 
 
+def _check_chat_served(body: ChatCompletionRequest) -> None:
+    """Chat fields that would change the output and are not served are refused, not ignored."""
+    if body.tools:
+        raise bad_request("tools are not served (no tool calling); omit tools", "tools")
+    if body.functions:
+        raise bad_request("functions are not served (no function calling)", "functions")
+    for name in ("tool_choice", "function_call"):
+        value = getattr(body, name)
+        if value is not None and value != "none":
+            raise bad_request(f'{name} is not served; omit it or pass "none"', name)
+    fmt = body.response_format
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad_request('response_format is not served; only {"type": "text"}', "response_format")
+    if body.modalities is not None and any(m != "text" for m in body.modalities):
+        raise bad_request('modalities other than "text" are not served', "modalities")
+    for name in ("audio", "prediction"):
+        if getattr(body, name) is not None:
+            raise bad_request(f"{name} is not served", name)
+
+
 def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
     for i, tid in enumerate(ids):
         if not 0 <= tid < vocab_size:
@@ -170,6 +190,7 @@ def prepare_chat(
     body: ChatCompletionRequest, tokenizer: Tokenizer, context_length: int, header_key: str | None
 ) -> PreparedRequest:
     _check_served(body.model_dump())
+    _check_chat_served(body)
     if not body.messages:
         raise bad_request("messages must be a non-empty list", "messages")
     # OpenAI's newer name for the system role; chat templates know only "system".

@@ -167,7 +167,7 @@ def test_api_keys_guard_the_api_and_the_cluster_token_guards_the_registry(
     for wrong in ("wrong", "s3cret"):  # the cluster token is not an API key
         c = openai.OpenAI(base_url=gw.api_url + "/v1", api_key=wrong, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
-            c.chat.completions.create(model="m", messages=OK_MESSAGES)
+            c.chat.completions.create(model="test-model", messages=OK_MESSAGES)
     error = assert_error(httpx.post(gw.api_url + CHAT, json={"messages": OK_MESSAGES}), 401)
     assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
     assert_error(httpx.get(gw.api_url + "/v1/models"), 401)
@@ -175,7 +175,7 @@ def test_api_keys_guard_the_api_and_the_cluster_token_guards_the_registry(
     assert httpx.get(gw.api_url + "/health").status_code == 200
     for key in ("key-a", "key-b"):
         good = openai.OpenAI(base_url=gw.api_url + "/v1", api_key=key, max_retries=0)
-        out = good.chat.completions.create(model="m", messages=OK_MESSAGES, max_tokens=3)
+        out = good.chat.completions.create(model="test-model", messages=OK_MESSAGES, max_tokens=3)
         assert out.choices[0].finish_reason == "length"
     # The registry wants the cluster token, never an API key.
     assert_error(httpx.get(gw.registry_url + "/nodes"), 401)
@@ -257,7 +257,7 @@ def test_client_disconnect_mid_stream_aborts_both_nodes(
     prefill = gw.node("prefill")
     decode = gw.node("decode", stream_tokens(reply_ids(tokenizer)[:2], finish=False))
     c = openai.OpenAI(base_url=gw.api_url + "/v1", api_key="x", max_retries=0)
-    stream = c.chat.completions.create(model="m", messages=OK_MESSAGES, stream=True)
+    stream = c.chat.completions.create(model="test-model", messages=OK_MESSAGES, stream=True)
     next(iter(stream))
     stream.close()
     assert wait_until(lambda: bool(prefill.aborts() and decode.aborts()), 5)
@@ -299,7 +299,7 @@ def test_req_failed_mid_stream_ends_with_an_error_event(
     # The official client raises on the error event.
     c = openai.OpenAI(base_url=gw.api_url + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.APIError, match="decode blew up"):
-        list(c.chat.completions.create(model="m", messages=OK_MESSAGES, stream=True))
+        list(c.chat.completions.create(model="test-model", messages=OK_MESSAGES, stream=True))
     assert wait_until(lambda: len(prefill.aborts()) == 2, 5)  # the other node frees the room
 
 

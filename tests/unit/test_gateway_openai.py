@@ -67,7 +67,7 @@ def test_chat_non_streaming(gw: Gateway, tokenizer: Tokenizer) -> None:
 
 def test_chat_streaming_arrives_token_by_token(gw: Gateway, tokenizer: Tokenizer) -> None:
     stream = client(gw).chat.completions.create(
-        model="m", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+        model="test-model", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -84,7 +84,7 @@ def test_chat_streaming_arrives_token_by_token(gw: Gateway, tokenizer: Tokenizer
 
 
 def test_completions_non_streaming_and_max_tokens(gw: Gateway, tokenizer: Tokenizer) -> None:
-    out = client(gw).completions.create(model="m", prompt="Once upon a time", max_tokens=4)
+    out = client(gw).completions.create(model="test-model", prompt="Once upon a time", max_tokens=4)
     expected = tokenizer.decode(reply_ids(tokenizer)[:4])
     assert out.choices[0].text == expected
     assert out.choices[0].finish_reason == "length"
@@ -94,7 +94,7 @@ def test_completions_non_streaming_and_max_tokens(gw: Gateway, tokenizer: Tokeni
 
 
 def test_completions_streaming_with_token_prompt(gw: Gateway) -> None:
-    stream = client(gw).completions.create(model="m", prompt=[1, 2, 3, 4], stream=True)
+    stream = client(gw).completions.create(model="test-model", prompt=[1, 2, 3, 4], stream=True)
     text = "".join(c.choices[0].text for c in stream if c.choices)
     assert REPLY_TEXT.startswith(text) and len(text) > 0  # default max_tokens is 16
     assert gw.nodes[0].wait_generates(1)[0].input_ids == [1, 2, 3, 4]
@@ -107,7 +107,7 @@ def test_stop_string_is_cut_at_the_gateway(
     gw = gateway_factory()
     prefill = gw.node("prefill")
     decode = gw.node("decode", stream_tokens(reply_ids(tokenizer), delay_s=0.02, finish=False))
-    out = client(gw).chat.completions.create(model="m", messages=MESSAGES, stop=[" one token"])
+    out = client(gw).chat.completions.create(model="test-model", messages=MESSAGES, stop=[" one token"])
     assert out.choices[0].message.content == REPLY_TEXT.split(" one token")[0]
     assert out.choices[0].finish_reason == "stop"
     # The gateway matched the stop string first, so it tells both nodes to free the room.
@@ -118,7 +118,7 @@ def test_stop_string_is_cut_at_the_gateway(
 
 def test_chat_logprobs(gw: Gateway) -> None:
     out = client(gw).chat.completions.create(
-        model="m", messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=2
+        model="test-model", messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=2
     )
     assert gw.nodes[0].wait_generates(1)[0].return_logprob is True
     content = out.choices[0].logprobs.content  # type: ignore[union-attr]
@@ -128,7 +128,7 @@ def test_chat_logprobs(gw: Gateway) -> None:
 
 def test_routing_key_header_and_priority_reach_both_nodes(gw: Gateway) -> None:
     client(gw).chat.completions.create(
-        model="m",
+        model="test-model",
         messages=MESSAGES,
         max_tokens=2,
         extra_headers={"x-routing-key": "tenant-a"},
@@ -162,7 +162,7 @@ def test_models_nodes_health_metrics_openapi(gw: Gateway) -> None:
     assert sorted(n["role"] for n in nodes) == ["decode", "prefill"]
     assert all(n["healthy"] for n in nodes)
     assert httpx.get(gw.api_url + "/health").json()["num_decode_nodes"] == 1
-    with client(gw).chat.completions.create(model="m", messages=MESSAGES, stream=True) as s:
+    with client(gw).chat.completions.create(model="test-model", messages=MESSAGES, stream=True) as s:
         list(s)
     text = httpx.get(gw.api_url + "/metrics").text
     for name in (
@@ -190,7 +190,7 @@ def test_prefix_affinity_sends_a_shared_system_prompt_to_one_prefill(
     c = client(gw)
     for i in range(6):  # sequential: no load, so affinity alone decides
         c.chat.completions.create(
-            model="m", messages=[system, {"role": "user", "content": f"question {i}"}]
+            model="test-model", messages=[system, {"role": "user", "content": f"question {i}"}]
         )
     assert wait_until(lambda: sum(len(p.generates()) for p in prefills) == 6, 5)
     used = [p for p in prefills if p.generates()]
