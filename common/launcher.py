@@ -37,8 +37,27 @@ LAUNCH_OWNED = {"--host", "--port", "--model-path"}
 TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 
 
+def role_flags_help() -> str:
+    """Every flag launch passes on, with the roles that take it and its help."""
+    parsers = {role: _role_parser(role) for role in ROLE_PARSERS}
+    lines = ["flags passed on to the roles that take them (see pdserve <role> --help):"]
+    seen: set[str] = set()
+    for parser in parsers.values():
+        for action in parser._actions:
+            flags = [f for f in action.option_strings if f.startswith("--")]
+            if not flags or flags[0] in seen or flags[0] in LAUNCH_OWNED:
+                continue
+            seen.add(flags[0])
+            roles = ",".join(r for r, p in parsers.items() if flags[0] in p._option_string_actions)
+            text = (action.help or "").replace("%%", "%")
+            lines.append(f"  {flags[0]:44} [{roles}] {text}".rstrip())
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve launch", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pdserve launch", description=__doc__.splitlines()[0],
+                                epilog=role_flags_help(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="the OpenAI API port")
     p.add_argument("--num-prefill", type=int, default=1)

@@ -24,3 +24,18 @@ def test_backoff_doubles_to_its_cap_and_resets_after_a_stable_run() -> None:
     assert [b.delay_after_exit(ran_s=2) for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]
     assert b.delay_after_exit(ran_s=61) == 1  # it ran long enough: a fresh start
     assert b.delay_after_exit(ran_s=1) == 2
+
+
+def test_help_lists_every_flag_launch_passes_on_with_its_roles() -> None:
+    from common.launcher import build_parser
+
+    text = build_parser().format_help()
+    for flag, roles in (("--schedule-policy", "[prefill]"),
+                        ("--disaggregation-bootstrap-port", "[bootstrap,prefill,decode]"),
+                        ("--retraction-policy", "[decode]"), ("--api-key", "[bootstrap]"),
+                        ("--dtype", "[prefill,decode]")):
+        line = next((x for x in text.splitlines() if x.strip().startswith(flag + " ")), "")
+        assert roles in line, (flag, line)
+    # Flags launch owns itself are not listed as passed on.
+    passed_on = text.split("flags passed on", 1)[1]
+    assert "  --model-path " not in passed_on and "  --port " not in passed_on
