@@ -15,6 +15,7 @@ it; a negative one (skew larger than the stage) is recorded as 0.
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 # Marks, in path order.
@@ -81,5 +82,5 @@ def forwarded(marks: dict[str, float] | None, allowed: tuple[str, ...]) -> dict[
     """The marks of ``allowed`` names from a peer's message; anything else is dropped."""
     if not marks or len(marks) > MAX_MARKS:
         return {}
-    return {k: float(v) for k, v in marks.items() if k in allowed and isinstance(v, (int, float))
-            and v == v and abs(v) != float("inf")}
+    return {k: float(v) for k, v in marks.items()
+            if k in allowed and isinstance(v, (int, float)) and math.isfinite(v)}
