@@ -121,6 +121,7 @@ class Generation:
         # its first token (its response is sent whole at the end).
         self.marks: dict[str, float] = {}
         self.is_streamed = False
+        self._carried: msg.Message | None = None  # taken off the queue behind coalesced chunks
 
     async def events(self) -> AsyncIterator[Delta | Finish]:
         """Deltas as replies arrive, then one Finish; raises APIError when the request fails."""
@@ -129,6 +130,17 @@ class Generation:
                 m = await self._next_message()
                 if isinstance(m, msg.TokenChunk):
                     delta, is_stopped = self._on_chunk(m)
+                    # Chunks already queued behind it go out in the same event: one SSE
+                    # write per batch of tokens instead of per token when the node runs
+                    # ahead of the client (bench/gateway.py: the per-event cost dominates).
+                    while not is_stopped and not self.req.queue.empty():
+                        following = self.req.queue.get_nowait()
+                        if not isinstance(following, msg.TokenChunk):
+                            self._carried = following
+                            break
+                        more, is_stopped = self._on_chunk(following)
+                        delta = Delta(delta.text + more.text, delta.token_ids + more.token_ids,
+                                      delta.logprobs + more.logprobs)
                     if delta.text or delta.token_ids:
                         yield delta
                     if is_stopped:  # a stop string matched here before the node saw it
@@ -155,6 +167,9 @@ class Generation:
             self._end("aborted")
 
     async def _next_message(self) -> msg.Message:
+        if self._carried is not None:
+            carried, self._carried = self._carried, None
+            return carried
         timeout = self._deadline - self._clock()
         try:
             if timeout <= 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -81,3 +82,32 @@ def test_the_length_bound_never_refuses_a_prompt_that_fits(tokenizer: Tokenizer)
              "<|im_start|>" * 300, "Tide pools form where the sea leaves water behind. " * 100]
     for text in texts:
         assert len(text) // (2 * tokenizer.max_token_chars) <= len(tokenizer.encode(text)), text[:20]
+
+
+def _content_events(url: str) -> tuple[str, int]:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "stream": True}
+    text, events = "", 0
+    with httpx.Client(timeout=30) as c, c.stream("POST", url + CHAT, json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                piece = choices[0]["delta"].get("content") if choices else None
+                if piece:
+                    text, events = text + piece, events + 1
+    return text, events
+
+
+def test_tokens_stream_as_they_come_and_queued_ones_share_an_event(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    ids = reply_ids(tokenizer)[:12]
+    spaced = gateway_factory()
+    spaced.node("prefill")
+    spaced.node("decode", stream_tokens(ids, delay_s=0.03))
+    text, events = _content_events(spaced.api_url)
+    assert text == tokenizer.decode(ids) and events >= len(ids) - 2  # one event per token
+    burst = gateway_factory()
+    burst.node("prefill")
+    burst.node("decode", stream_tokens(ids))  # all at once: they wait in the queue together
+    text, events = _content_events(burst.api_url)
+    assert text == tokenizer.decode(ids) and 1 <= events < len(ids)
