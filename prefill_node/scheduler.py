@@ -191,7 +191,8 @@ class PrefillScheduler:
         s.pages, s.num_prefix_pages = list(prefix_pages), len(prefix_pages)
         s.num_computed = s.num_cached_tokens = chunk.start
         s.locked_node = chunk.locked_node
-        s.marks.setdefault(stages.PREFILL_SCHEDULED, time.time())  # a deferred chunk keeps its first
+        # A chunk deferred for pages and admitted again keeps its first mark.
+        s.marks.setdefault(stages.PREFILL_SCHEDULED, time.time())
         self.stats.cache_hit_tokens(chunk.start)
 
     def _allocate(self, chunk: PrefillChunk) -> bool:

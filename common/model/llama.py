@@ -143,12 +143,14 @@ class LlamaModel:
             # takes its flash kernel only when the head dim is contiguous.
             qkv = linear(h, layer.qkv, layer.qkv_bias).contiguous()
             # q and k rotated together: one set of rope ops per layer instead of two
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].reshape(num_tokens, heads, spec.head_dim),
-                            cos, sin_rot)
+            qk_size = self.q_size + self.kv_size
+            qk = apply_rope(qkv[:, :qk_size].reshape(num_tokens, heads, spec.head_dim), cos,
+                            sin_rot)
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
-            v = qkv[:, self.q_size + self.kv_size :]
-            pool.tokens.index_copy_(0, batch.write_slots + 2 * idx * ps, k.reshape(num_tokens, self.kv_size))
-            pool.tokens.index_copy_(0, batch.write_slots + (2 * idx + 1) * ps, v)
+            v = qkv[:, qk_size:]
+            k_slots = batch.write_slots + 2 * idx * ps
+            pool.tokens.index_copy_(0, k_slots, k.reshape(num_tokens, self.kv_size))
+            pool.tokens.index_copy_(0, k_slots + ps, v)
             attn = self._attention(q, k, v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim),
                                    pool, batch, idx)
             x = x + linear(attn, layer.o)
@@ -194,7 +196,8 @@ class LlamaModel:
             bsz = q.shape[0]
             qg = q.reshape(bsz, self.spec.num_kv_heads, self.num_groups, self.spec.head_dim)
             out = F.scaled_dot_product_attention(
-                qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=batch.decode_bias, scale=self.scale,
+                qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=batch.decode_bias,
+                scale=self.scale,
             )  # [B, kv_heads, groups, d]
             return out.reshape(bsz, self.q_size)
         assert batch.spans is not None and isinstance(batch.read_rows, list)

@@ -27,7 +27,8 @@ def test_models_list_and_lookup_answer_like_openai(gateway_factory: Callable[...
     with pytest.raises(openai.NotFoundError) as info:
         c.models.retrieve("gpt-4o")
     error = info.value.body
-    assert isinstance(error, dict) and error["code"] == "model_not_found" and error["param"] == "model"
+    assert isinstance(error, dict)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
 
 
 def test_requests_for_another_model_are_a_404_and_reach_no_node(
