@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,16 +32,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from local_cluster import free_port, pct, wait_ready  # noqa: E402
 TOKEN = "bench-disagg-token"
 READY = "PDSERVE_READY "
 CHAIN = ("receive", "tokenize", "route", "prefill_bootstrap_queue", "prefill_waiting_queue",
          "prefill_compute", "kv_transfer", "decode_first_token", "first_byte")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(module: str, args: list[str], cpus: set[int], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -104,12 +100,6 @@ def stream(url: str, body: dict[str, Any]) -> tuple[float, list[float]]:
                 gaps.append(now - last)
             last = now
     return ttft or float("nan"), gaps
-
-
-def pct(values: list[float], q: int) -> float:
-    if len(values) < 2:
-        return values[0] if values else float("nan")
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def ttft_overhead(url: str, lengths: list[int], repeats: int, vocab: int) -> list[dict[str, Any]]:
@@ -213,7 +203,6 @@ def main() -> None:
     ap.add_argument("--load-tokens", type=int, default=2048)
     ap.add_argument("--load-interval", type=float, default=3.0)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cpu_info import describe_cpu
 
     print(f"cpu: {describe_cpu()}")
@@ -233,15 +222,7 @@ def main() -> None:
         for p in procs[1:]:
             wait_line(p)
         url = f"http://127.0.0.1:{api}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/ready", timeout=2):
-                    break
-            except (urllib.error.URLError, OSError):
-                if time.monotonic() > deadline:
-                    raise SystemExit("the cluster did not become ready") from None
-                time.sleep(0.2)
+        wait_ready(url)
         vocab = 49152
         stream(url, {"model": "default", "prompt": "warm up", "max_tokens": 2, "stream": True})
         rows = ttft_overhead(url, args.lengths, args.repeats, vocab)

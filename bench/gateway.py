@@ -22,8 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -32,14 +30,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from local_cluster import free_port, pct, wait_ready  # noqa: E402
 TOKEN = "bench-gateway-token"
 TOKEN_ID = 1000  # every streamed token; the gateway detokenizes it like any other
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- stand-in nodes (run as their own processes) ---------------------------------------------
@@ -143,13 +138,6 @@ async def run_phase(url: str, streams: int, tokens: int, duration: float, base: 
         return stats, time.monotonic() - start
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 \
-        else values[0]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[8, 32, 128])
@@ -165,7 +153,6 @@ def main() -> None:
     if args.stand_in:
         stand_in(args.stand_in, args.registry, args.node_id, args.base)
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cpu_info import describe_cpu
 
     print(f"cpu: {describe_cpu()}")
@@ -227,23 +214,6 @@ def main() -> None:
               f"{r['tokens_per_gateway_cpu_s']:13.1f} {r['requests_per_gateway_cpu_s']:13.1f}")
     for r in rows:
         print(json.dumps(r))
-
-
-def wait_ready(url: str, timeout_s: float = 120.0) -> None:
-    """Until /ready says a prefill and a decode stand-in are registered."""
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    raise SystemExit("the gateway did not become ready")
 
 
 if __name__ == "__main__":

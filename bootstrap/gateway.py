@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -301,16 +301,13 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         """Readiness (the chart's probe): 200 only while a healthy prefill and a healthy decode
         node are registered, so no traffic reaches a gateway that would answer 503.
         /health stays the liveness check: no nodes is no reason to restart the gateway."""
-        missing = [
-            role
-            for role in ("prefill", "decode")
-            if not any(v.is_healthy for v in service.registry.views(role))
-        ]
+        views = {role: service.registry.views(role) for role in ("prefill", "decode")}
+        missing = [role for role, vs in views.items() if not any(v.is_healthy for v in vs)]
         body = {
             "status": "not_ready" if missing else "ready",
             "missing_roles": missing,
-            "num_prefill_nodes": len(service.registry.views("prefill")),
-            "num_decode_nodes": len(service.registry.views("decode")),
+            "num_prefill_nodes": len(views["prefill"]),
+            "num_decode_nodes": len(views["decode"]),
         }
         if missing:
             body["message"] = f"no healthy {' or '.join(missing)} node is registered"

@@ -9,6 +9,7 @@ from common import messages as msg
 from common import socket_auth
 from common.config import ConfigError, DecodeConfig, add_decode_args
 from common.model.loader import resolve_model_dir
+from common.registry_client import RegistryClient
 from common.node_process import (
     NodeArgs,
     NodeProcess,
@@ -59,16 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     request_socket, request_endpoint = bind_request_socket(node)
     holder: dict[str, NodeProcess] = {}
 
+    def registry() -> RegistryClient | None:
+        return holder["process"].registry if "process" in holder else None
+
     def prefill_endpoint_for(node_id: str) -> str | None:
         if node_id in static:
             return static[node_id]
-        registry = holder["process"].registry if "process" in holder else None
-        peer = registry.peer(node_id) if registry is not None else None
+        client = registry()
+        peer = client.peer(node_id) if client is not None else None
         return peer.get("control_endpoint") if peer else None
 
     def prefill_endpoints() -> list[str]:
-        registry = holder["process"].registry if "process" in holder else None
-        table = registry.peers().values() if registry is not None else []
+        client = registry()
+        table = client.peers().values() if client is not None else []
         return [*static.values(), *(p["control_endpoint"] for p in table
                                     if p.get("role") == "prefill" and p.get("control_endpoint"))]
 
