@@ -57,6 +57,8 @@ class ControlHost(Protocol):
 
     def renew_now(self, endpoint: str, rooms: list[int]) -> None: ...
 
+    def vouch_to(self, endpoint: str) -> None: ...
+
 
 def layout_mismatch(mine: KVLayout, theirs: dict) -> str | None:
     """One line naming every field where a peer's KV layout differs from ours, or None."""
@@ -120,6 +122,7 @@ class ControlDispatcher:
         peer.instance_id = hello.instance_id
         peer.ready(now)
         m.peer_by_node[hello.node_id] = peer
+        m.vouch_to(peer.endpoint)
         m.send(hello.control_endpoint, msg.PeerHelloAck(
             node_id=m.node_id, control_endpoint=m.control_endpoint, accepted=True, reason="",
             instance_id=m.instance_id))
@@ -185,6 +188,7 @@ class ControlDispatcher:
             m.metrics.dropped("unexpected_grant")
             return
         peer.last_seen = now
+        m.vouch_to(peer.endpoint)
         lease_s = min(grant.lease_s, m.lease_s)
         for room in grant.granted:
             s = m.senders.get(room)
@@ -284,6 +288,12 @@ class ControlDispatcher:
                 granted.append(room)
             else:
                 released.append(room)
+        # Rooms the writer has not taken up yet (their TransferRequest waits behind its
+        # model step): it is alive, so they wait too. Their pages are safe meanwhile: no
+        # write can come before the room's first grant.
+        for r in m.receivers.values():
+            if r.peer_endpoint == peer.endpoint and not r.fence.has_grant:
+                r.writer_alive(now)
         m.send(peer.endpoint, msg.LeaseGrant(
             node_id=m.node_id, instance_id=m.instance_id, seq=renew.seq, lease_s=m.lease_s,
             granted=granted, released=released))

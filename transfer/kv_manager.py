@@ -241,6 +241,10 @@ class KVManager:
     def renew_now(self, endpoint: str, rooms: list[int]) -> None:
         self._leases.renew_now(endpoint, rooms)
 
+    def vouch_to(self, endpoint: str) -> None:
+        """Tell `endpoint` we are alive every lease/3, rooms or not (transfer/leases.py)."""
+        self._leases.touch(endpoint)
+
     def _prune_leases(self) -> None:
         """Stop renewing rooms that ended (their peer may free its pages now)."""
         for room in self._leases.rooms():

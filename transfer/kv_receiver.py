@@ -93,6 +93,11 @@ class KVReceiver:
         self.fence.extend(receiver_fence_end(now, self.manager.lease_s))
         return True
 
+    def writer_alive(self, now: float) -> None:
+        """The writer renewed without naming this room: it has not read our request yet."""
+        if self.status.state is KVPoll.Transferring and not self.fence.has_grant:
+            self.lease_deadline = max(self.lease_deadline, now + self.manager.lease_s)
+
     def resend_request(self, now: float) -> None:
         """The handshake was made again: ask the (new) prefill process once more."""
         if self.status.state is not KVPoll.Transferring or not self.needs_resend:
