@@ -23,6 +23,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -41,12 +42,18 @@ CHAIN = ("receive", "tokenize", "route", "prefill_bootstrap_queue", "prefill_wai
          "prefill_compute", "kv_transfer", "decode_first_token", "first_byte")
 
 
+LOG_DIR = Path(tempfile.gettempdir()) / f"pdserve-disagg-{os.getpid()}"
+
+
 def start(module: str, args: list[str], cpus: set[int], env: dict[str, str]) -> subprocess.Popen[str]:
+    """One node process pinned to ``cpus``; its stderr (the log) goes to LOG_DIR/<module>.log."""
     usable = os.sched_getaffinity(0)
     pin = cpus & usable or usable
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            preexec_fn=lambda: os.sched_setaffinity(0, pin))
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    with open(LOG_DIR / f"{module}.log", "w") as log:
+        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                                text=True, stdout=subprocess.PIPE, stderr=log,
+                                preexec_fn=lambda: os.sched_setaffinity(0, pin))
 
 
 def wait_line(proc: subprocess.Popen[str], timeout_s: float = 300.0) -> dict[str, Any]:
@@ -206,6 +213,7 @@ def main() -> None:
     from cpu_info import describe_cpu
 
     print(f"cpu: {describe_cpu()}")
+    print(f"node logs: {LOG_DIR}")
     backend = "nixl" if __import__("importlib").util.find_spec("nixl._api") else "fake"
     env = {**os.environ, "PDSERVE_AUTH_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
            "OMP_WAIT_POLICY": "PASSIVE", "UCX_TLS": os.environ.get("UCX_TLS", "tcp,self,sm")}

@@ -171,12 +171,12 @@ def build_api_app(service: BootstrapService) -> FastAPI:
     service.tokenizer.max_token_chars  # noqa: B018 - computed now, not on a first request
 
     async def prepared_or_400(prepare: Any, body: Any, routing_key: str | None) -> PreparedRequest:
-        """Template, tokenize and check the request in a worker thread, not on the loop."""
+        """Template, tokenize, check and hash the request in a worker thread, not on the loop."""
         loop = asyncio.get_running_loop()
         try:
             result: PreparedRequest = await loop.run_in_executor(
-                tokenize_pool, prepare, body, service.tokenizer, service.context_length,
-                routing_key,
+                tokenize_pool, lambda: service.page_hashes(prepare(
+                    body, service.tokenizer, service.context_length, routing_key)),
             )
         except APIError:
             count_request("rejected")

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 from typing import Final
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from common import metrics
 
 ROUTER_DECISIONS: Final = Counter(
     "pdserve_router_decisions_total",
-    "Pairs chosen by the router, by how the prefill node was chosen: affinity (the key's "
-    "home node on the ring), spilled (home over the load bound), routing_key (home by key).",
+    "Pairs chosen by the router, by how the prefill node was chosen: cache (precise: the "
+    "least prefill work given the KV index), affinity (the key's home node on the ring), "
+    "spilled (home over the load bound), routing_key (home by key), round_robin, random.",
     ("role", "decision"),
     registry=metrics.REGISTRY,
 )
@@ -52,3 +53,23 @@ def count_decision(decision: str, is_affinity_hit: bool) -> None:
 
 def count_request(outcome: str) -> None:
     metrics.REQUESTS.labels(**metrics.role_labels(outcome=outcome)).inc()
+KV_EVENTS: Final = Counter(
+    "pdserve_kv_events_total",
+    "KV event batches from prefill nodes: applied, snapshot (a whole cache), gap (batches "
+    "were lost; a snapshot is asked for), dropped (unknown node or instance, or malformed).",
+    ("role", "outcome"),
+    registry=metrics.REGISTRY,
+)
+KV_INDEX_PAGES: Final = Gauge(
+    "pdserve_kv_index_pages",
+    "Distinct cached page hashes in the gateway's KV index (precise prefix routing).",
+    ("role",),
+    registry=metrics.REGISTRY,
+)
+ROUTE_SECONDS: Final = Histogram(
+    "pdserve_route_seconds",
+    "Time to choose a request's pair, KV index lookup included (on the API event loop).",
+    ("role",),
+    buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2),
+    registry=metrics.REGISTRY,
+)

@@ -33,6 +33,9 @@ class PreparedRequest:
     priority: int | None = None
     routing_key: str | None = None
     cache_salt: str | None = None  # prefix-cache isolation (GenerateReq.cache_salt)
+    # The prompt's chained page hashes (common/page_hash.py), for precise routing; None
+    # when the router does not use them.
+    page_hashes: list[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,14 @@ class NodeView:
     control_endpoint: str
     num_pages: int
     load: dict[str, Any]
+    instance_id: str = ""
+    kv_events_endpoint: str = ""
+    page_size: int = 0  # of its KV layout (0: not given)
+
+
+def _page_size(layout: dict[str, Any]) -> int:
+    value = layout.get("page_size") if isinstance(layout, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -227,6 +235,9 @@ class NodeRegistry:
                 control_endpoint=e.info.control_endpoint,
                 num_pages=e.info.num_pages,
                 load=e.load,
+                instance_id=e.info.instance_id,
+                kv_events_endpoint=e.info.kv_events_endpoint,
+                page_size=_page_size(e.info.kv_layout),
             )
             for node_id, e in self._nodes.items()
             if role is None or e.info.role == role
@@ -251,6 +262,7 @@ class NodeRegistry:
                     "http_url": http_url,
                     "request_endpoint": info.request_endpoint,
                     "control_endpoint": info.control_endpoint,
+                    "kv_events_endpoint": info.kv_events_endpoint,
                     "num_pages": info.num_pages,
                     "max_running_requests": info.max_running_requests,
                     "load": e.load,

@@ -1,4 +1,4 @@
-"""Pair choice: prefill by prefix affinity (consistent hashing with bounded loads), decode by least load.
+"""Pair choice: prefill by cached prefix (precise) or prefix affinity, decode by least load.
 
 Pure decisions: every call takes a snapshot of the candidate nodes and returns a decision;
 no sockets, clocks or metrics here (the gateway counts what the decisions say).
@@ -12,6 +12,14 @@ requests already pending prefill over ``n`` nodes, no node takes the new one whi
 holds ``ceil((1 + epsilon) * (m + 1) / n)`` or more; the walk goes on clockwise. A hot
 prefix therefore fills its home node up to the bound, then spreads to its ring neighbours.
 
+Precise (``--prefill-router precise``, the default): the gateway's KV index
+(bootstrap/kv_index.py) says how many leading prompt pages each node holds. Each node's
+cost is the prefill work a request would wait for there, in tokens: the tokens queued on
+it plus this prompt's tokens it does not hold (at least one: the last token is always
+computed). The cheapest node wins; ties go to the longer cached prefix, then to the key's
+place on the ring. When no node holds a page of the prompt, the affinity choice is made.
+``round-robin`` and ``random`` are baselines.
+
 Decode: the node with the fewest requests in flight; more free KV pages (as a fraction of
 its pool) breaks ties; a node that reported a full pool is skipped while another is not.
 """
@@ -24,8 +32,10 @@ import math
 import random
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+
+from common.config import PREFILL_ROUTERS
 
 DEFAULT_AFFINITY_TOKENS = 32  # two pages of 16 tokens
 DEFAULT_VIRTUAL_NODES = 64
@@ -104,6 +114,7 @@ class PrefillCandidate:
 
     node_id: str
     num_pending: int
+    queued_tokens: int = 0  # prefill tokens waiting on the node (precise routing's load)
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,7 @@ class PrefillChoice:
     node_id: str
     home_id: str  # the key's first node on the ring
     is_spilled: bool  # the home node was over the load bound
+    cached_pages: int = 0  # leading prompt pages the node holds (precise routing)
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,8 @@ class RouteDecision:
     is_spilled: bool
     # The key was last routed to this same prefill node: its prefix is likely cached there.
     is_affinity_hit: bool
+    kind: str = "affinity"  # cache | affinity | spilled | routing_key | round_robin | random
+    cached_pages: int = 0  # leading prompt pages the KV index says the node holds
 
 
 def choose_prefill(
@@ -164,6 +178,36 @@ def choose_prefill(
     # Unreachable while capacity * n > total load; kept for floats at the edge.
     best = min(order, key=lambda node_id: load[node_id])
     return PrefillChoice(best, home, is_spilled=best != home)
+
+
+def choose_prefill_by_cache(
+    overlaps: Mapping[str, int],
+    candidates: Sequence[PrefillCandidate],
+    prompt_tokens: int,
+    page_size: int,
+    ring: HashRing,
+    key: int,
+) -> PrefillChoice | None:
+    """The node that would finish this prefill's wait soonest, or None when no candidate
+    holds a page of the prompt. ``overlaps``: leading pages held per node id; ties go to
+    the first of the tied nodes clockwise from ``key`` on ``ring``."""
+    if not candidates or not any(overlaps.get(c.node_id, 0) > 0 for c in candidates):
+        return None
+
+    def cost(c: PrefillCandidate) -> tuple[int, int]:
+        cached = min(overlaps.get(c.node_id, 0) * page_size, prompt_tokens)
+        return c.queued_tokens + max(1, prompt_tokens - cached), -cached
+
+    costs = {c.node_id: cost(c) for c in candidates}
+    least = min(costs.values())
+    tied = [node_id for node_id, c in costs.items() if c == least]
+    walk = ring.walk(key)
+    home = next(walk, tied[0])
+    best = tied[0]
+    if len(tied) > 1:
+        wanted = set(tied)
+        best = home if home in wanted else next((n for n in walk if n in wanted), min(tied))
+    return PrefillChoice(best, home, is_spilled=False, cached_pages=overlaps.get(best, 0))
 
 
 def choose_decode(candidates: Sequence[DecodeCandidate]) -> str:
@@ -186,9 +230,16 @@ class Router:
         virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
         epsilon: float = DEFAULT_EPSILON,
         affinity_memory: int = AFFINITY_MEMORY,
+        mode: str = "affinity",
+        seed: int | None = None,
     ) -> None:
         if epsilon <= 0:
             raise ValueError(f"epsilon must be > 0, got {epsilon}")
+        if mode not in PREFILL_ROUTERS:
+            raise ValueError(f"prefill router must be one of {', '.join(PREFILL_ROUTERS)}")
+        self.mode = mode
+        self._rng = random.Random(seed)
+        self._turn = 0
         self.affinity_tokens = affinity_tokens
         self.page_size = page_size
         self.virtual_nodes = virtual_nodes
@@ -204,14 +255,14 @@ class Router:
         prefills: Sequence[PrefillCandidate],
         decodes: Sequence[DecodeCandidate],
         cache_salt: str | None = None,
+        overlaps: Mapping[str, int] | None = None,
     ) -> RouteDecision:
-        """The pair for one request; both candidate lists must be non-empty."""
-        node_ids = frozenset(c.node_id for c in prefills)
-        if node_ids != self._ring.node_ids:
-            self._ring = HashRing(sorted(node_ids), self.virtual_nodes)
+        """The pair for one request; both candidate lists must be non-empty. ``overlaps``
+        (precise mode): leading prompt pages each node holds, from the KV index."""
         key = affinity_key(input_ids, routing_key, self.affinity_tokens, self.page_size,
                            cache_salt)
-        prefill = choose_prefill(self._ring, key, prefills, self.epsilon)
+        prefill, kind = self._choose_prefill(key, len(input_ids), routing_key, prefills,
+                                             overlaps or {})
         decode_id = choose_decode(decodes)
         is_hit = self._last_node_of_key.get(key) == prefill.node_id
         self._remember(key, prefill.node_id)
@@ -222,7 +273,35 @@ class Router:
             is_routing_key=routing_key is not None,
             is_spilled=prefill.is_spilled,
             is_affinity_hit=is_hit,
+            kind=kind,
+            cached_pages=(overlaps or {}).get(prefill.node_id, 0),
         )
+
+    def _choose_prefill(self, key: int, prompt_tokens: int, routing_key: str | None,
+                        prefills: Sequence[PrefillCandidate],
+                        overlaps: Mapping[str, int]) -> tuple[PrefillChoice, str]:
+        if not prefills:
+            raise ValueError("no prefill candidate")
+        if self.mode == "round-robin":
+            ordered = sorted(prefills, key=lambda c: c.node_id)
+            self._turn = (self._turn + 1) % len(ordered)
+            node_id = ordered[self._turn].node_id
+            return PrefillChoice(node_id, node_id, False), "round_robin"
+        if self.mode == "random":
+            node_id = self._rng.choice(prefills).node_id
+            return PrefillChoice(node_id, node_id, False), "random"
+        node_ids = frozenset(c.node_id for c in prefills)
+        if node_ids != self._ring.node_ids:
+            self._ring = HashRing(sorted(node_ids), self.virtual_nodes)
+        if self.mode == "precise" and overlaps:
+            by_cache = choose_prefill_by_cache(overlaps, prefills, prompt_tokens,
+                                               self.page_size, self._ring, key)
+            if by_cache is not None:
+                return by_cache, "cache"
+        choice = choose_prefill(self._ring, key, prefills, self.epsilon)
+        kind = ("routing_key" if routing_key is not None
+                else "spilled" if choice.is_spilled else "affinity")
+        return choice, kind
 
     def _remember(self, key: int, node_id: str) -> None:
         self._last_node_of_key[key] = node_id

@@ -11,12 +11,14 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bootstrap import gateway_metrics as gm
+from bootstrap.api_keys import ApiKeys
 from bootstrap.dispatcher import Dispatcher, NodeQueueFull
 from bootstrap.errors import APIError
 from bootstrap.generation import Generation, PreparedRequest
+from bootstrap.kv_events import KVEventSubscriber, PrefillSource
 from bootstrap.registry import DEFAULT_LEASE_S, NodeRegistry, NodeView
 from bootstrap.router import (
     DEFAULT_AFFINITY_TOKENS,
@@ -28,8 +30,7 @@ from bootstrap.router import (
     Router,
 )
 from common import messages as msg
-from common import metrics
-from bootstrap.api_keys import ApiKeys
+from common import metrics, page_hash
 from common.config import BootstrapConfig
 from common.tokenizer import Tokenizer
 
@@ -85,7 +86,11 @@ class BootstrapService:
             affinity_tokens=settings.affinity_tokens,
             virtual_nodes=settings.virtual_nodes,
             epsilon=settings.epsilon,
+            mode=config.prefill_router,
         )
+        # Precise routing: the index of what each prefill node caches, from its KV events.
+        self.kv_events = (KVEventSubscriber(settings.gateway_id)
+                          if config.prefill_router == "precise" else None)
         self.rooms = RoomAllocator()
         self.dispatcher = Dispatcher(
             settings.gateway_id,
@@ -98,6 +103,8 @@ class BootstrapService:
 
     async def start(self) -> None:
         self.dispatcher.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
         self._timer = asyncio.create_task(self._lease_timer(), name="lease-timer")
 
     async def close(self) -> None:
@@ -105,6 +112,8 @@ class BootstrapService:
             self._timer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timer
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.dispatcher.close()
 
     async def _lease_timer(self) -> None:
@@ -112,12 +121,34 @@ class BootstrapService:
         while True:
             await asyncio.sleep(interval)
             self.registry.expire()
+            self._sync_kv_events()
             for role in ("prefill", "decode"):
                 num = len(self.registry.views(role))
                 gm.REGISTERED_NODES.labels(**metrics.role_labels(node_role=role)).set(num)
 
+    def _sync_kv_events(self) -> None:
+        if self.kv_events is None:
+            return
+        views = self.registry.views("prefill")
+        self.kv_events.sync(PrefillSource(v.node_id, v.instance_id, v.kv_events_endpoint,
+                                          v.request_endpoint, v.num_pages) for v in views)
+        sizes = {v.page_size for v in views if v.page_size}
+        if len(sizes) == 1:
+            self.router.page_size = sizes.pop()
+
+    def page_hashes(self, prepared: PreparedRequest) -> PreparedRequest:
+        """``prepared`` with its prompt's page hashes when the router reads them (worker
+        thread: a 6k-token prompt takes ~0.3 ms, off the event loop)."""
+        if self.kv_events is None:
+            return prepared
+        hashes = page_hash.prompt_hashes(prepared.input_ids, self.router.page_size,
+                                         prepared.cache_salt)
+        return replace(prepared, page_hashes=hashes.tolist())
+
     def _on_node_lost(self, node_id: str, reason: str) -> None:
         gm.NODES_LOST.labels(**metrics.role_labels()).inc()
+        if self.kv_events is not None:
+            self.kv_events.drop(node_id)
         self.dispatcher.fail_node(node_id, reason)
 
     # ---- admission -------------------------------------------------------------------------
@@ -144,11 +175,16 @@ class BootstrapService:
         for role, views in (("prefill", prefills), ("decode", decodes)):
             if not views:
                 raise APIError(503, f"no {role} node is registered", code="no_" + role + "_node")
+        started = time.perf_counter()
+        overlaps = None
+        if self.kv_events is not None and prepared.page_hashes:
+            overlaps = self.kv_events.overlaps(prepared.page_hashes, [v.node_id for v in prefills])
         decision = self.router.route(
             prepared.input_ids,
             prepared.routing_key,
             [
-                PrefillCandidate(v.node_id, self.dispatcher.num_pending_prefill(v.node_id))
+                PrefillCandidate(v.node_id, self.dispatcher.num_pending_prefill(v.node_id),
+                                 self._queued_tokens(v.node_id))
                 for v in prefills
             ],
             [
@@ -161,7 +197,9 @@ class BootstrapService:
                 for v in decodes
             ],
             prepared.cache_salt,
+            overlaps,
         )
+        gm.ROUTE_SECONDS.labels(**metrics.role_labels()).observe(time.perf_counter() - started)
         prefill = next(v for v in prefills if v.node_id == decision.prefill_id)
         decode = next(v for v in decodes if v.node_id == decision.decode_id)
         gen = msg.GenerateReq(
@@ -179,18 +217,13 @@ class BootstrapService:
             gateway_id=self.dispatcher.gateway_id,
             cache_salt=prepared.cache_salt,
         )
+        uncached = max(1, len(prepared.input_ids) - decision.cached_pages * self.router.page_size)
         try:
-            req = self.dispatcher.dispatch(gen, prefill.request_endpoint, decode.request_endpoint)
+            req = self.dispatcher.dispatch(gen, prefill.request_endpoint, decode.request_endpoint,
+                                           prefill_tokens=uncached)
         except NodeQueueFull as exc:
             raise APIError(503, str(exc), code="node_queue_full") from None
-        kind = (
-            "routing_key"
-            if decision.is_routing_key
-            else "spilled"
-            if decision.is_spilled
-            else "affinity"
-        )
-        gm.count_decision(kind, decision.is_affinity_hit)
+        gm.count_decision(decision.kind, decision.is_affinity_hit)
         self.num_active += 1
         gm.GATEWAY_INFLIGHT.labels(**metrics.role_labels()).set(self.num_active)
         return Generation(
@@ -202,6 +235,12 @@ class BootstrapService:
             deadline=arrival + self.config.request_timeout_s,
             on_end=self._on_generation_end,
         )
+
+    def _queued_tokens(self, node_id: str) -> int:
+        """Prefill tokens waiting on a node: what it last reported, or what this gateway
+        sent it since that is still pending, whichever is more (the report lags)."""
+        reported = self.kv_events.queued_tokens(node_id) if self.kv_events is not None else 0
+        return max(reported, self.dispatcher.pending_prefill_tokens(node_id))
 
     def _on_generation_end(self) -> None:
         self.num_active -= 1

@@ -16,8 +16,8 @@ from common.roles import ROLE_MODULES
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from common.model.runner import ModelRunner
     from common.model.loader import resolve_model_dir
+    from common.model.runner import ModelRunner
     from common.offline import OfflineResult, generate_stream
     from common.sampling_params import SamplingParams
     from common.tokenizer import Tokenizer

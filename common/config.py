@@ -24,6 +24,8 @@ SCHEDULE_POLICIES = (
 _DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
+PREFILL_ROUTERS = ("precise", "affinity", "round-robin", "random")
+
 class ConfigError(ValueError):
     """An invalid flag value or combination; the one-line message says what and how to fix it."""
 
@@ -282,9 +284,15 @@ class BootstrapConfig:
     max_request_bytes: int = 4 << 20
     model_path: str | None = None  # for the tokenizer; None: the built-in default model
     context_length: int | None = None
+    # How the gateway picks a prefill node (bootstrap/router.py): precise (from the nodes'
+    # KV events), affinity (consistent hashing of the prompt's head), round-robin, random.
+    prefill_router: str = "precise"
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--port")
+        _check(self.prefill_router in PREFILL_ROUTERS,
+               f"--prefill-router {self.prefill_router!r}: choose one of "
+               f"{', '.join(PREFILL_ROUTERS)}")
         _check_port(self.bootstrap_port, "--disaggregation-bootstrap-port")
         _check(
             self.port != self.bootstrap_port or self.port == 0,
@@ -406,6 +414,11 @@ def add_bootstrap_args(parser: Parser) -> None:
     parser.add_argument("--request-timeout", dest="request_timeout_s", type=float)
     parser.add_argument("--max-request-bytes", type=int,
                         help="API bodies over this many bytes get a 413 (default 4 MiB)")
+    parser.add_argument("--prefill-router", choices=PREFILL_ROUTERS,
+                        help="how a prefill node is chosen: precise (cached prefix from the "
+                             "nodes' KV events, against their queued tokens; the default), "
+                             "affinity (consistent hashing of the prompt's first 32 tokens), "
+                             "round-robin, random")
     _add_model_identity_args(parser)
     parser.set_defaults(**_field_values(BootstrapConfig, BootstrapConfig()))
     parser.set_defaults(api_keys=None)  # argparse's append needs a list or None

@@ -33,14 +33,14 @@ Context = zmq.Context[Any]
 _monitors: "weakref.WeakKeyDictionary[Socket, Socket]" = weakref.WeakKeyDictionary()
 
 
-def bind_pull(ctx: Context, endpoint: str) -> tuple[Socket, str]:
-    """Bind a PULL socket; ``tcp://host:0`` or ``tcp://host:*`` picks a free port.
-
-    Returns the socket and the endpoint it actually bound (with the real port).
+def bind_pull(ctx: Context, endpoint: str, kind: int = zmq.PULL) -> tuple[Socket, str]:
+    """Bind a PULL socket (or a PUB: ``kind``); ``tcp://host:0`` or ``tcp://host:*`` picks
+    a free port. Returns the socket and the endpoint it actually bound (with the real port).
     """
-    sock = ctx.socket(zmq.PULL)
+    sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    if kind == zmq.PULL:
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     monitor = socket_auth.current().secure_server(sock)
     try:
         sock.bind(endpoint)
@@ -50,6 +50,24 @@ def bind_pull(ctx: Context, endpoint: str) -> tuple[Socket, str]:
     if monitor is not None:
         _monitors[sock] = monitor
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def connect_sub(ctx: Context) -> Socket:
+    """A SUB socket taking every message, a CURVE client like every PUSH; connect it to
+    PUB endpoints (``bind_pull(..., zmq.PUB)``) with ``connect``."""
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    socket_auth.current().secure_client(sock)
+    return sock
+
+
+def count_refused(sock: Socket, socket_name: str) -> None:
+    """Count the failed handshakes of a bound socket that never receives (a PUB)."""
+    monitor = _monitors.get(sock)
+    if monitor is not None:
+        socket_auth.count_failed_handshakes(monitor, socket_name)
 
 
 def close_pull(sock: Socket) -> None:

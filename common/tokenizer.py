@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import functools
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path

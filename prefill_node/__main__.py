@@ -17,6 +17,7 @@ from common.node_process import (
     build_runner,
     setup_logging,
 )
+from prefill_node.kv_events import KVEventPublisher
 from prefill_node.scheduler import PrefillScheduler
 from transfer.backends import make_backend
 from transfer.kv_manager import KVManager
@@ -26,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve prefill", description=__doc__)
     add_prefill_args(parser)
     add_node_args(parser)
+    parser.add_argument("--kv-events-port", type=int, default=0,
+                        help="zmq PUB port of the node's KV cache events, which every gateway "
+                             "subscribes to for precise prefix routing (0: any free port)")
     return parser
 
 
@@ -55,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         instance_id=node.instance_id,
     )
     request_socket, request_endpoint = bind_request_socket(node)
-    scheduler = PrefillScheduler(config, runner, kv, request_socket)
+    events = None if config.disable_radix_cache else KVEventPublisher(
+        node.node_id, node.instance_id, runner.pool.num_pages, node.endpoint(ns.kv_events_port))
+    scheduler = PrefillScheduler(config, runner, kv, request_socket, events=events)
 
     def load() -> dict:
         return {
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             protocol_version=msg.PROTOCOL_VERSION,
             auth_token=config.transfer.auth_token,
             instance_id=node.instance_id,
+            kv_events_endpoint=advertised(events.endpoint, node) if events is not None else "",
         ),
         load,
     )
@@ -96,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                 on_drain_timeout=lambda: scheduler.fail_all(503, "the prefill node is shutting "
                                                             "down (drain timeout)"))
     kv.close()
+    if events is not None:
+        events.close()
     return 0
 
 

@@ -9,6 +9,11 @@ lock counts; pages leave it only through ``evict`` (or ``reset``), freed through
 allocator given at construction. Every structural change (child added, node split, node
 evicted) bumps ``version`` and is logged, so a cached ``MatchResult`` can be revalidated
 by looking at the changes since its version (``is_match_current``, ``PrefixMatcher``).
+
+KV events (given ``events``): every page gets its chained hash (common/page_hash.py) when
+it enters the tree, and ``events`` hears each page stored and evicted and each reset; a
+split moves hashes, it neither stores nor removes a page. ``page_hashes()`` is the whole
+set, for a snapshot.
 """
 
 from __future__ import annotations
@@ -17,11 +22,15 @@ import heapq
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
+from common import page_hash
 from common.request import TOKEN_BYTES, token_key
 from prefill_node.radix_node import (
     EV_ADD,
     EV_EVICT,
     EV_SPLIT,
+    CacheEvents,
     Event,
     MatchResult,
     PageFreer,
@@ -29,7 +38,7 @@ from prefill_node.radix_node import (
     TreeNode,
 )
 
-__all__ = ["MatchResult", "PageFreer", "RadixCache", "StaleMatchError", "TreeNode"]
+__all__ = ["CacheEvents", "MatchResult", "PageFreer", "RadixCache", "StaleMatchError", "TreeNode"]
 
 _MAX_LOG = 1 << 16  # events kept for revalidating matches
 
@@ -37,7 +46,8 @@ _MAX_LOG = 1 << 16  # events kept for revalidating matches
 class RadixCache:
     """Page-granular prefix cache. Sizes are in pages; the ``*_size()`` methods in tokens."""
 
-    def __init__(self, page_size: int, allocator: PageFreer | None = None) -> None:
+    def __init__(self, page_size: int, allocator: PageFreer | None = None,
+                 events: CacheEvents | None = None) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {page_size}")
         self.page_size = page_size
@@ -50,6 +60,7 @@ class RadixCache:
         self._log_start = 0  # version of _log[0]
         self._serial = 0
         self._tick = 0
+        self._events = events
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -179,6 +190,9 @@ class RadixCache:
 
     def _add_leaf(self, parent: TreeNode, first: bytes, key: bytes, value: list[int]) -> None:
         leaf = TreeNode(key, value, parent, self._next_serial())
+        if self._events is not None:
+            leaf.hashes = page_hash.chain(key, self.page_size, self._tail_hash(parent))
+            self._events.stored(leaf.hashes)
         if not parent.children and parent.lock_ref == 0:
             self._evictable_leaves.discard(parent)
         parent.children[first] = leaf
@@ -192,6 +206,8 @@ class RadixCache:
         parent = child.parent
         assert parent is not None
         upper = TreeNode(child.key[: num_pages * pb], child.value[:num_pages], parent, child.serial)
+        if child.hashes is not None:
+            upper.hashes, child.hashes = child.hashes[:num_pages], child.hashes[num_pages:]
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         parent.children[child.key[:pb]] = upper  # same key: keeps its place among siblings
@@ -250,6 +266,8 @@ class RadixCache:
             self._evictable_leaves.discard(node)
             self.num_evictable_pages -= len(node.value)
             node.is_evicted = True
+            if self._events is not None and node.hashes is not None and len(node.hashes):
+                self._events.removed(node.hashes)
             self._log_event(EV_EVICT, node, None)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 self._evictable_leaves.add(parent)
@@ -373,10 +391,23 @@ class RadixCache:
         for node in self._nodes():
             node.is_evicted = True
         self._init_tree()
+        if self._events is not None:
+            self._events.cleared()
         self.generation += 1
         self.version += 1
         self._log.clear()
         self._log_start = self.version
+
+    def _tail_hash(self, node: TreeNode) -> int:
+        """The chained hash a child of ``node`` continues from."""
+        if node.hashes is not None and len(node.hashes):
+            return int(node.hashes[-1])
+        return page_hash.root_hash(self._namespace_of.get(node))
+
+    def page_hashes(self) -> page_hash.HashArray:
+        """The hash of every cached page (empty unless the cache publishes events)."""
+        parts = [n.hashes for n in self._nodes() if n.hashes is not None]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
 
     def _nodes(self) -> list[TreeNode]:
         """Every node but the root, parents before children."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
+from common.page_hash import HashArray
+
 # Structural events: (kind, node, detail). EV_ADD: node got a child, detail is the child's
 # first page. EV_SPLIT: node lost its first pages to a new parent, detail is the depth in
 # tokens of the cut. EV_EVICT: node left the tree, detail None.
@@ -16,6 +18,16 @@ class PageFreer(Protocol):
     def free(self, pages: Iterable[int]) -> None: ...
 
 
+class CacheEvents(Protocol):
+    """Told what pages the cache gains and loses, by chained page hash (common/page_hash.py)."""
+
+    def stored(self, hashes: HashArray) -> None: ...
+
+    def removed(self, hashes: HashArray) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class StaleMatchError(RuntimeError):
     """A match was used after the tree evicted part of it; match again."""
 
@@ -25,6 +37,7 @@ class TreeNode:
 
     __slots__ = (
         "children",
+        "hashes",
         "is_evicted",
         "key",
         "last_access",
@@ -44,6 +57,8 @@ class TreeNode:
         # Order of insertion among siblings (dfs-weight's tie-break, as dict order in SGLang).
         self.serial = serial
         self.is_evicted = False
+        # The chained hash of each page (only when the cache publishes events).
+        self.hashes: HashArray | None = None
 
     def __repr__(self) -> str:
         return f"TreeNode(#{self.serial}, pages={len(self.value)}, lock={self.lock_ref})"

@@ -32,6 +32,7 @@ from common.request import TOKEN_BYTES, Req
 from common.sampler import Sampler, make_generator
 from common.sampling_params import SamplingParams
 from prefill_node.cache_aware_orders import usable_prefix_len
+from prefill_node.kv_events import KVEventPublisher
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
 from prefill_node.queues import BootstrapQueue, InflightQueue, PrefillState
 from prefill_node.radix_cache import RadixCache
@@ -45,13 +46,16 @@ logger = logging.getLogger(__name__)
 
 class PrefillScheduler:
     def __init__(self, config: PrefillConfig, runner: ModelRunner, kv: KVManager,
-                 request_socket: zmq.Socket, *, clock: Callable[[], float] = time.monotonic) -> None:
+                 request_socket: zmq.Socket, *, clock: Callable[[], float] = time.monotonic,
+                 events: KVEventPublisher | None = None) -> None:
         self.config = config
         self.runner = runner
         self.kv = kv
         self.allocator = runner.pool.allocator
         self.page_size = runner.page_size
-        self.tree = None if config.disable_radix_cache else RadixCache(self.page_size, self.allocator)
+        self.events = None if config.disable_radix_cache else events
+        self.tree = None if config.disable_radix_cache else RadixCache(
+            self.page_size, self.allocator, events=self.events)
         self.policy = SchedulePolicy.from_config(config, self.tree)
         self.request_socket = request_socket
         self.push = PushPool(zmq.Context.instance())
@@ -78,6 +82,8 @@ class PrefillScheduler:
                     self._isolate(m.rid, m.reply_endpoint, "accepting it", exc)
             elif isinstance(m, msg.AbortReq):
                 self.abort(m.rid, m.room, m.reason)
+            elif isinstance(m, msg.KVSnapshotRequest) and self.events is not None:
+                self.events.request_snapshot()
         self.kv.poll()
         self._abort_orphans()
         ready, failed = self.bootstrap_queue.pop_bootstrapped()
@@ -93,7 +99,13 @@ class PrefillScheduler:
             self._run(chunks)
         self._process_inflight()
         self.stats.update()
+        if self.events is not None and self.tree is not None:
+            self.events.flush(self.queued_tokens, self.tree.page_hashes)
         return bool(chunks)
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens this node has still to prefill (the precise router's load)."""
+        return sum(max(0, s.req.num_input_tokens - s.num_computed) for s in self.states.values())
 
     # ---- ingress -------------------------------------------------------------------------------
 

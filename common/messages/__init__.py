@@ -18,14 +18,15 @@ from common.messages.codec import (
     to_jsonable,
 )
 from common.messages.generation import GenerateReq, ReqFailed, ReqFinished, TokenChunk
+from common.messages.kv_events import KVEvents, KVSnapshotRequest
 from common.messages.transfer import (
     AbortReq,
     LateWrite,
     LeaseGrant,
     LeaseRenew,
-    PeerReset,
     PeerHello,
     PeerHelloAck,
+    PeerReset,
     TransferDone,
     TransferFailed,
     TransferRequest,
@@ -38,6 +39,8 @@ __all__ = [
     "Deregister",
     "GenerateReq",
     "Heartbeat",
+    "KVEvents",
+    "KVSnapshotRequest",
     "LateWrite",
     "LeaseGrant",
     "LeaseRenew",

@@ -26,6 +26,8 @@ class RegisterNode(Message):
     # New at each start of the node's process; a live node id with another instance is
     # refused (409) until the live one's lease runs out.
     instance_id: str = ""
+    # Prefill: the PUB endpoint of its KV events ("" : it publishes none).
+    kv_events_endpoint: str = ""
 
 
 @dataclass(frozen=True, slots=True)

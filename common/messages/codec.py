@@ -9,15 +9,16 @@ import msgpack  # type: ignore[import-untyped]
 from common.messages.base import MalformedMessage, Message
 from common.messages.cluster import Deregister, Heartbeat, RegisterNode
 from common.messages.generation import GenerateReq, ReqFailed, ReqFinished, TokenChunk
+from common.messages.kv_events import KVEvents, KVSnapshotRequest
 from common.messages.schema import FieldSpec, schema_of
 from common.messages.transfer import (
     AbortReq,
     LateWrite,
     LeaseGrant,
     LeaseRenew,
-    PeerReset,
     PeerHello,
     PeerHelloAck,
+    PeerReset,
     TransferDone,
     TransferFailed,
     TransferRequest,
@@ -43,6 +44,8 @@ MESSAGE_TYPES: Final[dict[str, type[Message]]] = {
     TokenChunk.TAG: TokenChunk,
     ReqFinished.TAG: ReqFinished,
     ReqFailed.TAG: ReqFailed,
+    KVEvents.TAG: KVEvents,
+    KVSnapshotRequest.TAG: KVSnapshotRequest,
 }
 _TAG_OF: Final[dict[type[Message], str]] = {cls: tag for tag, cls in MESSAGE_TYPES.items()}
 

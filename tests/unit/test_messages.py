@@ -17,14 +17,16 @@ from common.messages import (
     Deregister,
     GenerateReq,
     Heartbeat,
+    KVEvents,
+    KVSnapshotRequest,
     LateWrite,
     LeaseGrant,
     LeaseRenew,
-    PeerReset,
     MalformedMessage,
     Message,
     PeerHello,
     PeerHelloAck,
+    PeerReset,
     RegisterNode,
     ReqFailed,
     ReqFinished,
@@ -137,6 +139,9 @@ SAMPLES: list[Message] = [
     PeerReset(node_id="prefill-0", instance_id="a1", control_endpoint="tcp://127.0.0.1:6001",
               rooms=[7]),
     LateWrite(node_id="prefill-0", instance_id="a1", room=7, dst_pages=[3, 9]),
+    KVEvents(node_id="prefill-0", instance_id="a1", seq=4, stored=b"\x01" * 16,
+             removed=b"", is_snapshot=False, queued_tokens=300, num_pages=512),
+    KVSnapshotRequest(gateway_id="gateway-1"),
 ]
 
 
@@ -167,7 +172,7 @@ def _reason(data: bytes) -> str:
 
 def test_samples_cover_every_registered_type() -> None:
     assert {type(m) for m in SAMPLES} == set(message_types())
-    assert len(message_types()) == 17
+    assert len(message_types()) == 19
 
 
 def test_registry_is_consistent() -> None:
@@ -175,7 +180,8 @@ def test_registry_is_consistent() -> None:
     for tag, cls in MESSAGE_TYPES.items():
         assert cls.TAG == tag
         assert cls.__doc__
-    assert PROTOCOL_VERSION == 4  # 3: GenerateReq.cache_salt; 4: marks on TokenChunk, TransferDone
+    # 3: GenerateReq.cache_salt; 4: marks on TokenChunk, TransferDone; 5: KV events
+    assert PROTOCOL_VERSION == 5
     assert is_supported_protocol(PROTOCOL_VERSION)
     assert not is_supported_protocol(PROTOCOL_VERSION + 1)
 

@@ -1,0 +1,192 @@
+"""The gateway's global index of cached KV pages: page hash -> the prefill nodes holding it.
+
+Built only from the nodes' KV events (prefill_node/kv_events.py): each node's batches carry
+a sequence number, and the index keeps, per node and process instance, the last one it
+applied. A batch that follows it is applied; a batch that skips ahead (lost batches, or
+a subscriber that joined late) is applied too but the node is marked stale until a
+snapshot comes (``needs_snapshot``, which the subscriber asks for); a new instance of a
+node (it restarted, its cache is empty) starts over; a snapshot replaces the node's set.
+
+Memory: one dict entry per distinct page hash (a bit mask of the nodes holding it) and
+one set entry per (node, page). A node's set is capped at the pool size it registered
+with (a node cannot hold more pages than its pool): stores beyond it are not indexed
+and counted, and the node is asked for a snapshot, so the index stays within the sum
+of the nodes' pools even when a node misreports. A lost node is dropped at once.
+
+Scoring (``overlaps``): the number of leading prompt pages each node holds. A radix cache
+holds a page's whole prefix whenever it holds the page, so the walk stops at the first
+page no candidate holds. Cost: one dict lookup per matched page plus one step per node
+that drops out.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from common.page_hash import HashArray
+
+
+@dataclass
+class NodeCache:
+    """What the index believes one node holds."""
+
+    slot: int
+    instance_id: str
+    max_pages: int
+    seq: int = -1  # last batch applied; -1: none yet
+    hashes: set[int] = field(default_factory=set)
+    needs_snapshot: bool = True
+    queued_tokens: int = 0  # as last reported
+    num_over_cap: int = 0
+
+
+class KVIndex:
+    def __init__(self) -> None:
+        self._holders: dict[int, int] = {}  # page hash -> bit mask of node slots
+        self._nodes: dict[str, NodeCache] = {}
+        self._slot_owner: dict[int, str] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self.num_gaps = 0
+        self.num_over_cap = 0
+
+    # ---- events --------------------------------------------------------------------------
+
+    def apply(self, node_id: str, instance_id: str, seq: int, *, stored: HashArray,
+              removed: HashArray, is_snapshot: bool, queued_tokens: int,
+              max_pages: int) -> NodeCache:
+        """One batch of node ``node_id``'s events; returns its state (see needs_snapshot)."""
+        node = self._nodes.get(node_id)
+        if node is not None and node.instance_id != instance_id:
+            self.drop_node(node_id)  # a new process: the old one's cache is gone
+            node = None
+        if node is None:
+            node = self._add_node(node_id, instance_id, max_pages)
+        node.max_pages = max_pages
+        node.queued_tokens = queued_tokens
+        if is_snapshot:
+            self._replace(node, stored)
+            node.seq, node.needs_snapshot = seq, False
+            return node
+        if seq <= node.seq:
+            return node  # a repeat, or a keepalive that carries the last seq
+        if node.seq < 0:
+            node.needs_snapshot = True  # joined mid-stream: what came before is unknown
+        elif seq != node.seq + 1:
+            self.num_gaps += 1
+            node.needs_snapshot = True
+        node.seq = seq
+        self._remove(node, removed.tolist())
+        self._store(node, stored.tolist())
+        return node
+
+    def report_load(self, node_id: str, queued_tokens: int) -> None:
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.queued_tokens = queued_tokens
+
+    def drop_node(self, node_id: str) -> None:
+        """Forget everything about a node (it is lost, or restarted)."""
+        node = self._nodes.pop(node_id, None)
+        if node is None:
+            return
+        self._remove(node, list(node.hashes))
+        del self._slot_owner[node.slot]
+        self._free_slots.append(node.slot)
+
+    def _add_node(self, node_id: str, instance_id: str, max_pages: int) -> NodeCache:
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+        node = self._nodes[node_id] = NodeCache(slot, instance_id, max_pages)
+        self._slot_owner[slot] = node_id
+        return node
+
+    def _store(self, node: NodeCache, hashes: Iterable[int]) -> None:
+        bit, holders, mine = 1 << node.slot, self._holders, node.hashes
+        for h in hashes:
+            if h in mine:
+                continue
+            if len(mine) >= node.max_pages:
+                node.num_over_cap += 1
+                self.num_over_cap += 1
+                node.needs_snapshot = True
+                continue
+            mine.add(h)
+            holders[h] = holders.get(h, 0) | bit
+
+    def _remove(self, node: NodeCache, hashes: Iterable[int]) -> None:
+        bit, holders, mine = 1 << node.slot, self._holders, node.hashes
+        for h in hashes:
+            if h not in mine:
+                continue
+            mine.discard(h)
+            mask = holders[h] & ~bit
+            if mask:
+                holders[h] = mask
+            else:
+                del holders[h]
+
+    def _replace(self, node: NodeCache, hashes: HashArray) -> None:
+        new = set(hashes.tolist())
+        self._remove(node, list(node.hashes - new))
+        self._store(node, new - node.hashes)
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def overlaps(self, hashes: Sequence[int], node_ids: Iterable[str]) -> dict[str, int]:
+        """Leading pages of ``hashes`` each of ``node_ids`` holds (only nodes holding >= 1)."""
+        alive = 0
+        slot_of: dict[int, str] = {}
+        for node_id in node_ids:
+            node = self._nodes.get(node_id)
+            if node is not None:
+                alive |= 1 << node.slot
+                slot_of[node.slot] = node_id
+        out: dict[str, int] = {}
+        holders = self._holders
+        depth = 0
+        for h in hashes:
+            if not alive:
+                break
+            mask = alive & holders.get(h, 0)
+            dropped = alive & ~mask
+            while dropped:
+                low = dropped & -dropped
+                if depth:
+                    out[slot_of[low.bit_length() - 1]] = depth
+                dropped ^= low
+            alive = mask
+            depth += 1
+        while alive and depth:
+            low = alive & -alive
+            out[slot_of[low.bit_length() - 1]] = depth
+            alive ^= low
+        return out
+
+    def node(self, node_id: str) -> NodeCache | None:
+        return self._nodes.get(node_id)
+
+    def node_ids(self) -> list[str]:
+        return list(self._nodes)
+
+    @property
+    def num_pages(self) -> int:
+        """Distinct page hashes indexed."""
+        return len(self._holders)
+
+    @property
+    def num_entries(self) -> int:
+        """(node, page) pairs indexed."""
+        return sum(len(n.hashes) for n in self._nodes.values())
+
+    def memory_bytes(self) -> int:
+        """The index's size: its dict and sets and the ints they hold (sys.getsizeof)."""
+        total = sys.getsizeof(self._holders)
+        total += sum(sys.getsizeof(h) + sys.getsizeof(m) for h, m in self._holders.items())
+        for node in self._nodes.values():
+            total += sys.getsizeof(node.hashes) + sum(map(sys.getsizeof, node.hashes))
+        return total
