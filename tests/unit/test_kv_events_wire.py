@@ -1,0 +1,133 @@
+"""KV events over real zmq sockets: the prefill node's publisher to the gateway's subscriber and index.
+
+In one process: a RadixCache publishing through a KVEventPublisher (PUB), a
+KVEventSubscriber (SUB thread) filling its KVIndex, and a PULL socket standing in for the
+node's request socket, where snapshot requests arrive.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import zmq
+
+from bootstrap.kv_events import KVEventSubscriber, PrefillSource
+from common import messages as msg
+from common import page_hash
+from common.ipc import bind_pull, close_pull, recv_messages
+from prefill_node.kv_events import KVEventPublisher
+from prefill_node.radix_cache import RadixCache
+
+PS = 16
+
+
+def _wait(cond, timeout=10.0, tick=None):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        if tick is not None:
+            tick()
+        time.sleep(0.01)
+
+
+class Node:
+    """A prefill node's cache, publisher and request socket."""
+
+    def __init__(self, node_id: str, instance_id: str = "i1") -> None:
+        self.events = KVEventPublisher(node_id, instance_id, 256, "tcp://127.0.0.1:0",
+                                       interval_s=0.0, keepalive_s=0.05)
+        self.cache = RadixCache(PS, events=self.events)
+        self.requests, self.request_endpoint = bind_pull(zmq.Context.instance(),
+                                                         "tcp://127.0.0.1:0")
+        self.num_snapshot_requests = 0
+
+    def source(self, instance_id: str = "i1") -> PrefillSource:
+        return PrefillSource(self.events.node_id, instance_id, self.events.endpoint,
+                             self.request_endpoint, 256)
+
+    def step(self) -> None:
+        """What the prefill loop does with these each round."""
+        for m in recv_messages(self.requests, socket_name="test"):
+            if isinstance(m, msg.KVSnapshotRequest):
+                self.num_snapshot_requests += 1
+                self.events.request_snapshot()
+        self.events.flush(lambda: 123, self.cache.page_hashes)
+
+    def close(self) -> None:
+        self.events.close()
+        close_pull(self.requests)
+
+
+def _prompt(seed: int, n: int = 96) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 49000) for _ in range(n)]
+
+
+def test_the_gateway_index_follows_a_nodes_cache_over_the_wire():
+    node = Node("p0")
+    sub = KVEventSubscriber("gw", snapshot_retry_s=0.2)
+    try:
+        a, b = _prompt(1), _prompt(2)
+        node.cache.insert(a, list(range(6)))  # cached before the gateway subscribed
+        sub.start()
+        sub.sync([node.source()])
+        ha, hb = page_hash.prompt_hashes(a, PS).tolist(), page_hash.prompt_hashes(b, PS).tolist()
+        # The subscriber asks for a snapshot on joining: it learns what was there before.
+        _wait(lambda: sub.overlaps(ha, ["p0"]) == {"p0": 6}, tick=node.step)
+        assert node.num_snapshot_requests >= 1
+        node.cache.insert(b, list(range(10, 16)))
+        _wait(lambda: sub.overlaps(hb, ["p0"]) == {"p0": 6}, tick=node.step)
+        assert sub.queued_tokens("p0") == 123
+        node.cache.evict(6)  # least recently used: a's pages
+        _wait(lambda: sub.overlaps(ha, ["p0"]) == {}, tick=node.step)
+        assert sub.overlaps(hb, ["p0"]) == {"p0": 6}
+        sub.drop("p0")  # the registry lost it
+        assert sub.overlaps(hb, ["p0"]) == {} and sub.index.num_pages == 0
+    finally:
+        sub.close()
+        node.close()
+
+
+def test_batches_of_another_instance_or_an_unregistered_node_are_dropped():
+    node, stranger = Node("p0", "old-instance"), Node("p9")
+    sub = KVEventSubscriber("gw", snapshot_retry_s=0.2)
+    try:
+        sub.start()
+        sub.sync([node.source("new-instance")])  # the registry knows a newer process
+        node.cache.insert(_prompt(3), list(range(6)))
+        stranger.cache.insert(_prompt(4), list(range(6)))
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            node.step()
+            stranger.step()
+            time.sleep(0.01)
+        assert sub.index.num_pages == 0 and sub.index.node_ids() == []
+    finally:
+        sub.close()
+        node.close()
+        stranger.close()
+
+
+def test_a_lost_batch_is_repaired_by_a_snapshot():
+    node = Node("p0")
+    sub = KVEventSubscriber("gw", snapshot_retry_s=0.2)
+    try:
+        sub.start()
+        sub.sync([node.source()])
+        first = _prompt(5)
+        node.cache.insert(first, list(range(6)))
+        h = page_hash.prompt_hashes(first, PS).tolist()
+        _wait(lambda: sub.overlaps(h, ["p0"]) == {"p0": 6}, tick=node.step)
+        # A batch goes missing (as PUB drops for a slow subscriber): evictions unseen.
+        node.cache.evict(6)
+        node.events._net.clear()
+        node.events.seq += 1
+        second = _prompt(6)
+        node.cache.insert(second, list(range(6)))  # the next batch shows the gap
+        _wait(lambda: sub.overlaps(h, ["p0"]) == {}, tick=node.step)
+        assert sub.index.num_gaps >= 1
+        assert sub.overlaps(page_hash.prompt_hashes(second, PS).tolist(), ["p0"]) == {"p0": 6}
+    finally:
+        sub.close()
+        node.close()
