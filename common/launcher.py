@@ -1,7 +1,10 @@
 """`pdserve launch`: bootstrap + N prefill + M decode processes on this machine, supervised.
 
 Flags of its own: --host, --port (API, 8000), --num-prefill (1), --num-decode (1),
---model-path, --startup-timeout, --no-restart. Every other flag goes to each role whose
+--num-bootstrap (1), --model-path, --startup-timeout, --no-restart. With N bootstrap
+replicas, replica i serves the API on --port + i and its registry on the registry port
++ i (and its reply socket on --reply-port + i when one is given); every node registers
+with all of them. Every other flag goes to each role whose
 own parser knows it (so `--schedule-policy lpm` reaches prefill only, `--auth-token` all
 three, `--api-key` the bootstrap service).
 
@@ -62,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="the OpenAI API port")
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--num-bootstrap", type=int, default=1,
+                   help="bootstrap replicas (gateway + registry); each node registers with "
+                        "every one, a client may use any (API ports --port, --port+1, ...)")
     p.add_argument("--model-path", default=None, help="HF directory or .gguf (default: built-in)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--no-restart", dest="restart", action="store_false",
@@ -199,24 +205,38 @@ def main(argv: list[str]) -> int:
         print("pdserve launch: no --auth-token given; this cluster uses a random token of its "
               "own", flush=True)
     env = child_env(token)
-    registry = f"http://{args.host}:{registry_port}"
+    if args.num_bootstrap < 1:
+        raise SystemExit("pdserve launch: error: --num-bootstrap must be >= 1")
+    base_registry = int(registry_port or "8998")
+    reply_port = _value(per_role["bootstrap"], "--reply-port", None)
+    boot_args = _without(_without(per_role["bootstrap"], "--disaggregation-bootstrap-port"),
+                         "--reply-port")
+    registries = [f"http://{args.host}:{base_registry + i}" for i in range(args.num_bootstrap)]
     model = ["--model-path", args.model_path] if args.model_path else []
     py = sys.executable
-    children = [Child("bootstrap", [py, "-m", "bootstrap", "--host", args.host, "--port",
-                                    str(args.port), *model, *per_role["bootstrap"]], env)]
+    children = []
+    for i in range(args.num_bootstrap):
+        own = ["--disaggregation-bootstrap-port", str(base_registry + i)]
+        if reply_port is not None:
+            own += ["--reply-port", str(int(reply_port) + i)]
+        name = "bootstrap" if args.num_bootstrap == 1 else f"bootstrap-{i}"
+        children.append(Child(name, [py, "-m", "bootstrap", "--host", args.host, "--port",
+                                     str(args.port + i), *own, *model, *boot_args], env))
+    urls = [a for url in registries for a in ("--bootstrap-url", url)]
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
         for i in range(count):
             children.append(Child(f"{role}-{i}", [
                 py, "-m", ROLE_MODULES[role], "--host", args.host, "--port", "0",
-                "--node-id", f"{role}-{i}", "--bootstrap-url", registry, *model, *per_role[role]],
+                "--node-id", f"{role}-{i}", *urls, *model, *per_role[role]],
                 env))
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     try:
-        if not _wait_healthy(children, registry, token, args, stopping):
+        if not _wait_healthy(children, registries, token, args, stopping):
             return 1
-        print(f"pdserve is up: OpenAI API at http://{args.host}:{args.port}/v1 "
+        apis = ", ".join(f"http://{args.host}:{args.port + i}/v1" for i in range(args.num_bootstrap))
+        print(f"pdserve is up: OpenAI API at {apis} "
               f"({args.num_prefill} prefill, {args.num_decode} decode). Ctrl-C stops it.", flush=True)
         while not stopping.is_set():
             if not args.restart:
@@ -233,8 +253,9 @@ def main(argv: list[str]) -> int:
         _stop_all(children)
 
 
-def _wait_healthy(children: list[Child], registry: str, token: str | None,
+def _wait_healthy(children: list[Child], registries: list[str], token: str | None,
                   args: argparse.Namespace, stopping: threading.Event) -> bool:
+    """Until every process is up and every replica's registry has every node healthy."""
     deadline = time.monotonic() + args.startup_timeout
     want = args.num_prefill + args.num_decode
     while not stopping.is_set() and time.monotonic() < deadline:
@@ -244,8 +265,8 @@ def _wait_healthy(children: list[Child], registry: str, token: str | None,
             return False
         if all(c.ready for c in children):
             try:
-                nodes = _registered(registry, token)
-                if sum(1 for n in nodes if n.get("healthy")) >= want:
+                if all(sum(1 for n in _registered(url, token) if n.get("healthy")) >= want
+                       for url in registries):
                     return True
             except OSError:
                 pass

@@ -23,7 +23,7 @@ from common import metrics
 from common.config import ModelConfig
 from common.ipc import bind_pull
 from common.node_http import serve_status
-from common.registry_client import RegistryClient
+from common.registry_set import RegistrySet
 
 if TYPE_CHECKING:
     from common.model.runner import ModelRunner
@@ -36,8 +36,11 @@ READY_PREFIX = "PDSERVE_READY "
 def add_node_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--node-id", default=None, help="unique node name (default: <role>-<host>-<pid>)")
-    add("--bootstrap-url", default=None,
-        help="registry URL, e.g. http://127.0.0.1:8998 (default: run standalone)")
+    add("--bootstrap-url", dest="bootstrap_urls", action="append", default=None,
+        help="registry URL of a bootstrap replica, e.g. http://127.0.0.1:8998; repeat (or "
+             "separate with commas) for several replicas; a host name that resolves to "
+             "several addresses (a headless Service) is one replica per address "
+             "(default: run standalone)")
     add("--advertise-host", default=None, help="address peers use to reach this node (default: --host)")
     add("--request-port", type=int, default=0, help="zmq port for requests (0: any free port)")
     add("--control-port", type=int, default=0, help="zmq port for KV transfer control (0: any)")
@@ -51,7 +54,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
 class NodeArgs:
     role: str
     node_id: str
-    bootstrap_url: str | None
+    bootstrap_urls: tuple[str, ...]
     host: str
     advertise_host: str
     request_port: int
@@ -68,7 +71,9 @@ class NodeArgs:
         if ns.drain_timeout_s < 0:
             raise SystemExit(f"pdserve {role}: error: --drain-timeout must be >= 0, "
                              f"got {ns.drain_timeout_s:g}")
-        return NodeArgs(role, node_id, ns.bootstrap_url, host, ns.advertise_host or host,
+        urls = tuple(u.strip() for value in ns.bootstrap_urls or () for u in value.split(",")
+                     if u.strip())
+        return NodeArgs(role, node_id, urls, host, ns.advertise_host or host,
                         ns.request_port, ns.control_port, http_port, ns.drain_timeout_s,
                         uuid.uuid4().hex)
 
@@ -108,7 +113,7 @@ class NodeProcess:
         self.step = step
         self.health_extra = health
         self.stopping = threading.Event()
-        self.registry: RegistryClient | None = None
+        self.registry: RegistrySet | None = None
         self.http = serve_status(node.host, node.http_port, self.health)
         self.http_url = f"http://{node.advertise_host}:{self.http.server_address[1]}"
 
@@ -121,8 +126,8 @@ class NodeProcess:
         return body
 
     def register(self, message: msg.RegisterNode, load: Callable[[], dict[str, Any]]) -> None:
-        if self.node.bootstrap_url:
-            self.registry = RegistryClient(self.node.bootstrap_url, message, load).start()
+        if self.node.bootstrap_urls:
+            self.registry = RegistrySet(self.node.bootstrap_urls, message, load).start()
 
     def announce(self, **fields: Any) -> None:
         """One machine-readable line on stdout for launchers and tests."""

@@ -9,7 +9,7 @@ from common import messages as msg
 from common import socket_auth
 from common.config import ConfigError, DecodeConfig, add_decode_args
 from common.model.loader import resolve_model_dir
-from common.registry_client import RegistryClient
+from common.registry_set import RegistrySet
 from common.node_process import (
     NodeArgs,
     NodeProcess,
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     request_socket, request_endpoint = bind_request_socket(node)
     holder: dict[str, NodeProcess] = {}
 
-    def registry() -> RegistryClient | None:
+    def registry() -> RegistrySet | None:
         return holder["process"].registry if "process" in holder else None
 
     def prefill_endpoint_for(node_id: str) -> str | None:

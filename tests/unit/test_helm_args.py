@@ -69,7 +69,7 @@ def test_nodes_advertise_their_pod_ip_on_fixed_ports_and_find_the_registry() -> 
             ports["control"],
         )
         assert 0 not in (ns.request_port, ns.control_port)
-        assert ns.bootstrap_url == f"http://{ht.role_name('bootstrap')}:8998"
+        assert ns.bootstrap_urls == [f"http://{ht.role_name('bootstrap')}-registry:8998"]
         assert ns.node_id.startswith(ht.RELEASE)  # $(POD_NAME): unique per pod
 
 

@@ -60,8 +60,9 @@ def test_default_install_renders_the_expected_objects() -> None:
         [("ServiceAccount", "demo-pdserve"), ("Secret", "demo-pdserve-auth")]
         + [("Deployment", ht.role_name(r)) for r in ht.ROLES]
         + [("Service", ht.role_name(r)) for r in ht.ROLES]
+        + [("Service", ht.role_name("bootstrap") + "-registry")]
         + [("NetworkPolicy", ht.role_name(r)) for r in ht.ROLES]
-        + [("PodDisruptionBudget", ht.role_name(r)) for r in ht.NODE_ROLES]
+        + [("PodDisruptionBudget", ht.role_name(r)) for r in ht.ROLES]
     )
     assert kinds == expected
 
@@ -101,7 +102,7 @@ def test_every_object_lives_in_the_release_namespace_with_release_labels() -> No
         {"prefill": {"autoscaling": {"enabled": "yes"}}},
         {"decode": {"autoscaling": {"metric": "gpuUtilization"}}},
         {"prefill": {"autoscalling": {}}},
-        {"bootstrap": {"replicas": 2}},
+        {"bootstrap": {"replicas": -1}},
         {"model": {"source": "huggingface"}},
         {"transfer": {"ucx": {"portRangeStart": 70000}}},
         {"decode": {"autoscaling": {"kvUsageTarget": 1.5}}},

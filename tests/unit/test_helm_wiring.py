@@ -37,7 +37,9 @@ def test_each_service_selects_its_roles_pods_and_no_other(toggle: str) -> None:
         named_ports = {p["name"] for c in ht.containers(deployment) for p in c["ports"]}
         for port in service["spec"]["ports"]:
             assert port["targetPort"] in named_ports, (service["metadata"]["name"], port)
-    assert sorted(ht.component(s) for s in ht.of_kind(docs, "Service")) == sorted(ht.ROLES)
+    # bootstrap twice: the API Service and the headless registry one (every replica).
+    assert sorted(ht.component(s) for s in ht.of_kind(docs, "Service")) == sorted(
+        [*ht.ROLES, "bootstrap"])
 
 
 @pytest.mark.parametrize("toggle", ht.TOGGLES)
@@ -63,7 +65,8 @@ def test_each_selector_picks_exactly_its_own_deployment(toggle: str) -> None:
             for s in services
             if ht.selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
         ]
-        assert len(selected) == len(ht.ROLES)  # every role's /metrics
+        scraped = [s for s in selected if "http" in {p["name"] for p in s["spec"]["ports"]}]
+        assert len(scraped) == len(ht.ROLES)  # every role's /metrics, once
 
 
 def _ingress_rules(docs: list[dict[str, Any]], role: str) -> list[dict[str, Any]]:
@@ -138,20 +141,22 @@ def test_probes_ready_means_registered_and_able_to_serve() -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] == 600  # model load time
 
 
-def test_node_rollouts_add_before_they_remove_and_bootstrap_never_runs_twice() -> None:
+def test_every_rollout_adds_before_it_removes_and_the_gateway_has_two_replicas() -> None:
     docs = ht.toggle_manifests("default")
-    for role in ht.NODE_ROLES:
+    for role in (*ht.NODE_ROLES, "bootstrap"):
         strategy = ht.named(docs, "Deployment", ht.role_name(role))["spec"]["strategy"]
         assert strategy["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
-    assert ht.named(docs, "Deployment", ht.role_name("bootstrap"))["spec"]["strategy"] == {
-        "type": "Recreate"
-    }
+    assert ht.named(docs, "Deployment", ht.role_name("bootstrap"))["spec"]["replicas"] == 2
+    # Nodes find every replica by the headless registry Service, not-ready pods included.
+    registry = ht.named(docs, "Service", ht.role_name("bootstrap") + "-registry")["spec"]
+    assert registry["clusterIP"] == "None" and registry["publishNotReadyAddresses"] is True
+    assert [p["port"] for p in registry["ports"]] == [8998]
 
 
-def test_disruption_budgets_cover_the_node_roles() -> None:
+def test_disruption_budgets_cover_every_role() -> None:
     docs = ht.toggle_manifests("default")
     budgets = {ht.component(p): p["spec"] for p in ht.of_kind(docs, "PodDisruptionBudget")}
-    assert set(budgets) == set(ht.NODE_ROLES)
+    assert set(budgets) == {*ht.NODE_ROLES, "bootstrap"}
     assert all(b["maxUnavailable"] == 1 for b in budgets.values())
 
 

@@ -83,8 +83,10 @@ token
 {{- $image.pullPolicy -}}
 {{- end -}}
 
+{{- /* The headless registry Service: its name resolves to every bootstrap pod, and each node
+registers with each address it resolves to. */}}
 {{- define "pdserve.registryURL" -}}
-{{- printf "http://%s:%v" (include "pdserve.roleName" (dict "root" . "role" "bootstrap")) .Values.bootstrap.ports.registry -}}
+{{- printf "http://%s-registry:%v" (include "pdserve.roleName" (dict "root" . "role" "bootstrap")) .Values.bootstrap.ports.registry -}}
 {{- end -}}
 
 {{/* The --model-path value for a mounted model; "" for the built-in one. */}}
