@@ -17,17 +17,23 @@ over. The same instance registering again (it lost our answer) just refreshes it
 A removal other than a deregistration is a loss: listeners (the gateway) fail the rooms
 routed to the node at once. A deregistering node drains its in-flight work itself.
 The clock is injected; ``expire()`` is called by the service's timer.
+
+Thread safe: the registry's HTTP server runs on a thread of its own (so API load never
+delays a heartbeat) while the gateway reads views on its event loop; every public call
+holds one lock. Listeners may be called on either thread.
 """
 
 from __future__ import annotations
 
 import base64
 import hmac
+import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from common import messages as msg
 
@@ -39,6 +45,19 @@ DEFAULT_LEASE_S = 10.0
 UNHEALTHY_AFTER_LEASE_FRACTION = 2.0 / 3.0
 
 NodeLostListener = Callable[[str, str], None]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _locked(method: Callable[P, R]) -> Callable[P, R]:
+    """Run a NodeRegistry method under the registry's lock."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with args[0]._lock:  # type: ignore[attr-defined]
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 class RegistryError(Exception):
@@ -119,6 +138,7 @@ class NodeRegistry:
         self._clock = clock
         self._nodes: dict[str, NodeEntry] = {}
         self._lost_listeners: list[NodeLostListener] = []
+        self._lock = threading.RLock()
 
     def add_lost_listener(self, listener: NodeLostListener) -> None:
         """Call ``listener(node_id, reason)`` whenever a node is lost (not on deregister)."""
@@ -126,6 +146,7 @@ class NodeRegistry:
 
     # ---- calls from nodes ----------------------------------------------------------------
 
+    @_locked
     def register(self, m: msg.RegisterNode, header_token: str | None = None) -> None:
         """Add (or replace) a node; raises RegistryError 401 or 400."""
         self._authorize(m.auth_token, header_token)
@@ -162,6 +183,7 @@ class NodeRegistry:
         self._nodes[m.node_id] = NodeEntry(info=m, registered_at=now, last_seen=now, load={})
         logger.info("registered %s node %s at %s", m.role, m.node_id, m.request_endpoint)
 
+    @_locked
     def heartbeat(self, m: msg.Heartbeat, header_token: str | None = None) -> None:
         """Renew a lease and store the load; raises RegistryError 401 or 404 (register again)."""
         self._authorize(m.auth_token, header_token)
@@ -177,6 +199,7 @@ class NodeRegistry:
         entry.last_seen = self._clock()
         entry.load = dict(m.load)
 
+    @_locked
     def deregister(self, m: msg.Deregister, header_token: str | None = None) -> bool:
         """Remove a node that is leaving; whether it was registered. Raises RegistryError 401."""
         self._authorize(m.auth_token, header_token)
@@ -201,6 +224,7 @@ class NodeRegistry:
 
     # ---- leases --------------------------------------------------------------------------
 
+    @_locked
     def expire(self) -> list[str]:
         """Remove every node whose lease ran out; their ids (listeners are told)."""
         now = self._clock()
@@ -220,9 +244,11 @@ class NodeRegistry:
 
     # ---- reads ---------------------------------------------------------------------------
 
+    @_locked
     def __len__(self) -> int:
         return len(self._nodes)
 
+    @_locked
     def views(self, role: str | None = None) -> list[NodeView]:
         """Snapshots of the live nodes (of ``role``), in registration order."""
         now = self._clock()
@@ -246,6 +272,7 @@ class NodeRegistry:
     def _is_healthy(self, entry: NodeEntry, now: float) -> bool:
         return now - entry.last_seen <= self.lease_s * UNHEALTHY_AFTER_LEASE_FRACTION
 
+    @_locked
     def table(self) -> list[dict[str, Any]]:
         """The node table as JSON objects (the shape of ``GET /nodes``); never the token."""
         now = self._clock()

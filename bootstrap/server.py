@@ -1,14 +1,25 @@
-"""Both HTTP apps (API and registry) on two uvicorn servers in one asyncio loop, with the service."""
+"""Both HTTP apps on two uvicorn servers: the API on the service's event loop, the registry on a thread of its own.
+
+The registry answers heartbeats from its own thread and event loop, so however busy the
+API loop is (thousands of streams, a huge body being parsed), no node misses a
+heartbeat and is declared lost for it (NodeRegistry is thread safe).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - a dependency; the default loop works too
+    uvloop = None  # type: ignore[assignment]
 
 from bootstrap.gateway import build_api_app
 from bootstrap.registry_app import build_registry_app
@@ -67,6 +78,16 @@ class BootstrapServer:
         self.registry_port = registry_port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._registry_thread = threading.Thread(target=self._serve_registry,
+                                                 name="registry-http", daemon=True)
+
+    def _serve_registry(self) -> None:
+        factory = uvloop.new_event_loop if uvloop is not None else None
+        try:
+            with asyncio.Runner(loop_factory=factory) as runner:
+                runner.run(self._servers[1].serve())
+        except Exception:  # noqa: BLE001 - run() on the main loop sees the thread end
+            logger.exception("the registry's HTTP server stopped")
 
     def ready_info(self) -> dict[str, Any]:
         """What the READY line announces."""
@@ -93,10 +114,11 @@ class BootstrapServer:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         await self.service.start()
-        tasks = [asyncio.create_task(s.serve()) for s in self._servers]
+        tasks = [asyncio.create_task(self._servers[0].serve())]
+        self._registry_thread.start()
         try:
             while not all(s.started for s in self._servers):
-                if any(t.done() for t in tasks):
+                if any(t.done() for t in tasks) or not self._registry_thread.is_alive():
                     raise RuntimeError("an HTTP server failed to start (port in use?)")
                 await asyncio.sleep(0.01)
             api, registry = (s.servers[0].sockets[0].getsockname()[1] for s in self._servers)
@@ -110,4 +132,6 @@ class BootstrapServer:
             for s in self._servers:
                 s.should_exit = True
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._registry_thread.is_alive():
+                await asyncio.to_thread(self._registry_thread.join, 5.0)
             await self.service.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -100,8 +101,12 @@ class BootstrapService:
         self.registry.add_lost_listener(self._on_node_lost)
         self.num_active = 0  # admitted and not yet ended at the gateway
         self._timer: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self.dispatcher.start()
         if self.kv_events is not None:
             self.kv_events.start()
@@ -146,6 +151,15 @@ class BootstrapService:
         return replace(prepared, page_hashes=hashes.tolist())
 
     def _on_node_lost(self, node_id: str, reason: str) -> None:
+        """Registry listener, on the registry's thread or ours: the work runs on our loop."""
+        loop = self._loop
+        if loop is not None and threading.get_ident() != self._loop_thread:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: we are stopping
+                loop.call_soon_threadsafe(self._node_lost, node_id, reason)
+            return
+        self._node_lost(node_id, reason)
+
+    def _node_lost(self, node_id: str, reason: str) -> None:
         gm.NODES_LOST.labels(**metrics.role_labels()).inc()
         if self.kv_events is not None:
             self.kv_events.drop(node_id)
