@@ -1,18 +1,21 @@
 """The gateway alone: how many streamed tokens/s and new requests/s one bootstrap process serves.
 
-    python bench/gateway.py [--streams 8 32 128] [--tokens 64] [--duration 8]
+    python bench/gateway.py [--streams 8 32 128] [--tokens 64] [--duration 8] [--replicas 1 2]
 
-A real bootstrap process (API, registry, dispatcher), fed by stand-in prefill and decode
-nodes (processes of this file, `--stand-in ROLE`) that register, speak the real CURVE zmq
-wire protocol and stream tokens as fast as the gateway takes them, with no model. The load
-generator (this process) keeps S streaming /v1/completions requests open at all times:
+R real bootstrap processes (API, registry, dispatcher; R = 1, then 2 replicas side by
+side in one run), fed by stand-in prefill and decode nodes (processes of this file,
+`--stand-in ROLE`) that register with every replica, speak the real CURVE zmq wire
+protocol and stream tokens as fast as the gateways take them, with no model. The load
+generator (this process) keeps S streaming /v1/completions requests open at all times,
+spread evenly over the replicas:
   - stream phase: --tokens tokens per request (streamed tokens/s);
   - request phase: one token per request (new requests/s).
 Added latency: the decode stand-in stamps each token's send time into its logprob, which
 the gateway relays; the client subtracts it from the chunk's arrival (one clock: loopback).
 Everything shares this machine's cores, so each process's CPU seconds are reported too,
-and the throughput per gateway CPU-second. Prints a table, then one JSON line per row:
-{"bench": "gateway", "replicas": 1, "phase": ..., "streams": S, "tokens_per_s": ...,
+and the throughput per gateway CPU-second (all replicas' CPU together): what tells
+whether replicas scale. Prints a table, then one JSON line per row:
+{"bench": "gateway", "replicas": R, "phase": ..., "streams": S, "tokens_per_s": ...,
  "requests_per_s": ..., "added_latency_p99_ms": ..., "gateway_cpu_s": ...}
 """
 
@@ -40,15 +43,16 @@ TOKEN_ID = 1000  # every streamed token; the gateway detokenizes it like any oth
 # ---- stand-in nodes (run as their own processes) ---------------------------------------------
 
 
-def stand_in(role: str, registry_url: str, node_id: str, base: float) -> None:
-    """Register as `role`; a decode stand-in streams max_new_tokens tokens per GenerateReq,
-    round-robin over its open requests, each as soon as the previous one was sent."""
+def stand_in(role: str, registry_urls: list[str], node_id: str, base: float) -> None:
+    """Register as `role` with every replica; a decode stand-in streams max_new_tokens
+    tokens per GenerateReq, round-robin over its open requests, each as soon as the
+    previous one was sent."""
     import zmq
 
     from common import messages as msg
     from common import socket_auth
     from common.ipc import PushPool, bind_pull, recv_messages
-    from common.registry_client import RegistryClient
+    from common.registry_set import RegistrySet
 
     socket_auth.configure(TOKEN)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -58,7 +62,7 @@ def stand_in(role: str, registry_url: str, node_id: str, base: float) -> None:
         http_url="http://127.0.0.1:1", backend="fake", backend_metadata=b"\x00",
         kv_layout={"page_size": 16}, num_pages=1 << 20, max_running_requests=0,
         protocol_version=msg.PROTOCOL_VERSION, auth_token=TOKEN)
-    registry = RegistryClient(registry_url, register, dict).start()
+    registry = RegistrySet(registry_urls, register, dict).start()
     open_reqs: dict[str, list[Any]] = {}  # rid -> [GenerateReq, tokens left]
     with PushPool(ctx) as push:
         while True:
@@ -123,7 +127,7 @@ async def one_stream(client: Any, url: str, tokens: int, base: float, stats: dic
         stats["requests"].append(1.0)
 
 
-async def run_phase(url: str, streams: int, tokens: int, duration: float, base: float
+async def run_phase(urls: list[str], streams: int, tokens: int, duration: float, base: float
                     ) -> tuple[dict[str, list[float]], float]:
     import httpx
 
@@ -133,58 +137,51 @@ async def run_phase(url: str, streams: int, tokens: int, duration: float, base: 
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
         start = time.monotonic()
         until = start + duration
-        await asyncio.gather(*(one_stream(client, url, tokens, base, stats, until)
-                               for _ in range(streams)))
+        await asyncio.gather(*(one_stream(client, urls[i % len(urls)], tokens, base, stats,
+                                          until) for i in range(streams)))
         return stats, time.monotonic() - start
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--streams", type=int, nargs="+", default=[8, 32, 128])
-    ap.add_argument("--tokens", type=int, default=64, help="tokens per request, stream phase")
-    ap.add_argument("--duration", type=float, default=8.0, help="seconds per row")
-    ap.add_argument("--profile-gateway", metavar="FILE",
-                    help="run the bootstrap process under cProfile, its stats written to FILE")
-    ap.add_argument("--stand-in", choices=["prefill", "decode"], help=argparse.SUPPRESS)
-    ap.add_argument("--registry", help=argparse.SUPPRESS)
-    ap.add_argument("--node-id", help=argparse.SUPPRESS)
-    ap.add_argument("--base", type=float, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.stand_in:
-        stand_in(args.stand_in, args.registry, args.node_id, args.base)
-        return
-    from cpu_info import describe_cpu
-
-    print(f"cpu: {describe_cpu()}")
-    api, registry = free_port(), free_port()
+def run_cluster(replicas: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """R bootstrap replicas and the two stand-ins; one row per (phase, streams)."""
     env = {**os.environ, "PDSERVE_AUTH_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
     base = time.time()
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    urls, registries = [], []
+    rows: list[dict[str, Any]] = []
     try:
-        profile = ["-m", "cProfile", "-o", args.profile_gateway] if args.profile_gateway else []
-        procs["gateway"] = subprocess.Popen(
-            [sys.executable, *profile, "-m", "bootstrap", "--host", "127.0.0.1", "--port", str(api),
-             "--disaggregation-bootstrap-port", str(registry), "--lease-timeout", "30"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{api}"
-        reg_url = f"http://127.0.0.1:{registry}"
+        for i in range(replicas):
+            api, registry = free_port(), free_port()
+            profile = (["-m", "cProfile", "-o", f"{args.profile_gateway}.{replicas}.{i}"]
+                       if args.profile_gateway else [])
+            procs[f"gateway-{i}"] = subprocess.Popen(
+                [sys.executable, *profile, "-m", "bootstrap", "--host", "127.0.0.1", "--port",
+                 str(api), "--disaggregation-bootstrap-port", str(registry),
+                 "--lease-timeout", "30"],
+                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            urls.append(f"http://127.0.0.1:{api}")
+            registries.append(f"http://127.0.0.1:{registry}")
         for role in ("prefill", "decode"):
             procs[role] = subprocess.Popen(
-                [sys.executable, __file__, "--stand-in", role, "--registry", reg_url,
+                [sys.executable, __file__, "--stand-in", role, "--registry", ",".join(registries),
                  "--node-id", f"{role}-0", "--base", repr(base)],
                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_ready(url)
-        rows = []
+        for url in urls:
+            wait_ready(url)
+        gateways = [name for name in procs if name.startswith("gateway")]
         for phase, tokens in (("stream", args.tokens), ("requests", 1)):
             for streams in args.streams:
                 cpu0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
                 own0 = time.process_time()
-                stats, elapsed = asyncio.run(run_phase(url, streams, tokens, args.duration, base))
+                stats, elapsed = asyncio.run(run_phase(urls, streams, tokens, args.duration, base))
                 cpu = {name: round(cpu_seconds(p.pid) - cpu0[name], 2) for name, p in procs.items()}
                 cpu["load_generator"] = round(time.process_time() - own0, 2)
+                gateway_cpu = round(sum(cpu[g] for g in gateways), 2)
+                if replicas == 1:
+                    cpu["gateway"] = cpu.pop("gateway-0")
                 num_tokens, num_reqs = sum(stats["tokens"]), len(stats["requests"])
                 rows.append({
-                    "bench": "gateway", "replicas": 1, "phase": phase, "streams": streams,
+                    "bench": "gateway", "replicas": replicas, "phase": phase, "streams": streams,
                     "tokens_per_request": tokens,
                     "tokens_per_s": round(num_tokens / elapsed, 1),
                     "requests_per_s": round(num_reqs / elapsed, 1),
@@ -192,9 +189,9 @@ def main() -> None:
                     "added_latency_p99_ms": round(pct(stats["added_ms"], 99), 2),
                     "ttft_p99_ms": round(pct(stats["ttft_ms"], 99), 2),
                     "errors": len(stats["errors"]),
-                    "gateway_cpu_s": cpu["gateway"],
-                    "tokens_per_gateway_cpu_s": round(num_tokens / max(cpu["gateway"], 1e-9), 1),
-                    "requests_per_gateway_cpu_s": round(num_reqs / max(cpu["gateway"], 1e-9), 1),
+                    "gateway_cpu_s": gateway_cpu,
+                    "tokens_per_gateway_cpu_s": round(num_tokens / max(gateway_cpu, 1e-9), 1),
+                    "requests_per_gateway_cpu_s": round(num_reqs / max(gateway_cpu, 1e-9), 1),
                     "cpu_s": cpu, "seconds": round(elapsed, 2),
                 })
     finally:
@@ -205,10 +202,36 @@ def main() -> None:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-    print(f"{'phase':9} {'streams':>7} {'tok/s':>9} {'req/s':>7} {'add p50':>8} {'add p99':>8} "
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per request, stream phase")
+    ap.add_argument("--duration", type=float, default=8.0, help="seconds per row")
+    ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2],
+                    help="bootstrap replica counts to run, one cluster each, side by side")
+    ap.add_argument("--profile-gateway", metavar="FILE",
+                    help="run the bootstrap process under cProfile, its stats written to FILE")
+    ap.add_argument("--stand-in", choices=["prefill", "decode"], help=argparse.SUPPRESS)
+    ap.add_argument("--registry", help=argparse.SUPPRESS)
+    ap.add_argument("--node-id", help=argparse.SUPPRESS)
+    ap.add_argument("--base", type=float, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.stand_in:
+        stand_in(args.stand_in, args.registry.split(","), args.node_id, args.base)
+        return
+    from cpu_info import describe_cpu
+
+    print(f"cpu: {describe_cpu()}")
+    rows = []
+    for replicas in args.replicas:
+        rows += run_cluster(replicas, args)
+    print(f"{'replicas':8} {'phase':9} {'streams':>7} {'tok/s':>9} {'req/s':>7} {'add p50':>8} {'add p99':>8} "
           f"{'ttft p99':>9} {'gw cpu s':>9} {'tok/gw-cpu-s':>13} {'req/gw-cpu-s':>13}")
     for r in rows:
-        print(f"{r['phase']:9} {r['streams']:7d} {r['tokens_per_s']:9.1f} "
+        print(f"{r['replicas']:8d} {r['phase']:9} {r['streams']:7d} {r['tokens_per_s']:9.1f} "
               f"{r['requests_per_s']:7.1f} {r['added_latency_p50_ms']:8.2f} {r['added_latency_p99_ms']:8.2f} "
               f"{r['ttft_p99_ms']:9.2f} {r['gateway_cpu_s']:9.2f} "
               f"{r['tokens_per_gateway_cpu_s']:13.1f} {r['requests_per_gateway_cpu_s']:13.1f}")
