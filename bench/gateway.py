@@ -103,26 +103,32 @@ async def one_stream(client: Any, url: str, tokens: int, base: float, stats: dic
                      until: float) -> None:
     body = {"model": "default", "prompt": "Hello there", "max_tokens": tokens, "stream": True,
             "logprobs": 0, "ignore_eos": True}
+    import httpx
+
     while time.monotonic() < until:
         start = time.monotonic()
         n = 0
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                stats["errors"].append(r.status_code)
-                await r.aread()
-                continue
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
+        try:
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    stats["errors"].append(r.status_code)
+                    await r.aread()
                     continue
-                now_ms = (time.time() - base) * 1e3
-                choice = json.loads(line[6:])["choices"]
-                if not choice or not choice[0].get("logprobs"):
-                    continue
-                for lp in choice[0]["logprobs"]["token_logprobs"]:
-                    stats["added_ms"].append(now_ms + lp)
-                    if n == 0:
-                        stats["ttft_ms"].append((time.monotonic() - start) * 1e3)
-                    n += 1
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    now_ms = (time.time() - base) * 1e3
+                    choice = json.loads(line[6:])["choices"]
+                    if not choice or not choice[0].get("logprobs"):
+                        continue
+                    for lp in choice[0]["logprobs"]["token_logprobs"]:
+                        stats["added_ms"].append(now_ms + lp)
+                        if n == 0:
+                            stats["ttft_ms"].append((time.monotonic() - start) * 1e3)
+                        n += 1
+        except httpx.TransportError as exc:  # counted: a dropped connection is a failure
+            stats["errors"].append(f"{type(exc).__name__} after {n} tokens")
+            continue
         stats["tokens"].append(n)
         stats["requests"].append(1.0)
 
@@ -189,6 +195,7 @@ def run_cluster(replicas: int, args: argparse.Namespace) -> list[dict[str, Any]]
                     "added_latency_p99_ms": round(pct(stats["added_ms"], 99), 2),
                     "ttft_p99_ms": round(pct(stats["ttft_ms"], 99), 2),
                     "errors": len(stats["errors"]),
+                    "error_kinds": sorted({str(e) for e in stats["errors"]})[:5],
                     "gateway_cpu_s": gateway_cpu,
                     "tokens_per_gateway_cpu_s": round(num_tokens / max(gateway_cpu, 1e-9), 1),
                     "requests_per_gateway_cpu_s": round(num_reqs / max(gateway_cpu, 1e-9), 1),

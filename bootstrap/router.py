@@ -18,6 +18,8 @@ cost is the prefill work a request would wait for there, in tokens: the tokens q
 it plus this prompt's tokens it does not hold (at least one: the last token is always
 computed). The cheapest node wins; ties go to the longer cached prefix, then to the key's
 place on the ring. When no node holds a page of the prompt, the affinity choice is made.
+A request with a routing key goes where its key says (the client asked for that
+placement; its requests share their cache there anyway).
 ``round-robin`` and ``random`` are baselines.
 
 Decode: the node with the fewest requests in flight; more free KV pages (as a fraction of
@@ -293,7 +295,7 @@ class Router:
         node_ids = frozenset(c.node_id for c in prefills)
         if node_ids != self._ring.node_ids:
             self._ring = HashRing(sorted(node_ids), self.virtual_nodes)
-        if self.mode == "precise" and overlaps:
+        if self.mode == "precise" and overlaps and routing_key is None:
             by_cache = choose_prefill_by_cache(overlaps, prefills, prompt_tokens,
                                                self.page_size, self._ring, key)
             if by_cache is not None:

@@ -65,6 +65,10 @@ def test_precise_router_falls_back_to_affinity_without_overlaps():
         assert a.prefill_id == b.prefill_id and a.kind == "affinity"
     d = precise.route(PROMPT, None, cands(), DECODES, overlaps={"p3": 12})
     assert (d.prefill_id, d.kind, d.cached_pages) == ("p3", "cache", 12)
+    # A routing key is the client's placement: it wins over the cache.
+    keyed = precise.route(PROMPT, "tenant-9", cands(), DECODES, overlaps={"p3": 12})
+    assert keyed.kind == "routing_key"
+    assert keyed.prefill_id == affinity.route(PROMPT, "tenant-9", cands(), DECODES).prefill_id
 
 
 def test_round_robin_and_random_baselines_spread_over_every_node():
