@@ -94,6 +94,7 @@ class NodeView:
     instance_id: str = ""
     kv_events_endpoint: str = ""
     page_size: int = 0  # of its KV layout (0: not given)
+    colocated_with: str = ""  # the other half of a colocated process ("" : none)
 
 
 def _page_size(layout: dict[str, Any]) -> int:
@@ -264,6 +265,7 @@ class NodeRegistry:
                 instance_id=e.info.instance_id,
                 kv_events_endpoint=e.info.kv_events_endpoint,
                 page_size=_page_size(e.info.kv_layout),
+                colocated_with=e.info.colocated_with,
             )
             for node_id, e in self._nodes.items()
             if role is None or e.info.role == role
@@ -290,6 +292,7 @@ class NodeRegistry:
                     "request_endpoint": info.request_endpoint,
                     "control_endpoint": info.control_endpoint,
                     "kv_events_endpoint": info.kv_events_endpoint,
+                    "colocated_with": info.colocated_with,
                     "num_pages": info.num_pages,
                     "max_running_requests": info.max_running_requests,
                     "load": e.load,

@@ -258,14 +258,23 @@ class Router:
         decodes: Sequence[DecodeCandidate],
         cache_salt: str | None = None,
         overlaps: Mapping[str, int] | None = None,
+        partners: Mapping[str, str] | None = None,
     ) -> RouteDecision:
         """The pair for one request; both candidate lists must be non-empty. ``overlaps``
-        (precise mode): leading prompt pages each node holds, from the KV index."""
+        (precise mode): leading prompt pages each node holds, from the KV index.
+        ``partners``: prefill id -> its colocated decode id; such a prefill is paired with
+        that decode node only, and other prefills never with a colocated decode node."""
+        partners = partners or {}
         key = affinity_key(input_ids, routing_key, self.affinity_tokens, self.page_size,
                            cache_salt)
         prefill, kind = self._choose_prefill(key, len(input_ids), routing_key, prefills,
                                              overlaps or {})
-        decode_id = choose_decode(decodes)
+        if prefill.node_id in partners:
+            decode_id = partners[prefill.node_id]
+        else:
+            colocated = set(partners.values())
+            decode_id = choose_decode([d for d in decodes if d.node_id not in colocated]
+                                      or decodes)
         is_hit = self._last_node_of_key.get(key) == prefill.node_id
         self._remember(key, prefill.node_id)
         return RouteDecision(

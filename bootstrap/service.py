@@ -58,6 +58,19 @@ def _live(views: list[NodeView]) -> list[NodeView]:
     return [v for v in views if v.is_healthy] or views
 
 
+def _pairable(prefills: list[NodeView], decodes: list[NodeView]
+              ) -> tuple[list[NodeView], dict[str, str]]:
+    """The prefill nodes a request can go to, and each colocated one's decode partner: a
+    colocated prefill whose partner is not live is left out; a plain prefill node needs a
+    plain decode node."""
+    live = {d.node_id for d in decodes}
+    has_plain_decode = any(not d.colocated_with for d in decodes)
+    partners = {p.node_id: p.colocated_with for p in prefills if p.colocated_with}
+    usable = [p for p in prefills
+              if (p.colocated_with in live if p.colocated_with else has_plain_decode)]
+    return usable, {p: d for p, d in partners.items() if d in live}
+
+
 def _int_load(view: NodeView, name: str) -> int | None:
     value = view.load.get(name)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
@@ -186,6 +199,7 @@ class BootstrapService:
             )
         prefills = _live(self.registry.views("prefill"))
         decodes = _live(self.registry.views("decode"))
+        prefills, partners = _pairable(prefills, decodes)
         for role, views in (("prefill", prefills), ("decode", decodes)):
             if not views:
                 raise APIError(503, f"no {role} node is registered", code="no_" + role + "_node")
@@ -212,6 +226,7 @@ class BootstrapService:
             ],
             prepared.cache_salt,
             overlaps,
+            partners,
         )
         gm.ROUTE_SECONDS.labels(**metrics.role_labels()).observe(time.perf_counter() - started)
         prefill = next(v for v in prefills if v.node_id == decision.prefill_id)

@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="the OpenAI API port")
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--colocated", action="store_true",
+                   help="run --num-prefill colocated processes (prefill and decode in one "
+                        "process on one KV pool, the non-disaggregated baseline; the right "
+                        "choice for one small machine) instead of separate prefill and "
+                        "decode nodes")
     p.add_argument("--num-bootstrap", type=int, default=1,
                    help="bootstrap replicas (gateway + registry); each node registers with "
                         "every one, a client may use any (API ports --port, --port+1, ...)")
@@ -195,6 +200,7 @@ def _registered(url: str, token: str | None) -> list[dict[str, Any]]:
 def main(argv: list[str]) -> int:
     args, extra = build_parser().parse_known_args(argv)
     per_role = split_extra_args(extra)
+    per_role["colocated"] = _union(per_role["prefill"], per_role["decode"])
     registry_port = _value(per_role["bootstrap"], "--disaggregation-bootstrap-port", "8998")
     token = _value(per_role["bootstrap"], "--auth-token", os.environ.get(TOKEN_ENV))
     for role in per_role:  # the children read it from the environment, not from `ps`
@@ -223,7 +229,9 @@ def main(argv: list[str]) -> int:
         children.append(Child(name, [py, "-m", "bootstrap", "--host", args.host, "--port",
                                      str(args.port + i), *own, *model, *boot_args], env))
     urls = [a for url in registries for a in ("--bootstrap-url", url)]
-    for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
+    roles = ((("colocated", args.num_prefill),) if args.colocated
+             else (("prefill", args.num_prefill), ("decode", args.num_decode)))
+    for role, count in roles:
         for i in range(count):
             children.append(Child(f"{role}-{i}", [
                 py, "-m", ROLE_MODULES[role], "--host", args.host, "--port", "0",
@@ -236,8 +244,9 @@ def main(argv: list[str]) -> int:
         if not _wait_healthy(children, registries, token, args, stopping):
             return 1
         apis = ", ".join(f"http://{args.host}:{args.port + i}/v1" for i in range(args.num_bootstrap))
-        print(f"pdserve is up: OpenAI API at {apis} "
-              f"({args.num_prefill} prefill, {args.num_decode} decode). Ctrl-C stops it.", flush=True)
+        shape = (f"{args.num_prefill} colocated" if args.colocated
+                 else f"{args.num_prefill} prefill, {args.num_decode} decode")
+        print(f"pdserve is up: OpenAI API at {apis} ({shape}). Ctrl-C stops it.", flush=True)
         while not stopping.is_set():
             if not args.restart:
                 dead = [c.name for c in children if c.proc.poll() is not None]
@@ -257,7 +266,8 @@ def _wait_healthy(children: list[Child], registries: list[str], token: str | Non
                   args: argparse.Namespace, stopping: threading.Event) -> bool:
     """Until every process is up and every replica's registry has every node healthy."""
     deadline = time.monotonic() + args.startup_timeout
-    want = args.num_prefill + args.num_decode
+    # A colocated process registers a prefill and a decode node.
+    want = 2 * args.num_prefill if args.colocated else args.num_prefill + args.num_decode
     while not stopping.is_set() and time.monotonic() < deadline:
         dead = [c.name for c in children if c.proc.poll() is not None]
         if dead:
@@ -287,6 +297,19 @@ def _stop_all(children: list[Child], grace_s: float = 20.0) -> None:
             c.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             c.proc.kill()
+
+
+def _union(first: list[str], second: list[str]) -> list[str]:
+    """``first`` and then the flags of ``second`` that ``first`` does not give."""
+    given = {a.split("=", 1)[0] for a in first if a.startswith("--")}
+    out, i = list(first), 0
+    while i < len(second):
+        flag = second[i].split("=", 1)[0]
+        n = 1 if "=" in second[i] or i + 1 >= len(second) or second[i + 1].startswith("--") else 2
+        if flag not in given:
+            out += second[i : i + n]
+        i += n
+    return out
 
 
 def _without(args: list[str], flag: str) -> list[str]:

@@ -2,4 +2,5 @@
 
 from typing import Final
 
-ROLE_MODULES: Final = {"prefill": "prefill_node", "decode": "decode_node", "bootstrap": "bootstrap"}
+ROLE_MODULES: Final = {"prefill": "prefill_node", "decode": "decode_node", "bootstrap": "bootstrap",
+                       "colocated": "colocated_node"}

@@ -28,6 +28,9 @@ class RegisterNode(Message):
     instance_id: str = ""
     # Prefill: the PUB endpoint of its KV events ("" : it publishes none).
     kv_events_endpoint: str = ""
+    # A colocated process registers a prefill and a decode node, each naming the other
+    # here: the router pairs them with each other only (their KV hand-over is in memory).
+    colocated_with: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,1 @@
+"""One process that prefills and decodes on one KV pool: the baseline disaggregation is measured against."""

@@ -1,0 +1,109 @@
+"""Colocated mode: one process prefills and decodes on one KV pool, behind the same gateway."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cluster import http, metric, start, wait_ready
+from ports import free_port
+
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+
+TOKEN = "colocated-token"
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    api, registry = free_port(), free_port()
+    boot = start("bootstrap", "bootstrap", "--host", "127.0.0.1", "--port", str(api),
+                 "--disaggregation-bootstrap-port", str(registry), "--auth-token", TOKEN)
+    node = start("colocated-0", "colocated_node", "--host", "127.0.0.1", "--port", "0",
+                 "--node-id", "colo", "--bootstrap-url", f"http://127.0.0.1:{registry}",
+                 "--auth-token", TOKEN, "--dtype", "float32", "--max-total-tokens", "4096",
+                 "--chunked-prefill-size", "256")
+    try:
+        wait_ready([boot, node])
+        url = f"http://127.0.0.1:{api}"
+        deadline_ok = False
+        for _ in range(600):
+            if http("GET", url + "/ready")[0] == 200:
+                deadline_ok = True
+                break
+            threading.Event().wait(0.1)
+        assert deadline_ok, "the colocated node never registered both halves"
+        yield {"api": url, "node": node}
+    finally:
+        node.stop()
+        boot.stop()
+
+
+def _client(c):
+    return openai.OpenAI(base_url=c["api"] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_it_registers_a_prefill_and_a_decode_half_that_name_each_other(colocated):
+    status, body = http("GET", colocated["api"] + "/nodes")
+    assert status == 200, body
+    by_id = {n["id"]: n for n in body["nodes"]}
+    assert by_id["colo.prefill"]["role"] == "prefill"
+    assert by_id["colo.prefill"]["colocated_with"] == "colo.decode"
+    assert by_id["colo.decode"]["colocated_with"] == "colo.prefill"
+
+
+def test_greedy_output_equals_the_single_process_runner(colocated):
+    from common.model.default_model import default_model_dir
+    from common.model.runner import ModelRunner
+    from common.offline import OfflineResult, generate_stream
+    from common.sampling_params import SamplingParams
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(default_model_dir())
+    runner = ModelRunner.from_path(None, progress=False, max_total_tokens=1024, dtype="float32")
+    messages = [{"role": "user", "content": "Name two rivers of Europe."}]
+    ids = tok.apply_chat_template(messages)
+    offline = [x for x in generate_stream(runner, tok, ids,
+                                          SamplingParams(max_new_tokens=20, temperature=0))][-1]
+    assert isinstance(offline, OfflineResult)
+    for _ in range(2):  # the second one prefills from the cache
+        chat = _client(colocated).chat.completions.create(
+            model="default", max_tokens=20, temperature=0, messages=messages)
+        assert chat.choices[0].message.content == offline.text
+
+
+def test_long_prompts_and_streams_mix_and_every_page_comes_back(colocated):
+    cl = _client(colocated)
+    results: list[object] = []
+
+    def stream(i: int) -> None:
+        try:
+            text = "".join(ch.choices[0].text for ch in cl.completions.create(
+                model="default", prompt=f"Story {i}: the lighthouse", max_tokens=24,
+                temperature=0, stream=True) if ch.choices)
+            results.append(text)
+        except Exception as exc:  # noqa: BLE001 - the assertion reports it
+            results.append(exc)
+
+    def long(i: int) -> None:  # several chunks of prefill while the streams decode
+        try:
+            r = cl.completions.create(model="default", prompt=f"{i} " + "wave " * 900,
+                                      max_tokens=2, temperature=0)
+            results.append(r.choices[0].text)
+        except Exception as exc:  # noqa: BLE001
+            results.append(exc)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    threads += [threading.Thread(target=long, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert len(results) == 6 and all(isinstance(r, str) and r for r in results), results
+    url = colocated["node"].ready["http_url"]
+    for _ in range(100):
+        if metric(url, "pdserve_kv_pages_held") == 0:
+            break
+        threading.Event().wait(0.1)
+    assert metric(url, "pdserve_kv_pages_held") == 0
