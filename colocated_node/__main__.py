@@ -83,16 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     runner = build_runner(pconfig.model)
     tokenizer = Tokenizer.from_pretrained(resolve_model_dir(pconfig.model.model_path))
     transfer = pconfig.transfer
-    common = dict(backend_kind="loopback", auth_token=transfer.auth_token,
-                  bootstrap_timeout_s=transfer.bootstrap_timeout_s,
-                  waiting_timeout_s=transfer.waiting_timeout_s, lease_s=transfer.lease_s)
     tag = uuid.uuid4().hex[:8]  # loopback backends are named per process
-    pkv = KVManager(prefill_id, "prefill", LoopbackBackend(f"{prefill_id}-{tag}"), runner.pool,
-                    control_endpoint=node.endpoint(node.control_port),
-                    instance_id=node.instance_id, **common)  # type: ignore[arg-type]
-    dkv = KVManager(decode_id, "decode", LoopbackBackend(f"{decode_id}-{tag}"), runner.pool,
-                    control_endpoint=node.endpoint(0), instance_id=node.instance_id,
-                    **common)  # type: ignore[arg-type]
+
+    def manager(node_id: str, role: str, control_endpoint: str) -> KVManager:
+        return KVManager(node_id, role, LoopbackBackend(f"{node_id}-{tag}"), runner.pool,
+                         backend_kind="loopback", control_endpoint=control_endpoint,
+                         auth_token=transfer.auth_token,
+                         bootstrap_timeout_s=transfer.bootstrap_timeout_s,
+                         waiting_timeout_s=transfer.waiting_timeout_s, lease_s=transfer.lease_s,
+                         instance_id=node.instance_id)
+
+    pkv = manager(prefill_id, "prefill", node.endpoint(node.control_port))
+    dkv = manager(decode_id, "decode", node.endpoint(0))
     psock, pendpoint = bind_request_socket(node)
     dsock, dendpoint = bind_request_socket(dataclasses.replace(node, request_port=0))
     events = None if pconfig.disable_radix_cache else KVEventPublisher(
