@@ -54,6 +54,9 @@ from transfer.kv_manager import KVManager
 from transfer.loopback_backend import LoopbackBackend
 
 
+COLOCATED_LEASE_S = 3600.0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve colocated", description=__doc__.splitlines()[0],
                                      conflict_handler="resolve")
@@ -84,13 +87,18 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer.from_pretrained(resolve_model_dir(pconfig.model.model_path))
     transfer = pconfig.transfer
     tag = uuid.uuid4().hex[:8]  # loopback backends are named per process
+    # The two halves share one process, so neither can outlive the other: the leases that
+    # keep a dead peer's pages from being reused guard nothing here. They are long, so a
+    # prefill step longer than the cluster's lease (the decode half grants only between
+    # steps of the one loop) does not fail the rooms it delays.
+    lease_s = max(transfer.lease_s, COLOCATED_LEASE_S)
 
     def manager(node_id: str, role: str, control_endpoint: str) -> KVManager:
         return KVManager(node_id, role, LoopbackBackend(f"{node_id}-{tag}"), runner.pool,
                          backend_kind="loopback", control_endpoint=control_endpoint,
                          auth_token=transfer.auth_token,
                          bootstrap_timeout_s=transfer.bootstrap_timeout_s,
-                         waiting_timeout_s=transfer.waiting_timeout_s, lease_s=transfer.lease_s,
+                         waiting_timeout_s=transfer.waiting_timeout_s, lease_s=lease_s,
                          instance_id=node.instance_id)
 
     pkv = manager(prefill_id, "prefill", node.endpoint(node.control_port))
