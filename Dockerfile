@@ -48,6 +48,7 @@ COPY common ./common
 COPY transfer ./transfer
 COPY prefill_node ./prefill_node
 COPY decode_node ./decode_node
+COPY colocated_node ./colocated_node
 COPY bootstrap ./bootstrap
 RUN set -eux; \
     pip install .; \

@@ -23,9 +23,9 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/pdserve launch
 
-# Types are a check too: mypy on the five packages, then every test.
+# Types are a check too: mypy on the six packages, then every test.
 test: $(STAMP)
-	$(BIN)/python -m mypy common transfer prefill_node decode_node bootstrap
+	$(BIN)/python -m mypy common transfer prefill_node decode_node colocated_node bootstrap
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 bench: $(STAMP)

@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("common", "transfer", "prefill_node", "decode_node", "bootstrap")
+PACKAGES = ("common", "transfer", "prefill_node", "decode_node", "colocated_node", "bootstrap")
 # Which of our packages each package may import.
 ALLOWED = {
     "common": {"common"},
     "transfer": {"common", "transfer"},
     "prefill_node": {"common", "transfer", "prefill_node"},
     "decode_node": {"common", "transfer", "decode_node"},
+    # One process of both node roles: it composes them, nothing imports it.
+    "colocated_node": {"common", "transfer", "prefill_node", "decode_node", "colocated_node"},
     "bootstrap": {"common", "bootstrap"},
 }
 
