@@ -58,6 +58,7 @@ class KVEventSubscriber:
         self._ctx = ctx or zmq.Context.instance()
         self._lock = threading.Lock()  # guards index, _sources and _wanted
         self._sources: dict[str, PrefillSource] = {}  # what the loop says is registered
+        self._since_report: dict[str, int] = {}  # tokens dispatched since the last report
         self._connected: dict[str, str] = {}  # thread: node id -> endpoint its SUB dials
         self._asked_at: dict[str, float] = {}  # thread: node id -> last snapshot request
         self._stop = threading.Event()
@@ -86,6 +87,7 @@ class KVEventSubscriber:
         """A node is lost: nothing it held may attract requests any more."""
         with self._lock:
             self._sources.pop(node_id, None)
+            self._since_report.pop(node_id, None)
             self.index.drop_node(node_id)
 
     def overlaps(self, hashes: Sequence[int], node_ids: Iterable[str]) -> dict[str, int]:
@@ -93,9 +95,17 @@ class KVEventSubscriber:
             return self.index.overlaps(hashes, node_ids)
 
     def queued_tokens(self, node_id: str) -> int:
+        """Prefill tokens waiting on a node: its last report, plus what this gateway sent it
+        since (the report does not have those yet)."""
         with self._lock:
             node = self.index.node(node_id)
-            return node.queued_tokens if node is not None else 0
+            reported = node.queued_tokens if node is not None else 0
+            return reported + self._since_report.get(node_id, 0)
+
+    def note_dispatched(self, node_id: str, tokens: int) -> None:
+        """Loop thread: a request expected to compute ``tokens`` went to ``node_id``."""
+        with self._lock:
+            self._since_report[node_id] = self._since_report.get(node_id, 0) + tokens
 
     # ---- the thread ------------------------------------------------------------------------
 
@@ -155,6 +165,8 @@ class KVEventSubscriber:
                             max_pages=source.num_pages)
                         outcome = ("snapshot" if m.is_snapshot
                                    else "gap" if self.index.num_gaps > gaps else "applied")
+                        # The report counts what reached the node before it was sent.
+                        self._since_report[m.node_id] = 0
             gm.KV_EVENTS.labels(**metrics.role_labels(outcome=outcome)).inc()
             if node is not None and node.needs_snapshot and source is not None:
                 self._ask_snapshot(source, push)

@@ -36,6 +36,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from common.config import PREFILL_ROUTERS
 
@@ -110,17 +111,16 @@ def bounded_load_capacity(total_load: int, num_nodes: int, epsilon: float) -> in
     return math.ceil((1.0 + epsilon) * (total_load + 1) / num_nodes)
 
 
-@dataclass(frozen=True)
-class PrefillCandidate:
-    """A live prefill node and the requests routed to it that have not prefilled yet."""
+class PrefillCandidate(NamedTuple):
+    """A live prefill node and the requests routed to it that have not prefilled yet.
+    (A tuple: the gateway makes one per node per request, at hundreds of nodes.)"""
 
     node_id: str
     num_pending: int
     queued_tokens: int = 0  # prefill tokens waiting on the node (precise routing's load)
 
 
-@dataclass(frozen=True)
-class DecodeCandidate:
+class DecodeCandidate(NamedTuple):
     """A live decode node: requests in flight on it, and its pool as last reported."""
 
     node_id: str
@@ -172,14 +172,16 @@ def choose_prefill(
         raise ValueError("no prefill candidate")
     load = {c.node_id: c.num_pending for c in candidates}
     capacity = bounded_load_capacity(sum(load.values()), len(load), epsilon)
-    order = [node_id for node_id in ring.walk(key) if node_id in load]
-    home = order[0]
-    for node_id in order:
+    home = None
+    for node_id in ring.walk(key):  # lazily: it usually stops at the first candidate
+        if node_id not in load:
+            continue
+        home = home or node_id
         if load[node_id] < capacity:
             return PrefillChoice(node_id, home, is_spilled=node_id != home)
     # Unreachable while capacity * n > total load; kept for floats at the edge.
-    best = min(order, key=lambda node_id: load[node_id])
-    return PrefillChoice(best, home, is_spilled=best != home)
+    best = min(load, key=load.__getitem__)
+    return PrefillChoice(best, home or best, is_spilled=best != home)
 
 
 def choose_prefill_by_cache(
@@ -193,14 +195,23 @@ def choose_prefill_by_cache(
     """The node that would finish this prefill's wait soonest, or None when no candidate
     holds a page of the prompt. ``overlaps``: leading pages held per node id; ties go to
     the first of the tied nodes clockwise from ``key`` on ``ring``."""
-    if not candidates or not any(overlaps.get(c.node_id, 0) > 0 for c in candidates):
+    holders = [c for c in candidates if overlaps.get(c.node_id, 0) > 0]
+    if not holders:
         return None
 
     def cost(c: PrefillCandidate) -> tuple[int, int]:
         cached = min(overlaps.get(c.node_id, 0) * page_size, prompt_tokens)
         return c.queued_tokens + max(1, prompt_tokens - cached), -cached
 
-    costs = {c.node_id: cost(c) for c in candidates}
+    # A node holding nothing costs its queue plus the whole prompt: only the least
+    # queued of those can win.
+    costs = {c.node_id: cost(c) for c in holders}
+    idle = min((c for c in candidates if c.node_id not in costs),
+               key=lambda c: c.queued_tokens, default=None)
+    if idle is not None:
+        least_idle = cost(idle)
+        costs.update({c.node_id: least_idle for c in candidates
+                      if c.node_id not in costs and c.queued_tokens == idle.queued_tokens})
     least = min(costs.values())
     tied = [node_id for node_id, c in costs.items() if c == least]
     walk = ring.walk(key)

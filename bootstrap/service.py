@@ -252,6 +252,8 @@ class BootstrapService:
                                            prefill_tokens=uncached)
         except NodeQueueFull as exc:
             raise APIError(503, str(exc), code="node_queue_full") from None
+        if self.kv_events is not None:
+            self.kv_events.note_dispatched(prefill.node_id, uncached)
         gm.count_decision(decision.kind, decision.is_affinity_hit)
         self.num_active += 1
         gm.GATEWAY_INFLIGHT.labels(**metrics.role_labels()).set(self.num_active)
@@ -266,10 +268,11 @@ class BootstrapService:
         )
 
     def _queued_tokens(self, node_id: str) -> int:
-        """Prefill tokens waiting on a node: what it last reported, or what this gateway
-        sent it since that is still pending, whichever is more (the report lags)."""
-        reported = self.kv_events.queued_tokens(node_id) if self.kv_events is not None else 0
-        return max(reported, self.dispatcher.pending_prefill_tokens(node_id))
+        """Prefill tokens waiting on a node (precise routing): its last report plus what
+        this gateway sent it since; without KV events, what this gateway has pending there."""
+        if self.kv_events is not None:
+            return self.kv_events.queued_tokens(node_id)
+        return self.dispatcher.pending_prefill_tokens(node_id)
 
     def _on_generation_end(self) -> None:
         self.num_active -= 1

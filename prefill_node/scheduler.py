@@ -43,6 +43,8 @@ from transfer.kv_sender import AuxData
 
 logger = logging.getLogger(__name__)
 
+QUEUED_TOKENS_TTL_S = 0.05  # how stale the queued tokens in the KV events may be
+
 
 class PrefillScheduler:
     def __init__(self, config: PrefillConfig, runner: ModelRunner, kv: KVManager,
@@ -69,6 +71,7 @@ class PrefillScheduler:
         self.processed_tokens = 0  # HRRN's clock: tokens prefilled so far
         self.stats = PrefillStats(self)
         self.gateway_watch = GatewayWatch()
+        self._queued, self._queued_at = 0, -float("inf")  # queued_tokens' last answer
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -104,8 +107,28 @@ class PrefillScheduler:
         return bool(chunks)
 
     def queued_tokens(self) -> int:
-        """Prompt tokens this node has still to prefill (the precise router's load)."""
-        return sum(max(0, s.req.num_input_tokens - s.num_computed) for s in self.states.values())
+        """Prompt tokens this node has still to compute (the precise router's load): a
+        request not started yet counts its prompt less the prefix the cache holds now, one
+        under way what it has left. Recomputed at most every QUEUED_TOKENS_TTL_S."""
+        now = self.clock()
+        if now - self._queued_at >= QUEUED_TOKENS_TTL_S or now < self._queued_at:
+            total = 0
+            for s in self.states.values():
+                left = s.req.num_input_tokens - s.num_computed
+                if left > 0 and s.num_computed == 0 and not s.pages:
+                    left -= self._cached_prefix(s.req)
+                total += max(0, left)
+            self._queued, self._queued_at = total, now
+        return self._queued
+
+    def _cached_prefix(self, req: Req) -> int:
+        """The prefix of a request not admitted yet that its prefill would start from."""
+        if self.tree is None:
+            return 0
+        match = req.match
+        if match is None or match.version != self.tree.version:
+            match = self.tree.match_prefix(req.key, req.namespace)  # pure: changes nothing
+        return min(match.num_tokens, (req.num_input_tokens - 1) // self.page_size * self.page_size)
 
     # ---- ingress -------------------------------------------------------------------------------
 

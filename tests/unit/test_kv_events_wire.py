@@ -131,3 +131,21 @@ def test_a_lost_batch_is_repaired_by_a_snapshot():
     finally:
         sub.close()
         node.close()
+
+
+def test_queued_tokens_are_the_last_report_plus_what_was_sent_since():
+    node = Node("p0")
+    sub = KVEventSubscriber("gw", snapshot_retry_s=0.2)
+    try:
+        sub.start()
+        sub.sync([node.source()])
+        _wait(lambda: sub.queued_tokens("p0") == 123, tick=node.step)  # the node reports 123
+        node.events.keepalive_s = 3600.0  # no report for a while
+        sub.note_dispatched("p0", 500)
+        sub.note_dispatched("p0", 20)
+        assert sub.queued_tokens("p0") == 643
+        node.events.keepalive_s = 0.0  # the next report has them (the node says 123 still)
+        _wait(lambda: sub.queued_tokens("p0") == 123, tick=node.step)
+    finally:
+        sub.close()
+        node.close()

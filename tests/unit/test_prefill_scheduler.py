@@ -281,3 +281,19 @@ def test_requests_of_different_cache_salts_share_no_cached_page(h):
     assert computed("n1", 43, None) == 33  # unsalted: no reuse of either
     assert computed("a2", 44, "tenant-a") == 33 - 32  # its own salt: 8 cached pages of 4
     h.sched.check_integrity()
+
+
+def test_queued_tokens_count_what_is_left_to_compute_less_the_cached_prefix(h):
+    base = _prompt(32, 21)
+    h.submit("warm", 31, base + [7])
+    r, _ = h.receive(31, 33)
+    h.run_until(lambda: r.poll() is KVPoll.Success and not h.sched.states)
+    assert h.sched.queued_tokens() == 0
+    # Two requests wait in the bootstrap queue (no decode side has asked for them yet):
+    # one shares the cached 32 tokens, one shares nothing.
+    hit, miss = base + _prompt(9, 22), _prompt(20, 23)
+    h.submit("hit", 32, hit)
+    h.submit("miss", 33, miss)
+    h.run_until(lambda: len(h.sched.states) == 2)
+    h.sched._queued_at = -float("inf")  # no memo: read it now
+    assert h.sched.queued_tokens() == (len(hit) - 32) + len(miss)
