@@ -7,8 +7,9 @@ random; choose_prefill_by_cache (else choose_prefill) for the oracle. Simulated:
 a node serves one request at a time, FIFO, matched, locked and given pages (evicting)
 when it starts, as the scheduler admits it, inserted and unlocked when it ends (its KV
 leaves for decode, not modelled); TTFT = queueing + service (the cost model). A request
-ending ends a node step: the step's net cache changes (its start's evictions, its insert)
-go as one batch (seq from 1) with the node's queued tokens, applied to the KVIndex
+ending ends a node step: its insert goes as one batch (seq from 1) with the node's queued
+tokens, and a request starting sends its admission's evictions at once (as the
+prefill loop flushes before the model runs), each applied to the KVIndex
 --event-delay-ms later (no changes: the load alone). Queued tokens are what
 PrefillScheduler.queued_tokens says after a step: the waiting prompts less the prefix
 cached now (--node-load prompt: whole, as before that was fixed); the gateway adds what
@@ -362,13 +363,15 @@ class SimNode:
         return job
 
     def reported_tokens(self, node_load: str) -> int:
-        """queued_tokens after a step (nothing runs then): the waiting prompts, whole
-        ("prompt", as PrefillScheduler.queued_tokens) or less what the cache holds now."""
+        """PrefillScheduler.queued_tokens: the one under way, and the waiting prompts less
+        what the cache holds now ("prompt": whole, as before that was fixed)."""
         if node_load == "prompt":
             return self.num_waiting_tokens
-        ps = self.page_size
-        return sum(j.num_tokens - ps * min((j.num_tokens - 1) // ps, len(self.cache.match_prefix(
-            np.concatenate(j.request.parts).tobytes()).page_ids)) for j in self.waiting)
+        ps, job = self.page_size, self.running  # the one under way: all of it left
+        running = job.num_tokens - job.cached if job is not None else 0
+        return running + sum(j.num_tokens - ps * min((j.num_tokens - 1) // ps, len(
+            self.cache.match_prefix(np.concatenate(j.request.parts).tobytes()).page_ids))
+            for j in self.waiting)
 
     def exact_tokens(self, now: float) -> int:
         """The oracle's queue: the running prefill's remaining tokens, the waiting ones'."""
@@ -463,6 +466,7 @@ def simulate(w: Workload, num_nodes: int, router_name: str, cost: Cost, *, page_
         res.routed[i] = chosen
         nodes[chosen].enqueue(Job(i, req, len(ids), uncached))
         if (end := nodes[chosen].start_next(req.arrival)) is not None:
+            publish(nodes[chosen], req.arrival)  # admission's evictions, before the step
             push(end, "done", chosen)
 
     i = 0
@@ -481,6 +485,7 @@ def simulate(w: Workload, num_nodes: int, router_name: str, cost: Cost, *, page_
             pending_tokens[node.node_id] -= job.uncached_at_route
             publish(node, now)  # a step ends: its evictions, its insert, the queue
             if (end := node.start_next(now)) is not None:
+                publish(node, now)  # admission's evictions go out before the step runs
                 push(end, "done", node.node_id)
         elif kind == "batch":
             nid, seq, stored, removed, queued, held = payload

@@ -14,9 +14,14 @@ prefix therefore fills its home node up to the bound, then spreads to its ring n
 
 Precise (``--prefill-router precise``, the default): the gateway's KV index
 (bootstrap/kv_index.py) says how many leading prompt pages each node holds. Each node's
-cost is the prefill work a request would wait for there, in tokens: the tokens queued on
-it plus this prompt's tokens it does not hold (at least one: the last token is always
-computed). The cheapest node wins; ties go to the longer cached prefix, then to the key's
+cost, in tokens: the tokens queued on it plus RECOMPUTE_WEIGHT (2) times this prompt's
+tokens it does not hold (at least one: the last token is always computed). Waiting
+behind a queue delays one request; computing a cached prefix again also takes that
+capacity from every later request and evicts other prefixes. With weight 1 (the
+request's own TTFT only) bench/routing_sim.py collapsed at 32+ nodes: nodes report
+their queue between steps, so a holder in the middle of a long prefill looks as busy as
+at its start, and contexts were recomputed elsewhere (65% of the oracle's hit rate,
+98.8% with weight 2). The cheapest node wins; ties go to the longer cached prefix, then to the key's
 place on the ring. When no node holds a page of the prompt, the affinity choice is made.
 A request with a routing key goes where its key says (the client asked for that
 placement; its requests share their cache there anyway).
@@ -41,6 +46,9 @@ from typing import NamedTuple
 from common.config import PREFILL_ROUTERS
 
 DEFAULT_AFFINITY_TOKENS = 32  # two pages of 16 tokens
+# Precise routing weighs the tokens a node would compute against the tokens queued ahead:
+# computing a prompt again takes capacity from every later request, waiting does not.
+RECOMPUTE_WEIGHT = 2.0
 DEFAULT_VIRTUAL_NODES = 64
 DEFAULT_EPSILON = 0.25
 # How many affinity keys the router remembers to tell an affinity hit from a first sight.
@@ -191,6 +199,7 @@ def choose_prefill_by_cache(
     page_size: int,
     ring: HashRing,
     key: int,
+    recompute_weight: float = RECOMPUTE_WEIGHT,
 ) -> PrefillChoice | None:
     """The node that would finish this prefill's wait soonest, or None when no candidate
     holds a page of the prompt. ``overlaps``: leading pages held per node id; ties go to
@@ -199,9 +208,10 @@ def choose_prefill_by_cache(
     if not holders:
         return None
 
-    def cost(c: PrefillCandidate) -> tuple[int, int]:
+    def cost(c: PrefillCandidate) -> tuple[float, int]:
         cached = min(overlaps.get(c.node_id, 0) * page_size, prompt_tokens)
-        return c.queued_tokens + max(1, prompt_tokens - cached), -cached
+        work = max(1, prompt_tokens - cached)
+        return c.queued_tokens + recompute_weight * work, -cached
 
     # A node holding nothing costs its queue plus the whole prompt: only the least
     # queued of those can win.

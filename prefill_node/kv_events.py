@@ -75,9 +75,10 @@ class KVEventPublisher:
 
     # ---- the loop ------------------------------------------------------------------------
 
-    def flush(self, queued_tokens: Callable[[], int],
-              snapshot: Callable[[], HashArray]) -> msg.KVEvents | None:
-        """Send what is due now; returns the message sent (None: nothing was due)."""
+    def flush(self, queued_tokens: Callable[[], int], snapshot: Callable[[], HashArray],
+              *, force: bool = False) -> msg.KVEvents | None:
+        """Send what is due now (``force``: any change now, whatever the interval);
+        returns the message sent (None: nothing was due)."""
         now = self.clock()
         count_refused(self._sock, "kv_events")
         if self._is_snapshot_due:
@@ -86,7 +87,7 @@ class KVEventPublisher:
             self.seq += 1
             self.num_snapshots += 1
             return self._send(now, page_hash.pack(snapshot()), b"", True, queued_tokens())
-        if self._net and now - self._last_batch >= self.interval_s:
+        if self._net and (force or now - self._last_batch >= self.interval_s):
             stored = [h for h, is_stored in self._net.items() if is_stored]
             removed = [h for h, is_stored in self._net.items() if not is_stored]
             self._net.clear()

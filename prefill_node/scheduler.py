@@ -99,6 +99,10 @@ class PrefillScheduler:
             self._fail(s, 500, f"KV bootstrap failed: {s.sender.failure_reason}")
         chunks = self._schedule()
         if chunks:
+            if self.events is not None and self.tree is not None:
+                # What admission evicted goes out before the model runs (a long prefill
+                # step must not leave the gateway routing hits to pages gone meanwhile).
+                self.events.flush(self.queued_tokens, self.tree.page_hashes, force=True)
             self._run(chunks)
         self._process_inflight()
         self.stats.update()
