@@ -454,8 +454,8 @@ def simulate(w: Workload, num_nodes: int, router_name: str, cost: Cost, *, page_
             chosen, cached_pages = choice.node_id, exact.get(choice.node_id, 0)
         else:
             overlaps = index.overlaps(hashes, node_ids) if router_name == "precise" else None
-            cands = [rt.PrefillCandidate(nid, pending_n[nid], queued_tokens(nid))
-                     for nid in node_ids]
+            queued = {nid: queued_tokens(nid) for nid in node_ids}  # queued_tokens_of
+            cands = rt.prefill_candidates(node_ids, pending_n.__getitem__, queued)
             decision = router.route(ids, None, cands, DECODES, None, overlaps)
             chosen, cached_pages = decision.prefill_id, decision.cached_pages
         res.route_s.append(time.perf_counter() - started)

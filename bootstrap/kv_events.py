@@ -102,6 +102,16 @@ class KVEventSubscriber:
             reported = node.queued_tokens if node is not None else 0
             return reported + self._since_report.get(node_id, 0)
 
+    def queued_tokens_of(self, node_ids: Iterable[str]) -> dict[str, int]:
+        """queued_tokens of many nodes under one lock (the router asks for every node)."""
+        with self._lock:
+            out = {}
+            for node_id in node_ids:
+                node = self.index.node(node_id)
+                out[node_id] = ((node.queued_tokens if node is not None else 0)
+                                + self._since_report.get(node_id, 0))
+            return out
+
     def note_dispatched(self, node_id: str, tokens: int) -> None:
         """Loop thread: a request expected to compute ``tokens`` went to ``node_id``."""
         with self._lock:

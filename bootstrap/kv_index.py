@@ -14,9 +14,8 @@ and counted, and the node is asked for a snapshot, so the index stays within the
 of the nodes' pools even when a node misreports. A lost node is dropped at once.
 
 Scoring (``overlaps``): the number of leading prompt pages each node holds. A radix cache
-holds a page's whole prefix whenever it holds the page, so the walk stops at the first
-page no candidate holds. Cost: one dict lookup per matched page plus one step per node
-that drops out.
+holds a page's whole prefix whenever it holds the page, so each node holding the first
+page is searched by bisection in its own set: ~log2(pages) lookups per such node.
 """
 
 from __future__ import annotations
@@ -138,33 +137,37 @@ class KVIndex:
     # ---- queries -------------------------------------------------------------------------
 
     def overlaps(self, hashes: Sequence[int], node_ids: Iterable[str]) -> dict[str, int]:
-        """Leading pages of ``hashes`` each of ``node_ids`` holds (only nodes holding >= 1)."""
-        alive = 0
-        slot_of: dict[int, str] = {}
-        for node_id in node_ids:
-            node = self._nodes.get(node_id)
-            if node is not None:
-                alive |= 1 << node.slot
-                slot_of[node.slot] = node_id
+        """Leading pages of ``hashes`` each of ``node_ids`` holds (only nodes holding >= 1).
+
+        A radix cache holds every page before one it holds, so a node's set is closed
+        under prefixes and its depth is found by binary search in it: about log2(pages)
+        set lookups per node holding the first page, whatever the prompt's length. (If an
+        index out of step with a node had a hole, the depth found would be a page the
+        node holds, not necessarily the first gap.)"""
+        n = len(hashes)
+        mask = self._holders.get(hashes[0], 0) if n else 0
+        if not mask:
+            return {}
+        wanted = node_ids if isinstance(node_ids, (set, frozenset, dict)) else set(node_ids)
         out: dict[str, int] = {}
-        holders = self._holders
-        depth = 0
-        for h in hashes:
-            if not alive:
-                break
-            mask = alive & holders.get(h, 0)
-            dropped = alive & ~mask
-            while dropped:
-                low = dropped & -dropped
-                if depth:
-                    out[slot_of[low.bit_length() - 1]] = depth
-                dropped ^= low
-            alive = mask
-            depth += 1
-        while alive and depth:
-            low = alive & -alive
-            out[slot_of[low.bit_length() - 1]] = depth
-            alive ^= low
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            node_id = self._slot_owner[low.bit_length() - 1]
+            if node_id not in wanted:
+                continue
+            mine = self._nodes[node_id].hashes
+            if hashes[n - 1] in mine:
+                out[node_id] = n
+                continue
+            lo, hi = 1, n - 1  # hashes[lo - 1] is held, hashes[hi] is not
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if hashes[mid] in mine:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            out[node_id] = lo
         return out
 
     def node(self, node_id: str) -> NodeCache | None:

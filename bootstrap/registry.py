@@ -26,8 +26,8 @@ holds one lock. Listeners may be called on either thread.
 from __future__ import annotations
 
 import base64
-import hmac
 import functools
+import hmac
 import logging
 import threading
 import time

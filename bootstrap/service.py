@@ -26,9 +26,9 @@ from bootstrap.router import (
     DEFAULT_EPSILON,
     DEFAULT_VIRTUAL_NODES,
     DecodeCandidate,
-    PrefillCandidate,
     RoomAllocator,
     Router,
+    prefill_candidates,
 )
 from common import messages as msg
 from common import metrics, page_hash
@@ -205,16 +205,18 @@ class BootstrapService:
                 raise APIError(503, f"no {role} node is registered", code="no_" + role + "_node")
         started = time.perf_counter()
         overlaps = None
-        if self.kv_events is not None and prepared.page_hashes:
-            overlaps = self.kv_events.overlaps(prepared.page_hashes, [v.node_id for v in prefills])
+        ids = [v.node_id for v in prefills]
+        if self.kv_events is not None:
+            if prepared.page_hashes:
+                overlaps = self.kv_events.overlaps(prepared.page_hashes, ids)
+            queued = self.kv_events.queued_tokens_of(ids)
+        else:
+            queued = {i: self.dispatcher.pending_prefill_tokens(i) for i in ids}
+        pending = self.dispatcher.num_pending_prefill
         decision = self.router.route(
             prepared.input_ids,
             prepared.routing_key,
-            [
-                PrefillCandidate(v.node_id, self.dispatcher.num_pending_prefill(v.node_id),
-                                 self._queued_tokens(v.node_id))
-                for v in prefills
-            ],
+            prefill_candidates(ids, pending, queued),
             [
                 DecodeCandidate(
                     v.node_id,
@@ -266,13 +268,6 @@ class BootstrapService:
             deadline=arrival + self.config.request_timeout_s,
             on_end=self._on_generation_end,
         )
-
-    def _queued_tokens(self, node_id: str) -> int:
-        """Prefill tokens waiting on a node (precise routing): its last report plus what
-        this gateway sent it since; without KV events, what this gateway has pending there."""
-        if self.kv_events is not None:
-            return self.kv_events.queued_tokens(node_id)
-        return self.dispatcher.pending_prefill_tokens(node_id)
 
     def _on_generation_end(self) -> None:
         self.num_active -= 1

@@ -95,12 +95,22 @@ def test_overlap_counts_leading_pages_per_node():
     index = KVIndex()
     h = page_hash.prompt_hashes(_ids(40, 5), PS).tolist()
     _apply(index, "p0", 1, snapshot=True, stored=h[:6])
-    _apply(index, "p1", 1, snapshot=True, stored=h[:2] + h[3:])  # a hole at page 2
+    _apply(index, "p1", 1, snapshot=True, stored=h[:2])
     _apply(index, "p2", 1, snapshot=True, stored=[12345])
-    assert index.overlaps(h, ["p0", "p1", "p2", "p9"]) == {"p0": 6, "p1": 2}
+    _apply(index, "p3", 1, snapshot=True, stored=h)  # the whole prompt
+    assert index.overlaps(h, ["p0", "p1", "p2", "p3", "p9"]) == {"p0": 6, "p1": 2, "p3": 10}
     assert index.overlaps(h, ["p1"]) == {"p1": 2}
     assert index.overlaps(h[:1], ["p0", "p1"]) == {"p0": 1, "p1": 1}
     assert index.overlaps([], ["p0"]) == {}
+
+
+def test_bisection_finds_every_depth_a_radix_cache_can_hold():
+    index = KVIndex()
+    h = page_hash.prompt_hashes(_ids(16 * PS, 8), PS).tolist()
+    for depth in range(len(h) + 1):  # every prefix of the prompt, as a node could hold it
+        _apply(index, f"n{depth}", 1, snapshot=True, stored=h[:depth] + [10**9 + depth])
+    got = index.overlaps(h, [f"n{d}" for d in range(len(h) + 1)])
+    assert got == {f"n{d}": d for d in range(1, len(h) + 1)}
 
 
 def test_batches_in_order_gaps_snapshots_restarts_and_loss():
@@ -110,9 +120,9 @@ def test_batches_in_order_gaps_snapshots_restarts_and_loss():
     assert node.needs_snapshot
     node = _apply(index, "p0", 6, snapshot=True, stored=h[:4])
     assert not node.needs_snapshot and index.overlaps(h, ["p0"]) == {"p0": 4}
-    _apply(index, "p0", 7, stored=h[4:6], removed=h[3:4])
+    _apply(index, "p0", 7, removed=h[3:4])  # the leaf page evicted
     assert index.overlaps(h, ["p0"]) == {"p0": 3}
-    assert _apply(index, "p0", 7, stored=h[6:]).seq == 7  # a repeat changes nothing
+    assert _apply(index, "p0", 7, stored=h[3:]).seq == 7  # a repeat changes nothing
     assert index.overlaps(h, ["p0"]) == {"p0": 3}
     node = _apply(index, "p0", 9, stored=h[3:4])  # batch 8 was lost
     assert node.needs_snapshot and index.num_gaps == 1

@@ -12,6 +12,7 @@ from bootstrap.router import (
     PrefillCandidate,
     Router,
     choose_prefill_by_cache,
+    prefill_candidates,
 )
 
 NODES = ["p0", "p1", "p2", "p3"]
@@ -79,3 +80,9 @@ def test_round_robin_and_random_baselines_spread_over_every_node():
     assert {rnd.route(PROMPT, None, cands(), DECODES).prefill_id for _ in range(64)} == set(NODES)
     with pytest.raises(ValueError):
         Router(mode="nearest")
+
+
+def test_fast_candidates_are_the_same_candidates():
+    made = prefill_candidates(["a", "b"], {"a": 1, "b": 2}.__getitem__, {"a": 30})
+    assert made == [PrefillCandidate("a", 1, 30), PrefillCandidate("b", 2, 0)]
+    assert made[1].node_id == "b" and made[1].queued_tokens == 0
