@@ -199,10 +199,13 @@ class BootstrapService:
             )
         prefills = _live(self.registry.views("prefill"))
         decodes = _live(self.registry.views("decode"))
-        prefills, partners = _pairable(prefills, decodes)
         for role, views in (("prefill", prefills), ("decode", decodes)):
             if not views:
                 raise APIError(503, f"no {role} node is registered", code="no_" + role + "_node")
+        prefills, partners = _pairable(prefills, decodes)
+        if not prefills:
+            raise APIError(503, "no prefill node has a decode node to pair with (a colocated "
+                           "node pairs only with its own other half)", code="no_decode_node")
         started = time.perf_counter()
         overlaps = None
         ids = [v.node_id for v in prefills]
