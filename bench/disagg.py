@@ -1,6 +1,6 @@
 """What disaggregation costs and buys on this machine: TTFT overhead, decode ITL under prefill load, goodput.
 
-    python bench/disagg.py [--lengths 128 1024 2048] [--repeats 3] [--streams 8]
+    python bench/disagg.py [--lengths 128 1024 4096] [--repeats 3] [--streams 8]
                            [--modes disaggregated colocated] [--rates 0.25 0.5 1]
 
 Both modes in one run, on the same two cores, each a real cluster behind the same gateway:
@@ -339,7 +339,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=["disaggregated", "colocated"],
                     choices=["disaggregated", "colocated"])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 2048])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 4096])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--stream-tokens", type=int, default=64)
