@@ -235,7 +235,7 @@ def simulate(w: Workload, num_nodes: int, router_name: str, cost: Cost, *, page_
     router = rt.Router(mode="precise" if router_name == "oracle" else router_name, seed=seed,
                        page_size=page_size)
     ring = rt.HashRing(sorted(node_ids), rt.DEFAULT_VIRTUAL_NODES)  # the Router's own ring
-    pending_n, pending_tokens = dict.fromkeys(node_ids, 0), dict.fromkeys(node_ids, 0)
+    pending_n = dict.fromkeys(node_ids, 0)
     since_report = dict.fromkeys(node_ids, 0)  # the subscriber's tokens sent since a report
     heap: list[tuple[float, int, str, Any]] = []
     order = itertools.count()
@@ -259,8 +259,8 @@ def simulate(w: Workload, num_nodes: int, router_name: str, cost: Cost, *, page_
             push(now + event_delay_s, "load", (node.node_id, queued))
 
     def queued_tokens(nid: str) -> int:
-        if not uses_index:  # service._queued_tokens without KV events
-            return pending_tokens[nid]
+        if not uses_index:  # the service passes none: only precise routing reads them
+            return 0
         state = index.node(nid)  # KVEventSubscriber.queued_tokens
         return (state.queued_tokens if state else 0) + since_report[nid]
 
@@ -289,7 +289,6 @@ def simulate(w: Workload, num_nodes: int, router_name: str, cost: Cost, *, page_
         res.route_s.append(time.perf_counter() - started)
         uncached = max(1, len(ids) - cached_pages * page_size)  # as service.py dispatches
         pending_n[chosen] += 1
-        pending_tokens[chosen] += uncached
         since_report[chosen] += uncached
         res.routed[i] = chosen
         nodes[chosen].enqueue(Job(i, req, len(ids), uncached))
@@ -310,7 +309,6 @@ def simulate(w: Workload, num_nodes: int, router_name: str, cost: Cost, *, page_
             res.ttft[job.index] = now - job.request.arrival
             res.cached[job.index], res.prompt[job.index] = job.cached, job.num_tokens
             pending_n[node.node_id] -= 1
-            pending_tokens[node.node_id] -= job.uncached_at_route
             publish(node, now)  # a step ends: its evictions, its insert, the queue
             if (end := node.start_next(now)) is not None:
                 publish(node, now)  # admission's evictions go out before the step runs

@@ -60,7 +60,6 @@ class InflightReq:
     decode_id: str
     prefill_endpoint: str
     decode_endpoint: str
-    prefill_tokens: int = 0  # prompt tokens the prefill node is expected to compute
     queue: asyncio.Queue[msg.Message] = field(default_factory=asyncio.Queue)
     state: ReqState = ReqState.DISPATCHED
 
@@ -86,7 +85,6 @@ class Dispatcher:
         self._push = PushPool(self._ctx)
         self._reqs: dict[str, InflightReq] = {}
         self._num_pending_prefill: Counter[str] = Counter()
-        self._pending_prefill_tokens: Counter[str] = Counter()
         self._num_inflight: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
@@ -120,10 +118,6 @@ class Dispatcher:
         """Requests routed to prefill node ``node_id`` that have not produced a token yet."""
         return self._num_pending_prefill[node_id]
 
-    def pending_prefill_tokens(self, node_id: str) -> int:
-        """Prompt tokens of those requests the node is expected to compute."""
-        return self._pending_prefill_tokens[node_id]
-
     def num_inflight(self, node_id: str) -> int:
         """Requests routed to decode node ``node_id`` that have not ended."""
         return self._num_inflight[node_id]
@@ -131,8 +125,7 @@ class Dispatcher:
     # ---- transitions -----------------------------------------------------------------------
 
     def dispatch(
-        self, gen: msg.GenerateReq, prefill_endpoint: str, decode_endpoint: str,
-        prefill_tokens: int | None = None,
+        self, gen: msg.GenerateReq, prefill_endpoint: str, decode_endpoint: str
     ) -> InflightReq:
         """Send ``gen`` to both nodes at once; raises NodeQueueFull (nothing stays in flight)."""
         if gen.rid in self._reqs:
@@ -144,11 +137,9 @@ class Dispatcher:
             gen.decode_node_id,
             prefill_endpoint,
             decode_endpoint,
-            len(gen.input_ids) if prefill_tokens is None else prefill_tokens,
         )
         self._reqs[req.rid] = req
         self._num_pending_prefill[req.prefill_id] += 1
-        self._pending_prefill_tokens[req.prefill_id] += req.prefill_tokens
         self._num_inflight[req.decode_id] += 1
         # Decode first: its preallocation is what releases the prefill's bootstrap queue.
         if not self._push.send(decode_endpoint, gen) or not self._push.send(prefill_endpoint, gen):
@@ -194,13 +185,11 @@ class Dispatcher:
             )
         if req.state is ReqState.DISPATCHED:
             self._num_pending_prefill[req.prefill_id] -= 1
-            self._pending_prefill_tokens[req.prefill_id] -= req.prefill_tokens
         if state in _TERMINAL:
             self._num_inflight[req.decode_id] -= 1
             del self._reqs[req.rid]
             for counts, node_id in (
                 (self._num_pending_prefill, req.prefill_id),
-                (self._pending_prefill_tokens, req.prefill_id),
                 (self._num_inflight, req.decode_id),
             ):
                 if counts[node_id] <= 0:

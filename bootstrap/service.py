@@ -209,12 +209,11 @@ class BootstrapService:
         started = time.perf_counter()
         overlaps = None
         ids = [v.node_id for v in prefills]
+        queued: dict[str, int] = {}  # read by precise routing only
         if self.kv_events is not None:
             if prepared.page_hashes:
                 overlaps = self.kv_events.overlaps(prepared.page_hashes, ids)
             queued = self.kv_events.queued_tokens_of(ids)
-        else:
-            queued = {i: self.dispatcher.pending_prefill_tokens(i) for i in ids}
         pending = self.dispatcher.num_pending_prefill
         decision = self.router.route(
             prepared.input_ids,
@@ -251,14 +250,13 @@ class BootstrapService:
             gateway_id=self.dispatcher.gateway_id,
             cache_salt=prepared.cache_salt,
         )
-        uncached = max(1, len(prepared.input_ids) - decision.cached_pages * self.router.page_size)
         try:
-            req = self.dispatcher.dispatch(gen, prefill.request_endpoint, decode.request_endpoint,
-                                           prefill_tokens=uncached)
+            req = self.dispatcher.dispatch(gen, prefill.request_endpoint, decode.request_endpoint)
         except NodeQueueFull as exc:
             raise APIError(503, str(exc), code="node_queue_full") from None
-        if self.kv_events is not None:
-            self.kv_events.note_dispatched(prefill.node_id, uncached)
+        if self.kv_events is not None:  # what the node will compute, until it reports it
+            uncached = len(prepared.input_ids) - decision.cached_pages * self.router.page_size
+            self.kv_events.note_dispatched(prefill.node_id, max(1, uncached))
         gm.count_decision(decision.kind, decision.is_affinity_hit)
         self.num_active += 1
         gm.GATEWAY_INFLIGHT.labels(**metrics.role_labels()).set(self.num_active)

@@ -13,6 +13,7 @@ import time
 import torch
 
 from common.kv_pool import KVLayout, KVPool
+from test_fence import Clock
 from test_kv_transfer import drive
 from transfer.kv_manager import KVManager
 from transfer.kv_poll import FailureReason, KVPoll
@@ -21,14 +22,6 @@ from transfer.loopback_backend import LoopbackBackend
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype="float32")
 _names = itertools.count()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _pair(lease_s: float, clock=time.monotonic):
