@@ -97,10 +97,7 @@ class KVEventSubscriber:
     def queued_tokens(self, node_id: str) -> int:
         """Prefill tokens waiting on a node: its last report, plus what this gateway sent it
         since (the report does not have those yet)."""
-        with self._lock:
-            node = self.index.node(node_id)
-            reported = node.queued_tokens if node is not None else 0
-            return reported + self._since_report.get(node_id, 0)
+        return self.queued_tokens_of([node_id])[node_id]
 
     def queued_tokens_of(self, node_ids: Iterable[str]) -> dict[str, int]:
         """queued_tokens of many nodes under one lock (the router asks for every node)."""

@@ -80,7 +80,6 @@ class KVEventPublisher:
         """Send what is due now (``force``: any change now, whatever the interval);
         returns the message sent (None: nothing was due)."""
         now = self.clock()
-        count_refused(self._sock, "kv_events")
         if self._is_snapshot_due:
             self._is_snapshot_due = False
             self._net.clear()  # the snapshot reads the cache as it is: these are in it
@@ -102,6 +101,7 @@ class KVEventPublisher:
 
     def _send(self, now: float, stored: bytes, removed: bytes, is_snapshot: bool,
               queued_tokens: int) -> msg.KVEvents:
+        count_refused(self._sock, "kv_events")  # here, not on every loop step
         event = msg.KVEvents(node_id=self.node_id, instance_id=self.instance_id, seq=self.seq,
                              stored=stored, removed=removed, is_snapshot=is_snapshot,
                              queued_tokens=queued_tokens, num_pages=self.num_pages)
