@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import logging
 import signal
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     from bootstrap.server import BootstrapServer
 
     settings = _settings(ns, config)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # kill -USR1: stacks
     logging.basicConfig(
         level=getattr(logging, ns.log_level.upper(), logging.INFO),
         stream=sys.stderr,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -173,6 +174,9 @@ class NodeProcess:
 
 
 def setup_logging(level: str, role: str) -> None:
+    """Log lines to stderr; SIGUSR1 dumps every thread's stack there (a node that seems hung:
+    ``kill -USR1 <pid>``; faulthandler answers even while a thread holds the GIL)."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     metrics.set_role(role)

@@ -68,7 +68,9 @@ def wait_ready(procs: list[Proc], timeout: float = 300.0) -> None:
             if p.popen.poll() is not None:
                 raise RuntimeError(f"{p.name} exited ({p.popen.returncode}):\n" + "".join(p.lines[-30:]))
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{p.name} did not start:\n" + "".join(p.lines[-30:]))
+                p.popen.send_signal(signal.SIGUSR1)  # the node dumps its threads' stacks
+                time.sleep(2.0)
+                raise RuntimeError(f"{p.name} did not start:\n" + "".join(p.lines[-80:]))
             time.sleep(0.1)
 
 
