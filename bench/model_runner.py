@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from common.cpu_features import has_native_bf16  # noqa: E402
 from common.kv_pool import pages_needed  # noqa: E402
 from common.model.default_model import default_model_dir  # noqa: E402
+from common.model.gemm import bucket_of  # noqa: E402
 from common.model.runner import ExtendRequest, ModelRunner  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
 from cpu_info import describe_cpu  # noqa: E402
@@ -66,15 +67,20 @@ def read_bytes_per_s(megabytes: int = 512, reps: int = 5) -> float:
 
 def weight_bytes(runner: ModelRunner) -> int:
     """Bytes of the matrices one decode step reads (every layer's, the LM head's)."""
-    m = runner.model
-    tensors = [m.lm_head, m.norm] + [t for layer in m.layers for t in vars(layer).values()
-                                     if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in runner.model.weight_tensors())
 
 
 def kv_bytes(runner: ModelRunner, tokens: int) -> int:
     """Bytes of KV attention reads over `tokens` cached tokens (all layers, K and V)."""
     return runner.layout.bytes_per_page * tokens // runner.page_size
+
+
+def kernel_choice(chooser, rows: int) -> str:
+    """The product kernel the runner settled on for `rows` (see common.model.gemm)."""
+    bucket = bucket_of(rows)
+    if chooser is None or bucket is None:
+        return "row_major"
+    return chooser.choices().get(bucket, "exploring")
 
 
 def prefill_flops(spec, n: int) -> float:
@@ -205,6 +211,9 @@ def main() -> None:
                                     args.repeats)
         for batch in ([] if args.skip_decode else args.batches):
             prompts = prompt_batch(tokenizer, batch)
+            # Untimed: the runner measures its product kernels for this batch size first
+            # (common.model.gemm), as a serving node has long done by the time it is busy.
+            ours_decode_seconds(runner, prompts, args.new_tokens)
             ours, hf_s, same = [], [], True
             for _ in range(args.repeats):
                 t_ours, out_ours = ours_decode_seconds(runner, prompts, args.new_tokens)
@@ -233,6 +242,8 @@ def main() -> None:
                 "gemm_gflops": round(gemm / 1e9, 1),
                 "read_gb_per_s": round(bandwidth / 1e9, 1),
                 "greedy_outputs_equal": same,
+                "gemm_kernel": kernel_choice(runner.model.chooser, batch),
+                "lm_head_kernel": kernel_choice(runner.model.head_chooser, batch),
                 "spread_ours_pct": round(100 * (max(ours) - min(ours)) / statistics.mean(ours), 1),
             })
         if want_agreement and dtype_name == "float32":
@@ -268,13 +279,14 @@ def main() -> None:
     if rows:
         print(f"decode\n{'dtype':9} {'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} "
               f"{'ratio':>6} {'step ms':>8} {'bound ms':>9} {'(flop':>6} {'mem)':>5} "
-              f"{'of bound':>9} {'equal':>6}")
+              f"{'of bound':>9} {'equal':>6} kernels (layers/head)")
     for r in rows:
         print(f"{r['dtype']:9} {r['batch']:5d} {r['tokens_per_s']:11.1f} "
               f"{r['transformers_tokens_per_s']:9.1f} {r['ratio_vs_transformers']:6.2f} "
               f"{r['step_ms']:8.1f} {r['matmul_bound_ms']:9.1f} {r['compute_bound_ms']:6.1f} "
               f"{r['memory_bound_ms']:5.1f} "
-              f"{r['fraction_of_matmul_bound']:9.2f} {str(r['greedy_outputs_equal']):>6}")
+              f"{r['fraction_of_matmul_bound']:9.2f} {str(r['greedy_outputs_equal']):>6} "
+              f"{r['gemm_kernel']}/{r['lm_head_kernel']}")
     if agree:
         print(f"agreement with transformers' float32 over {len(chat)} prompts, {args.new_tokens} "
               f"greedy tokens\n{'dtype':9} {'':13} {'first':>6} {'all':>6} {'prefix':>7}")

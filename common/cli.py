@@ -27,7 +27,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_pretrained(model_dir)
     runner = ModelRunner.from_path(str(model_dir), dtype=cfg.resolved_dtype(), device=cfg.device,
                                    page_size=cfg.page_size, context_length=cfg.context_length,
-                                   max_total_tokens=cfg.max_total_tokens or 8192)
+                                   max_total_tokens=cfg.max_total_tokens or 8192,
+                                   pack_weights=cfg.pack_weights)
     prompt = " ".join(args.prompt)
     ids = (tokenizer.encode(prompt) if args.raw
            else tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from common.kv_pool import KVPool
+from common.model.gemm import PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, linear
 from common.model.spec import ModelSpec, rope_inv_freq
 
 
 @dataclass
 class LayerWeights:
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v fused
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate, up fused
-    down: torch.Tensor
+    qkv: LinearWeight  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v fused (+ bias)
+    o: LinearWeight
+    gate_up: LinearWeight  # [2 * intermediate, hidden]: gate, up fused
+    down: LinearWeight
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
 
@@ -61,42 +62,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> tor
     return x * cos[:, None, :] + swapped * sin_rot[:, None, :]
 
 
-# Up to this many rows, x @ W.T runs weight-major (see `linear`).
-WEIGHT_MAJOR_MAX_ROWS = 64
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T; for the skinny activations of decode computed as (weight @ x.T).T.
-
-    On the CPU, MKL runs the weight-major product 1.2-1.5x faster at 8-32 rows (measured
-    for every SmolLM2 matrix); the result is a transposed view. For prefill's hundreds of
-    rows the two are equal, and the row-major result keeps the ops after it (residual
-    adds, the KV scatter) on contiguous rows, 2-10x faster than on the transposed view.
-    """
-    if x.shape[0] <= WEIGHT_MAJOR_MAX_ROWS:
-        out = torch.mm(weight, x.t()).t()
-        return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
-
-
 class LlamaModel:
     """Weights plus the forward pass; KV lives in the KVPool passed to `forward`."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, *, pack: bool = False) -> None:
+        """`pack`: keep a oneDNN-packed copy of each matrix (twice the weight memory) for the
+        kernel choice of common.model.gemm; on CUDA every product is F.linear."""
         self.spec = spec
         self.dtype = dtype
         self.device = device
+        # CPU products are timed (they run synchronously) to choose their kernel per row count;
+        # the layers' four products and the LM head each get their own choice.
+        pack = pack and device.type == "cpu" and torch.backends.mkldnn.is_available()
+        kernels = (ROW_MAJOR, WEIGHT_MAJOR, PACKED) if pack else (ROW_MAJOR, WEIGHT_MAJOR)
+        self.chooser = KernelChooser(kernels) if device.type == "cpu" else None
+        self.head_chooser = KernelChooser(kernels) if device.type == "cpu" else None
+        self._gemm_s = 0.0
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"checkpoint is missing {name}")
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
+        def lw(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeight:
+            return LinearWeight.of(weight, bias, pack=pack)
+
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         has_head = "lm_head.weight" in weights and not spec.tie_word_embeddings
-        self.lm_head = w("lm_head.weight") if has_head else self.embed
+        self.lm_head = lw(w("lm_head.weight") if has_head else self.embed)
         self.layers: list[LayerWeights] = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
@@ -106,11 +101,11 @@ class LlamaModel:
                 bias = torch.cat([w(a + f"{n}_proj.bias") for n in ("q", "k", "v")])
             self.layers.append(
                 LayerWeights(
-                    qkv=torch.cat([w(a + f"{n}_proj.weight") for n in ("q", "k", "v")]).contiguous(),
-                    qkv_bias=bias,
-                    o=w(a + "o_proj.weight"),
-                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                    down=w(p + "mlp.down_proj.weight"),
+                    qkv=lw(torch.cat([w(a + f"{n}_proj.weight") for n in ("q", "k", "v")]), bias),
+                    o=lw(w(a + "o_proj.weight")),
+                    gate_up=lw(torch.cat([w(p + "mlp.gate_proj.weight"),
+                                          w(p + "mlp.up_proj.weight")])),
+                    down=lw(w(p + "mlp.down_proj.weight")),
                     attn_norm=w(p + "input_layernorm.weight"),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
                 )
@@ -137,11 +132,13 @@ class LlamaModel:
         num_tokens = token_ids.shape[0]
         heads = spec.num_heads + spec.num_kv_heads
         ps = pool.page_size
+        kernel = self.chooser.pick(num_tokens) if self.chooser is not None else ROW_MAJOR
+        self._gemm_s = 0.0
         for idx, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, spec.rms_norm_eps)
             # Row-major from here (decode's weight-major product is a transposed view): SDPA
             # takes its flash kernel only when the head dim is contiguous.
-            qkv = linear(h, layer.qkv, layer.qkv_bias).contiguous()
+            qkv = self._linear(h, layer.qkv, kernel).contiguous()
             # q and k rotated together: one set of rope ops per layer instead of two
             qk_size = self.q_size + self.kv_size
             qk = apply_rope(qkv[:, :qk_size].reshape(num_tokens, heads, spec.head_dim), cos,
@@ -153,16 +150,41 @@ class LlamaModel:
             pool.tokens.index_copy_(0, k_slots + ps, v)
             attn = self._attention(q, k, v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim),
                                    pool, batch, idx)
-            x = x + linear(attn, layer.o)
+            x = x + self._linear(attn, layer.o, kernel)
             h = rms_norm(x, layer.mlp_norm, spec.rms_norm_eps)
-            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down)
+            gate, up = self._linear(h, layer.gate_up, kernel).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, layer.down, kernel)
+        if self.chooser is not None:
+            self.chooser.record(num_tokens, kernel, self._gemm_s)
         if out_rows is not None:
             x = x[out_rows]
         return rms_norm(x, self.norm, spec.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head).float()
+        if self.head_chooser is None:
+            return linear(hidden, self.lm_head).float()
+        rows = hidden.shape[0]
+        kernel = self.head_chooser.pick(rows)
+        self._gemm_s = 0.0
+        out = self._linear(hidden, self.lm_head, kernel)
+        self.head_chooser.record(rows, kernel, self._gemm_s)
+        return out.float()
+
+    def _linear(self, x: torch.Tensor, w: LinearWeight, kernel: str) -> torch.Tensor:
+        """A product, its seconds added to this pass's total (CPU ops run synchronously)."""
+        t = time.perf_counter()
+        out = linear(x, w, kernel)
+        self._gemm_s += time.perf_counter() - t
+        return out
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The matrices and vectors one forward reads (the LM head's once, tied or not)."""
+        out = [self.lm_head.weight, self.norm]
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                out += lin.tensors()
+            out += [layer.attn_norm, layer.mlp_norm]
+        return out
 
     def _gather(self, pool: KVPool, rows: torch.Tensor, layer: int,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

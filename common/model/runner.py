@@ -47,14 +47,16 @@ class ModelRunner:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, dtype: str = "float32",
                  device: str = "cpu", page_size: int = 16, num_pages: int | None = None,
                  max_total_tokens: int | None = None, kv_memory_bytes: int | None = None,
-                 context_length: int | None = None) -> None:
+                 context_length: int | None = None, pack_weights: bool = True) -> None:
+        """`pack_weights`: on the CPU, also keep oneDNN-packed weights (twice the weight
+        memory) so decode's products can run on whichever kernel measures fastest."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was given but torch sees no CUDA device")
         self.spec = spec
         self.dtype_name = dtype
         self.context_length = min(context_length or spec.context_length, spec.context_length)
-        self.model = LlamaModel(spec, weights, torch_dtype(dtype), self.device)
+        self.model = LlamaModel(spec, weights, torch_dtype(dtype), self.device, pack=pack_weights)
         self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype)
         if num_pages is None:
             if max_total_tokens is None and kv_memory_bytes is None:

@@ -7,6 +7,7 @@ import torch
 
 from common.kv_pool import pages_needed
 from common.model.default_model import default_gguf_path, default_model_dir
+from common.model.gemm import PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
 from common.model.runner import ExtendRequest, ModelRunner
 from common.model.spec import ModelSpec
 
@@ -58,6 +59,7 @@ def test_greedy_equals_transformers_on_the_gguf(tokenizer):
     # Greedy for exactly NEW_TOKENS: no stop at EOS and no EOS suppression on either side.
     ref.generation_config.eos_token_id = None
     runner = ModelRunner.from_path(None, progress=False, max_total_tokens=1024)
+    model = runner.model
     for text in PROMPTS:
         ids = tokenizer.encode(text)
         with torch.no_grad():
@@ -65,6 +67,10 @@ def test_greedy_equals_transformers_on_the_gguf(tokenizer):
                                   pad_token_id=2)[0, len(ids):].tolist()
         assert len(expect) == NEW_TOKENS
         assert _greedy(runner, ids, NEW_TOKENS) == expect
+        # whichever product kernel the runner settles on (common.model.gemm), the same tokens
+        for kernel in (ROW_MAJOR, WEIGHT_MAJOR, PACKED):
+            model.chooser, model.head_chooser = KernelChooser((kernel,)), KernelChooser((kernel,))
+            assert _greedy(runner, ids, NEW_TOKENS) == expect, kernel
     assert runner.pool.allocator.num_used_pages == 0
 
 

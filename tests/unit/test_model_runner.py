@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from common.kv_pool import pages_needed
+from common.model.gemm import PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
 from common.model.runner import ExtendRequest, ModelRunner
 
 transformers = pytest.importorskip("transformers")
@@ -103,6 +104,33 @@ def test_batched_extend_then_decode_of_different_lengths(pair):
     for t in tables:
         runner.pool.allocator.free(t)
     runner.pool.check_integrity()
+
+
+@pytest.mark.parametrize("kernel", [ROW_MAJOR, WEIGHT_MAJOR, PACKED])
+def test_decode_matches_reference_on_every_product_kernel(pair, kernel):
+    """Each kernel the chooser may settle on gives the reference's logits (qwen2: with biases)."""
+    ref, runner = pair
+    model = runner.model
+    saved = model.chooser, model.head_chooser
+    model.chooser, model.head_chooser = KernelChooser((kernel,)), KernelChooser((kernel,))
+    try:
+        prompts = [_prompt(n, 40 + n) for n in (6, 13, 9)]
+        tables = [runner.pool.allocator.allocate(pages_needed(len(p) + 3, PAGE)) for p in prompts]
+        out = runner.extend([ExtendRequest(p, 0, t) for p, t in zip(prompts, tables)])
+        seqs = [list(p) for p in prompts]
+        nxt = out.logits.argmax(-1).tolist()
+        for _ in range(3):
+            for s, t in zip(seqs, nxt):
+                s.append(t)
+            logits = runner.decode(nxt, [len(s) for s in seqs], tables)
+            for i, s in enumerate(seqs):
+                torch.testing.assert_close(logits[i], _ref_logits(ref, s)[-1], atol=ATOL, rtol=0)
+            nxt = logits.argmax(-1).tolist()
+        assert model.chooser.choices() == {4: kernel}  # 3 rows: bucket 4, one kernel to try
+        for t in tables:
+            runner.pool.allocator.free(t)
+    finally:
+        model.chooser, model.head_chooser = saved
 
 
 def test_too_few_pages_is_refused(pair):

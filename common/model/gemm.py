@@ -1,0 +1,129 @@
+"""x @ W.T at decode's row counts, by whichever of three kernels measures fastest on this machine.
+
+The three compute the same product:
+  row_major     F.linear(x, W)
+  weight_major  (W @ x.T).T, a transposed view (MKL streams W once, row by row)
+  packed        oneDNN on W reordered once into its blocked layout (torch.ops.mkldnn)
+At 1-64 rows which one is fastest depends on the CPU, the dtype and the row count, and
+not monotonically. Measured on an AMX Xeon over 30 layers of SmolLM2's four products,
+ms per pass (row_major / weight_major / packed):
+  float32   1 row 31 / 31 / 35    2 rows 32 / 67 / 39    8 rows 75 / 68 / 48
+  bfloat16  1 row 36 / 28 / 17   32 rows 45 / 44 / 37   64 rows 58 / 33 / 35
+So the model measures instead of guessing: `KernelChooser` gives each row bucket (1, 2,
+4, ..., 64) every kernel for TRIALS forward passes, timed over their products only, and
+the bucket keeps the one with the lowest median; it explores again after RECHECK_USES
+passes, since the machine's load changes. Above 64 rows (prefill) it is row_major, the
+one kernel whose output rows are contiguous where that matters (residual adds, the KV
+scatter). All three agree to float rounding; none is exact against another.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ROW_MAJOR, WEIGHT_MAJOR, PACKED = "row_major", "weight_major", "packed"
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TRIALS = 3
+RECHECK_USES = 2000
+# oneDNN's reorder takes the expected row count as a layout hint; 8 measured as good as
+# 1 or 32 across 1-64 rows, and the packed weight serves every row count.
+PACK_HINT_ROWS = 8
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
+
+
+@dataclass
+class LinearWeight:
+    """A linear layer's weight [out, in] (and bias), with its oneDNN-packed copy if asked."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
+
+    @staticmethod
+    def of(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           pack: bool = False) -> LinearWeight:
+        packed = None
+        if pack and can_pack(weight):
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
+        return LinearWeight(weight, bias, packed)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The dense tensors a product reads (the packed copy holds the same bytes)."""
+        return [self.weight] + ([self.bias] if self.bias is not None else [])
+
+
+def linear(x: torch.Tensor, w: LinearWeight, kernel: str = ROW_MAJOR) -> torch.Tensor:
+    """x [rows, in] @ w.T (+ bias) by `kernel`; packed falls back to row_major without a pack."""
+    if kernel == WEIGHT_MAJOR:
+        out = torch.mm(w.weight, x.t()).t()
+        return out if w.bias is None else out + w.bias
+    if kernel == PACKED and w.packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, w.packed, w.bias, "none", [], "")
+    return F.linear(x, w.weight, w.bias)
+
+
+def bucket_of(rows: int) -> int | None:
+    """The smallest bucket holding `rows`; None above the largest (prefill sizes)."""
+    for b in BUCKETS:
+        if rows <= b:
+            return b
+    return None
+
+
+@dataclass
+class _Bucket:
+    samples: dict[str, list[float]]
+    choice: str | None = None
+    uses: int = 0
+
+
+@dataclass
+class KernelChooser:
+    """Per row bucket, which kernel to run: explore each for `trials` passes, then keep the
+    fastest median for `recheck_uses` passes. Pure bookkeeping: the caller times the passes."""
+
+    kernels: tuple[str, ...] = (ROW_MAJOR, WEIGHT_MAJOR, PACKED)
+    trials: int = TRIALS
+    recheck_uses: int = RECHECK_USES
+    _buckets: dict[int, _Bucket] = field(default_factory=dict)
+
+    def _state(self, bucket: int) -> _Bucket:
+        if bucket not in self._buckets:
+            self._buckets[bucket] = _Bucket({k: [] for k in self.kernels})
+        return self._buckets[bucket]
+
+    def pick(self, rows: int) -> str:
+        bucket = bucket_of(rows)
+        if bucket is None:
+            return ROW_MAJOR
+        state = self._state(bucket)
+        if state.choice is not None:
+            return state.choice
+        # the kernel with the fewest samples so far (ties in `kernels` order)
+        return min(self.kernels, key=lambda k: len(state.samples[k]))
+
+    def record(self, rows: int, kernel: str, seconds: float) -> None:
+        bucket = bucket_of(rows)
+        if bucket is None or kernel not in self.kernels:
+            return
+        state = self._state(bucket)
+        if state.choice is not None:
+            state.uses += 1
+            if state.uses >= self.recheck_uses:
+                self._buckets[bucket] = _Bucket({k: [] for k in self.kernels})
+            return
+        state.samples[kernel].append(seconds)
+        if all(len(s) >= self.trials for s in state.samples.values()):
+            state.choice = min(self.kernels, key=lambda k: statistics.median(state.samples[k]))
+
+    def choices(self) -> dict[int, str]:
+        """The kernel each bucket settled on (buckets still exploring are left out)."""
+        return {b: s.choice for b, s in sorted(self._buckets.items()) if s.choice is not None}
