@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from common.cpu_features import has_native_bf16  # noqa: E402
 from common.kv_pool import pages_needed  # noqa: E402
 from common.model.default_model import default_model_dir  # noqa: E402
-from common.model.gemm import bucket_of  # noqa: E402
+from common.model.gemm import WEIGHT_MAJOR, KernelChooser, bucket_of  # noqa: E402
 from common.model.runner import ExtendRequest, ModelRunner  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
 from cpu_info import describe_cpu  # noqa: E402
@@ -144,6 +144,17 @@ def ours_decode_seconds(runner: ModelRunner, prompts: list[list[int]], new_token
             runner.pool.allocator.free(t)
 
 
+def fixed_kernel_seconds(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> float:
+    """Our decode with every product weight-major, the kernel used before they were chosen."""
+    model = runner.model
+    saved = model.chooser, model.head_chooser
+    model.chooser, model.head_chooser = KernelChooser((WEIGHT_MAJOR,)), KernelChooser((WEIGHT_MAJOR,))
+    try:
+        return ours_decode_seconds(runner, prompts, new_tokens)[0]
+    finally:
+        model.chooser, model.head_chooser = saved
+
+
 def hf_decode_seconds(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
     ids = torch.tensor(prompts)
     kw = dict(do_sample=False, pad_token_id=0)
@@ -178,6 +189,8 @@ def main() -> None:
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-agreement", action="store_true")
+    ap.add_argument("--skip-fixed-kernel", action="store_true",
+                    help="leave out the decode runs on always weight-major products")
     args = ap.parse_args()
     print(f"cpu: {describe_cpu()}")
     dtypes = args.dtypes or (["float32", "bfloat16"] if has_native_bf16() else ["float32"])
@@ -214,13 +227,15 @@ def main() -> None:
             # Untimed: the runner measures its product kernels for this batch size first
             # (common.model.gemm), as a serving node has long done by the time it is busy.
             ours_decode_seconds(runner, prompts, args.new_tokens)
-            ours, hf_s, same = [], [], True
+            ours, hf_s, fixed, same = [], [], [], True
             for _ in range(args.repeats):
                 t_ours, out_ours = ours_decode_seconds(runner, prompts, args.new_tokens)
                 t_hf, out_hf = hf_decode_seconds(hf, prompts, args.new_tokens)
                 ours.append(t_ours)
                 hf_s.append(t_hf)
                 same = same and out_ours == out_hf
+                if not args.skip_fixed_kernel:
+                    fixed.append(fixed_kernel_seconds(runner, prompts, args.new_tokens))
             steps = args.new_tokens - 1
             tok_s = batch * steps / min(ours)
             hf_tok_s = batch * steps / min(hf_s)
@@ -245,6 +260,8 @@ def main() -> None:
                 "gemm_kernel": kernel_choice(runner.model.chooser, batch),
                 "lm_head_kernel": kernel_choice(runner.model.head_chooser, batch),
                 "spread_ours_pct": round(100 * (max(ours) - min(ours)) / statistics.mean(ours), 1),
+                # the chosen kernels against always weight-major (what ran before they were chosen)
+                "ratio_vs_weight_major": round(min(fixed) / min(ours), 3) if fixed else None,
             })
         if want_agreement and dtype_name == "float32":
             reference = hf_greedy(hf, chat, args.new_tokens)
@@ -279,14 +296,14 @@ def main() -> None:
     if rows:
         print(f"decode\n{'dtype':9} {'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} "
               f"{'ratio':>6} {'step ms':>8} {'bound ms':>9} {'(flop':>6} {'mem)':>5} "
-              f"{'of bound':>9} {'equal':>6} kernels (layers/head)")
+              f"{'of bound':>9} {'equal':>6} {'vs wm':>7} kernels (layers/head)")
     for r in rows:
         print(f"{r['dtype']:9} {r['batch']:5d} {r['tokens_per_s']:11.1f} "
               f"{r['transformers_tokens_per_s']:9.1f} {r['ratio_vs_transformers']:6.2f} "
               f"{r['step_ms']:8.1f} {r['matmul_bound_ms']:9.1f} {r['compute_bound_ms']:6.1f} "
               f"{r['memory_bound_ms']:5.1f} "
               f"{r['fraction_of_matmul_bound']:9.2f} {str(r['greedy_outputs_equal']):>6} "
-              f"{r['gemm_kernel']}/{r['lm_head_kernel']}")
+              f"{r['ratio_vs_weight_major'] or '-':>7} {r['gemm_kernel']}/{r['lm_head_kernel']}")
     if agree:
         print(f"agreement with transformers' float32 over {len(chat)} prompts, {args.new_tokens} "
               f"greedy tokens\n{'dtype':9} {'':13} {'first':>6} {'all':>6} {'prefix':>7}")

@@ -10,7 +10,7 @@ ms per pass (row_major / weight_major / packed):
   float32   1 row 31 / 31 / 35    2 rows 32 / 67 / 39    8 rows 75 / 68 / 48
   bfloat16  1 row 36 / 28 / 17   32 rows 45 / 44 / 37   64 rows 58 / 33 / 35
 So the model measures instead of guessing: `KernelChooser` gives each row bucket (1, 2,
-4, ..., 64) every kernel for TRIALS forward passes, timed over their products only, and
+4, ..., 64) every kernel for TRIALS (5) forward passes, timed over their products only, and
 the bucket keeps the one with the lowest median; it explores again after RECHECK_USES
 passes, since the machine's load changes. Above 64 rows (prefill) it is row_major, the
 one kernel whose output rows are contiguous where that matters (residual adds, the KV
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 ROW_MAJOR, WEIGHT_MAJOR, PACKED = "row_major", "weight_major", "packed"
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-TRIALS = 3
+TRIALS = 5
 RECHECK_USES = 2000
 # oneDNN's reorder takes the expected row count as a layout hint; 8 measured as good as
 # 1 or 32 across 1-64 rows, and the packed weight serves every row count.
