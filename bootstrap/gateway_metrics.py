@@ -45,14 +45,6 @@ NODES_LOST: Final = Counter(
 )
 
 
-def count_decision(decision: str, is_affinity_hit: bool) -> None:
-    ROUTER_DECISIONS.labels(**metrics.role_labels(decision=decision)).inc()
-    if is_affinity_hit:
-        PREFIX_AFFINITY_HITS.labels(**metrics.role_labels()).inc()
-
-
-def count_request(outcome: str) -> None:
-    metrics.REQUESTS.labels(**metrics.role_labels(outcome=outcome)).inc()
 KV_EVENTS: Final = Counter(
     "pdserve_kv_events_total",
     "KV event batches from prefill nodes: applied, snapshot (a whole cache), gap (batches "
@@ -73,3 +65,12 @@ ROUTE_SECONDS: Final = Histogram(
     buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2),
     registry=metrics.REGISTRY,
 )
+
+def count_decision(decision: str, is_affinity_hit: bool) -> None:
+    ROUTER_DECISIONS.labels(**metrics.role_labels(decision=decision)).inc()
+    if is_affinity_hit:
+        PREFIX_AFFINITY_HITS.labels(**metrics.role_labels()).inc()
+
+
+def count_request(outcome: str) -> None:
+    metrics.REQUESTS.labels(**metrics.role_labels(outcome=outcome)).inc()

@@ -84,10 +84,9 @@ def test_three_chunks_read_prefix_from_pages(pair):
     runner.pool.allocator.free(pages)
 
 
-def test_batched_extend_then_decode_of_different_lengths(pair):
-    ref, runner = pair
-    prompts = [_prompt(n, 10 + n) for n in (5, 17, 11, 1)]
-    steps = 9
+def _extend_then_decode_match_reference(ref, runner, prompts: list[list[int]], steps: int) -> None:
+    """One batched extend of `prompts`, then `steps` greedy decode steps; every step's logits
+    equal the reference's on the same tokens. The pages are freed after."""
     tables = [runner.pool.allocator.allocate(pages_needed(len(p) + steps, PAGE)) for p in prompts]
     out = runner.extend([ExtendRequest(p, 0, t) for p, t in zip(prompts, tables)])
     for i, p in enumerate(prompts):
@@ -103,6 +102,12 @@ def test_batched_extend_then_decode_of_different_lengths(pair):
         nxt = logits.argmax(-1).tolist()
     for t in tables:
         runner.pool.allocator.free(t)
+
+
+def test_batched_extend_then_decode_of_different_lengths(pair):
+    ref, runner = pair
+    _extend_then_decode_match_reference(ref, runner, [_prompt(n, 10 + n) for n in (5, 17, 11, 1)],
+                                        steps=9)
     runner.pool.check_integrity()
 
 
@@ -115,21 +120,9 @@ def test_decode_matches_reference_on_every_product_kernel(pair, kernel):
     model.chooser = KernelChooser((kernel,), trials=1)
     model.head_chooser = KernelChooser((kernel,), trials=1)
     try:
-        prompts = [_prompt(n, 40 + n) for n in (6, 13, 9)]
-        tables = [runner.pool.allocator.allocate(pages_needed(len(p) + 3, PAGE)) for p in prompts]
-        out = runner.extend([ExtendRequest(p, 0, t) for p, t in zip(prompts, tables)])
-        seqs = [list(p) for p in prompts]
-        nxt = out.logits.argmax(-1).tolist()
-        for _ in range(3):
-            for s, t in zip(seqs, nxt):
-                s.append(t)
-            logits = runner.decode(nxt, [len(s) for s in seqs], tables)
-            for i, s in enumerate(seqs):
-                torch.testing.assert_close(logits[i], _ref_logits(ref, s)[-1], atol=ATOL, rtol=0)
-            nxt = logits.argmax(-1).tolist()
+        _extend_then_decode_match_reference(ref, runner, [_prompt(n, 40 + n) for n in (6, 13, 9)],
+                                            steps=3)
         assert model.chooser.choices()[4] == kernel  # 3 rows: bucket 4, one kernel to try
-        for t in tables:
-            runner.pool.allocator.free(t)
     finally:
         model.chooser, model.head_chooser = saved
 
