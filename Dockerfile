@@ -27,10 +27,14 @@ ENV PYTHONUNBUFFERED=1 \
     TRANSFORMERS_OFFLINE=1 \
     PDSERVE_CACHE_DIR=/opt/pdserve/cache
 
-# The CUDA build also gets the RDMA user-space libraries UCX's InfiniBand/RoCE transports load.
+# The CPU build gets a C compiler: decode's paged attention kernel is compiled on the node
+# that runs it (-march=native for its CPU), into /tmp when the cache is read-only (common/model/paged_attention.py). The CUDA build also gets the RDMA user-space
+# libraries UCX's InfiniBand/RoCE transports load.
 RUN set -eux; \
     case "$FLAVOR" in \
-      cpu) ;; \
+      cpu) apt-get update; \
+           apt-get install -y --no-install-recommends gcc libc6-dev; \
+           rm -rf /var/lib/apt/lists/* ;; \
       cuda) apt-get update; \
             apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers librdmacm1 \
                 libibumad3 libnuma1; \

@@ -28,7 +28,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     runner = ModelRunner.from_path(str(model_dir), dtype=cfg.resolved_dtype(), device=cfg.device,
                                    page_size=cfg.page_size, context_length=cfg.context_length,
                                    max_total_tokens=cfg.max_total_tokens or 8192,
-                                   pack_weights=cfg.pack_weights)
+                                   pack_weights=cfg.pack_weights,
+                                   paged_attention=cfg.paged_attention)
     prompt = " ".join(args.prompt)
     ids = (tokenizer.encode(prompt) if args.raw
            else tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))

@@ -91,7 +91,8 @@ def build_runner(model: ModelConfig, progress: bool = True) -> ModelRunner:
                                    page_size=model.page_size,
                                    max_total_tokens=model.max_total_tokens,
                                    kv_memory_bytes=budget, context_length=model.context_length,
-                                   pack_weights=model.pack_weights)
+                                   pack_weights=model.pack_weights,
+                                   paged_attention=model.paged_attention)
     runner.warmup()  # before the node registers: its first request runs at full speed
     return runner
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from common.kv_pool import KVPool
 from common.model.gemm import PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, linear
+from common.model.paged_attention import PagedDecodeAttention, paged_decode_attention
 from common.model.spec import ModelSpec, rope_inv_freq
 
 
@@ -37,7 +38,9 @@ class AttentionBatch:
     read_rows: list[torch.Tensor] | torch.Tensor
     # extend: per request (first new token index, new tokens, total tokens, cached prefix)
     spans: list[tuple[int, int, int, int]] | None = None
-    # decode: [B, 1, 1, T] additive mask (0 on valid key positions, -inf on padding)
+    # decode: tokens per sequence [B] (set for decode only), and for SDPA over gathered pages
+    # a [B, 1, 1, T] additive mask (0 on valid key positions, -inf on padding)
+    seq_lens: torch.Tensor | None = None
     decode_bias: torch.Tensor | None = None
     gather_out: tuple[torch.Tensor, torch.Tensor] | None = None  # decode: reused gather buffers
 
@@ -66,9 +69,12 @@ class LlamaModel:
     """Weights plus the forward pass; KV lives in the KVPool passed to `forward`."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, *, pack: bool = False) -> None:
+                 device: torch.device, *, pack: bool = False,
+                 paged_attention: bool = False) -> None:
         """`pack`: keep a oneDNN-packed copy of each matrix (twice the weight memory) for the
-        kernel choice of common.model.gemm; on CUDA every product is F.linear."""
+        kernel choice of common.model.gemm; on CUDA every product is F.linear.
+        `paged_attention`: decode attention by common.model.paged_attention where it builds
+        (the CPU); otherwise, and always on CUDA, SDPA over the gathered pages."""
         self.spec = spec
         self.dtype = dtype
         self.device = device
@@ -122,6 +128,10 @@ class LlamaModel:
         self.num_groups = spec.num_heads // spec.num_kv_heads  # query heads per KV head
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
+        self.paged_attention: PagedDecodeAttention | None = None
+        if paged_attention:
+            self.paged_attention = paged_decode_attention(device, dtype, spec.num_heads,
+                                                          spec.num_kv_heads, spec.head_dim)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
                 batch: AttentionBatch, out_rows: torch.Tensor | None) -> torch.Tensor:
@@ -205,8 +215,12 @@ class LlamaModel:
     def _attention(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool,
                    batch: AttentionBatch, layer: int) -> torch.Tensor:
         """Attention of this layer; k_new/v_new: [tokens, kv_heads, head_dim], just written."""
-        if batch.decode_bias is not None:
+        if batch.seq_lens is not None:
             assert isinstance(batch.read_rows, torch.Tensor)
+            if self.paged_attention is not None:
+                return self.paged_attention(pool.rows, batch.read_rows, batch.seq_lens, layer, q,
+                                            pool.page_size, self.scale)
+            assert batch.decode_bias is not None
             if batch.gather_out is None:
                 n = batch.read_rows.numel()
                 batch.gather_out = (pool.rows.new_empty(n, pool.rows.shape[1]),

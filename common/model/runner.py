@@ -47,16 +47,20 @@ class ModelRunner:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, dtype: str = "float32",
                  device: str = "cpu", page_size: int = 16, num_pages: int | None = None,
                  max_total_tokens: int | None = None, kv_memory_bytes: int | None = None,
-                 context_length: int | None = None, pack_weights: bool = True) -> None:
+                 context_length: int | None = None, pack_weights: bool = True,
+                 paged_attention: bool = True) -> None:
         """`pack_weights`: on the CPU, also keep oneDNN-packed weights (twice the weight
-        memory) so decode's products can run on whichever kernel measures fastest."""
+        memory) so decode's products can run on whichever kernel measures fastest.
+        `paged_attention`: on the CPU, decode attention reads the pages in place
+        (common.model.paged_attention) where the kernel builds."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was given but torch sees no CUDA device")
         self.spec = spec
         self.dtype_name = dtype
         self.context_length = min(context_length or spec.context_length, spec.context_length)
-        self.model = LlamaModel(spec, weights, torch_dtype(dtype), self.device, pack=pack_weights)
+        self.model = LlamaModel(spec, weights, torch_dtype(dtype), self.device, pack=pack_weights,
+                                paged_attention=paged_attention)
         self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype)
         if num_pages is None:
             if max_total_tokens is None and kv_memory_bytes is None:
@@ -169,13 +173,15 @@ class ModelRunner:
             table[i, used:] = pages[0]  # padding: any valid page, masked out below
             write_slots += self._write_slots(pages, n - 1, n)
         lens = torch.tensor(seq_lens, device=self.device)
-        padding = torch.arange(width * ps, device=self.device)[None, :] >= lens[:, None]
-        bias = torch.zeros(padding.shape, dtype=self.model.dtype, device=self.device)
         batch = AttentionBatch(
             write_slots=torch.tensor(write_slots, device=self.device),
             read_rows=self._rows(table),
-            decode_bias=bias.masked_fill_(padding, float("-inf"))[:, None, None, :],
+            seq_lens=lens,
         )
+        if self.model.paged_attention is None:  # SDPA over gathered pages masks the padding
+            padding = torch.arange(width * ps, device=self.device)[None, :] >= lens[:, None]
+            bias = torch.zeros(padding.shape, dtype=self.model.dtype, device=self.device)
+            batch.decode_bias = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
         hidden = self.model.forward(torch.tensor(list(token_ids), device=self.device), lens - 1,
                                     self.pool, batch, None)
         return self.model.logits(hidden)

@@ -43,6 +43,14 @@ def test_the_image_installs_what_the_makefile_pins() -> None:
     assert order == sorted(order)
 
 
+def test_the_cpu_image_can_build_the_paged_attention_kernel() -> None:
+    cpu_case = DOCKERFILE[DOCKERFILE.index("      cpu)") : DOCKERFILE.index("      cuda)")]
+    assert "apt-get install -y --no-install-recommends gcc libc6-dev" in cpu_case
+    project = tomllib.loads((ht.REPO / "pyproject.toml").read_text())
+    shipped = project["tool"]["setuptools"]["package-data"]["common"]
+    assert "model/csrc/*.c" in shipped and (ht.REPO / "common/model/csrc/paged_attention.c").exists()
+
+
 def test_the_image_copies_every_package_pyproject_installs() -> None:
     project = tomllib.loads((ht.REPO / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}

@@ -106,6 +106,7 @@ def _extend_then_decode_match_reference(ref, runner, prompts: list[list[int]], s
 
 def test_batched_extend_then_decode_of_different_lengths(pair):
     ref, runner = pair
+    assert runner.model.paged_attention is not None  # decode reads the pages in place (built)
     _extend_then_decode_match_reference(ref, runner, [_prompt(n, 10 + n) for n in (5, 17, 11, 1)],
                                         steps=9)
     runner.pool.check_integrity()
@@ -125,6 +126,18 @@ def test_decode_matches_reference_on_every_product_kernel(pair, kernel):
         assert model.chooser.choices()[4] == kernel  # 3 rows: bucket 4, one kernel to try
     finally:
         model.chooser, model.head_chooser = saved
+
+
+def test_decode_over_gathered_pages_matches_reference(pair):
+    """Without the paged kernel (--no-paged-attention, or no C compiler): gather and SDPA."""
+    ref, runner = pair
+    model = runner.model
+    kernel, model.paged_attention = model.paged_attention, None
+    try:
+        _extend_then_decode_match_reference(ref, runner, [_prompt(n, 70 + n) for n in (6, 21, 2)],
+                                            steps=3)
+    finally:
+        model.paged_attention = kernel
 
 
 def test_too_few_pages_is_refused(pair):

@@ -1,0 +1,272 @@
+/* Decode attention read straight from the paged KV pool: one query token per sequence,
+ * its keys and values taken page by page where the pool holds them (no gathered copy).
+ *
+ * Pool rows (common/kv_pool.py): row r holds page_size tokens x kv_heads x head_dim of one
+ * layer's K (or V); a page's layer-l K is row base + 2l and its V row base + 2l + 1, where
+ * `rows[b, p]` is the base row of sequence b's p-th page.
+ *
+ * A work item is one sequence, or one range of its pages when there are few sequences (so
+ * every thread has work), with all its heads: a page's K and V rows are then read front to
+ * back, and each key vector once for all the query heads that share its KV head (GQA).
+ * Softmax is online, per block of a page: running max, running sum, rescaled accumulator,
+ * all in float32. Ranges are merged by their maxima at the end, as flash-decoding does.
+ * Built by common/model/paged_attention.py with -O3 -march=native -fopenmp on the machine
+ * that runs it. No -ffast-math: sums are in the order written, rounding is IEEE's, apart
+ * from the exp below.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUPS 16
+#define MAX_HEADS 128
+#define MAX_HEAD_DIM 256
+#define BLOCK 32 /* tokens scored at once (a page is split into blocks of this many) */
+
+typedef uint16_t bf16;
+
+static inline bf16 float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
+    return (bf16)(u >> 16);
+}
+
+/* 16 floats: GCC vector extensions, one AVX-512 register, two AVX2 ones, four NEON ones.
+ * Head dims are multiples of 16 (checked by the caller). */
+typedef float vf __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+static inline vf load_f32(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vf load_bf16(const bf16 *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    vu w = __builtin_convertvector(h, vu) << 16;
+    vf v;
+    memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+/* A tree sum of the 16 lanes (GCC's omp simd reduction adds them one after another:
+ * 16 dependent adds per dot product, the kernel's hot spot when it was written so). */
+static inline float hsum(vf v) {
+    vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* exp(x) for x <= 0 (arguments here are score - running max): 2^n * p(r), with
+ * x = n ln2 + r, |r| <= ln2/2, p a degree-6 Taylor polynomial (relative error < 2e-7,
+ * about 2 float ulps). Plain arithmetic the compiler can vectorize; -inf gives 0. */
+static inline float exp_nonpos(float x) {
+    if (x < -87.0f) return 0.0f;
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Loads 16 values of the pool's dtype as floats; `is_bf16` is a constant in each caller. */
+static inline __attribute__((always_inline)) vf load16(const void *base, int64_t index,
+                                                       int is_bf16) {
+    return is_bf16 ? load_bf16((const bf16 *)base + index) : load_f32((const float *)base + index);
+}
+
+static inline __attribute__((always_inline)) void store1(void *base, int64_t index, float x,
+                                                         int is_bf16) {
+    if (is_bf16)
+        ((bf16 *)base)[index] = float_to_bf16(x);
+    else
+        ((float *)base)[index] = x;
+}
+
+typedef struct {
+    const void *pool;
+    int64_t row_elems, width, layer, q_stride, batch;
+    const int64_t *rows, *lens;
+    const void *q;
+    int heads, kv_heads, d, page_size, splits;
+    float scale;
+} Args;
+
+/* One work item: sequence b, tokens [t0, t1), every head. Pages are visited in order and
+ * each page's K and V rows for this layer are read front to back (all KV heads of a token
+ * are adjacent), with the next page's rows prefetched: pages lie anywhere in the pool, so
+ * the hardware prefetcher loses the stream at every page boundary. Writes the running max,
+ * sum and unnormalized output of every head to m_out, l_out, acc_out. */
+static inline __attribute__((always_inline)) void attend_item(const Args *a, int64_t b,
+                                                              int64_t t0, int64_t t1,
+                                                              float *m_out, float *l_out,
+                                                              float *acc_out, vf *work,
+                                                              int is_bf16, int nv) {
+    const int groups = a->heads / a->kv_heads, d = a->d;
+    const int64_t tok_elems = (int64_t)a->kv_heads * d, ps = a->page_size;
+    const int64_t elem = is_bf16 ? 2 : 4;
+    vf *qv = work, *acc = work + (int64_t)a->heads * nv; /* [heads][nv] each */
+    float m[MAX_HEADS], l[MAX_HEADS], s[MAX_GROUPS][BLOCK];
+    for (int h = 0; h < a->heads; h++) {
+        for (int c = 0; c < nv; c++) {
+            qv[h * nv + c] = load16(a->q, b * a->q_stride + (int64_t)h * d + 16 * c, is_bf16) * a->scale;
+            acc[h * nv + c] = (vf){0};
+        }
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    const int64_t *page_rows = a->rows + b * a->width;
+    for (int64_t t = t0; t < t1;) {
+        const int64_t page = t / ps, off = t % ps;
+        int64_t n = ps - off;
+        if (n > t1 - t) n = t1 - t;
+        if (n > BLOCK) n = BLOCK;
+        const int64_t krow = page_rows[page] + 2 * a->layer;
+        const int64_t kbase = krow * a->row_elems + off * tok_elems, vbase = kbase + a->row_elems;
+        if (off == 0 && t + ps < t1) { /* the next page's K and V rows, a cache line at a time */
+            const char *next = (const char *)a->pool +
+                               (page_rows[page + 1] + 2 * a->layer) * a->row_elems * elem;
+            for (int64_t byte = 0; byte < 2 * a->row_elems * elem; byte += 64)
+                __builtin_prefetch(next + byte);
+        }
+        for (int kvh = 0; kvh < a->kv_heads; kvh++) {
+            const int h0 = kvh * groups;
+            for (int64_t j = 0; j < n; j++) {
+                vf kv[MAX_HEAD_DIM / 16];
+                const int64_t at = kbase + j * tok_elems + (int64_t)kvh * d;
+                for (int c = 0; c < nv; c++) kv[c] = load16(a->pool, at + 16 * c, is_bf16);
+                for (int g = 0; g < groups; g++) {
+                    const vf *qh = qv + (int64_t)(h0 + g) * nv;
+                    vf dot = qh[0] * kv[0];
+                    for (int c = 1; c < nv; c++) dot += qh[c] * kv[c];
+                    s[g][j] = hsum(dot);
+                }
+            }
+            for (int g = 0; g < groups; g++) {
+                const int h = h0 + g;
+                float bm = m[h];
+                for (int64_t j = 0; j < n; j++) bm = s[g][j] > bm ? s[g][j] : bm;
+                const float corr = exp_nonpos(m[h] - bm);
+                float sum = 0.0f;
+                for (int64_t j = 0; j < n; j++) {
+                    s[g][j] = exp_nonpos(s[g][j] - bm);
+                    sum += s[g][j];
+                }
+                l[h] = l[h] * corr + sum;
+                m[h] = bm;
+                for (int c = 0; c < nv; c++) acc[(int64_t)h * nv + c] *= corr;
+            }
+            for (int64_t j = 0; j < n; j++) {
+                vf vv[MAX_HEAD_DIM / 16];
+                const int64_t at = vbase + j * tok_elems + (int64_t)kvh * d;
+                for (int c = 0; c < nv; c++) vv[c] = load16(a->pool, at + 16 * c, is_bf16);
+                for (int g = 0; g < groups; g++) {
+                    vf *ah = acc + (int64_t)(h0 + g) * nv;
+                    const float p = s[g][j];
+                    for (int c = 0; c < nv; c++) ah[c] += p * vv[c];
+                }
+            }
+        }
+        t += n;
+    }
+    for (int h = 0; h < a->heads; h++) {
+        m_out[h] = m[h];
+        l_out[h] = l[h];
+        memcpy(acc_out + (int64_t)h * d, acc + (int64_t)h * nv, sizeof(vf) * nv);
+    }
+}
+
+static inline __attribute__((always_inline)) int attend(const Args *a, void *out, int threads,
+                                                        int is_bf16) {
+    const int heads = a->heads, d = a->d, splits = a->splits, nv = a->d / 16;
+    if (a->kv_heads < 1 || heads % a->kv_heads || heads / a->kv_heads > MAX_GROUPS ||
+        heads > MAX_HEADS || d > MAX_HEAD_DIM || d % 16 || splits < 1 || threads < 1)
+        return -1;
+    const int64_t items = a->batch * splits, part = (int64_t)heads * (d + 2);
+    const int64_t work_size = 2 * (int64_t)heads * nv * (int64_t)sizeof(vf);
+    float *parts = malloc(sizeof(float) * items * part);
+    vf *work = aligned_alloc(64, (size_t)(work_size * threads));
+    if (!parts || !work) {
+        free(parts);
+        free(work);
+        return -2;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t b = it / splits, sp = it % splits, len = a->lens[b];
+        /* splits cut at page boundaries, as evenly as the pages allow */
+        const int64_t pages = (len + a->page_size - 1) / a->page_size;
+        const int64_t t0 = (pages * sp / splits) * a->page_size;
+        int64_t t1 = (pages * (sp + 1) / splits) * a->page_size;
+        if (t1 > len) t1 = len;
+        float *pm = parts + it * part, *pl = pm + heads, *pa = pl + heads;
+        vf *mine = work + (int64_t)omp_get_thread_num() * (work_size / (int64_t)sizeof(vf));
+        /* head dims 64 and 128 get their own copies, the vector count a constant there (the
+         * key and value vectors then stay in registers: 1.2-1.4x measured at 64) */
+        if (nv == 4)
+            attend_item(a, b, t0, t1, pm, pl, pa, mine, is_bf16, 4);
+        else if (nv == 8)
+            attend_item(a, b, t0, t1, pm, pl, pa, mine, is_bf16, 8);
+        else
+            attend_item(a, b, t0, t1, pm, pl, pa, mine, is_bf16, nv);
+    }
+    /* merge each head's splits by their maxima (an empty split has max -inf) */
+    for (int64_t b = 0; b < a->batch; b++) {
+        for (int h = 0; h < heads; h++) {
+            float mx = -INFINITY, total = 0.0f, o[MAX_HEAD_DIM];
+            for (int sp = 0; sp < splits; sp++) {
+                const float mv = parts[(b * splits + sp) * part + h];
+                mx = mv > mx ? mv : mx;
+            }
+            for (int i = 0; i < d; i++) o[i] = 0.0f;
+            for (int sp = 0; sp < splits; sp++) {
+                const float *pm = parts + (b * splits + sp) * part;
+                if (pm[h] == -INFINITY) continue;
+                const float w = exp_nonpos(pm[h] - mx);
+                total += w * pm[heads + h];
+                const float *pa = pm + 2 * heads + (int64_t)h * d;
+                for (int i = 0; i < d; i++) o[i] += w * pa[i];
+            }
+            const float inv = 1.0f / total;
+            for (int i = 0; i < d; i++) store1(out, (b * heads + h) * d + i, o[i] * inv, is_bf16);
+        }
+    }
+    free(parts);
+    free(work);
+    return 0;
+}
+
+/* The entry points (ctypes, common/model/paged_attention.py): pool = KVPool.rows of
+ * row_elems values per row; rows [batch, width] int64 base rows; lens [batch] int64 (>= 1);
+ * q [batch, heads, d] with q_stride values between sequences; out [batch, heads, d]
+ * contiguous. Returns 0, -1 for a shape the kernel does not take, -2 out of memory. */
+#define ENTRY(NAME, IS_BF16)                                                                   \
+    int NAME(const void *pool, int64_t row_elems, const int64_t *rows, int64_t width,          \
+             const int64_t *lens, int64_t batch, int64_t layer, const void *q,                 \
+             int64_t q_stride, void *out, int heads, int kv_heads, int d, int page_size,       \
+             float scale, int splits, int threads) {                                           \
+        const Args a = {pool, row_elems, width, layer, q_stride, batch, rows, lens, q,         \
+                        heads, kv_heads, d, page_size, splits, scale};                         \
+        return attend(&a, out, threads, IS_BF16);                                              \
+    }
+
+ENTRY(paged_decode_attention_f32, 0)
+ENTRY(paged_decode_attention_bf16, 1)
