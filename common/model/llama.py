@@ -43,6 +43,8 @@ class AttentionBatch:
     seq_lens: torch.Tensor | None = None
     decode_bias: torch.Tensor | None = None
     gather_out: tuple[torch.Tensor, torch.Tensor] | None = None  # decode: reused gather buffers
+    # extend: per request with a cached prefix, its additive mask, built once for all layers
+    prefix_masks: dict[int, torch.Tensor] | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -212,6 +214,23 @@ class LlamaModel:
         torch.index_select(pool.rows, 0, base + 1, out=out[1])
         return out[0].view(shape), out[1].view(shape)
 
+    @staticmethod
+    def _prefix_mask(batch: AttentionBatch, i: int, prefix: int, total: int,
+                     q: torch.Tensor) -> torch.Tensor:
+        """Causal after a cached prefix (CUDA; the CPU splits the pass, `_after_prefix`):
+        new token j sees keys 0..prefix + j. Additive (0 or -inf) in the model's dtype and
+        built once per forward, not per layer: SDPA turns a bool mask into this on every call
+        (with the comparison, 6% of a chunked 4k prefill on the CPU)."""
+        if batch.prefix_masks is None:
+            batch.prefix_masks = {}
+        if i not in batch.prefix_masks:
+            key_pos = torch.arange(total, device=q.device)
+            query_pos = torch.arange(prefix, total, device=q.device)
+            hidden = key_pos[None, :] > query_pos[:, None]
+            mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
+            batch.prefix_masks[i] = mask.masked_fill_(hidden, float("-inf"))
+        return batch.prefix_masks[i]
+
     def _attention(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool,
                    batch: AttentionBatch, layer: int) -> torch.Tensor:
         """Attention of this layer; k_new/v_new: [tokens, kv_heads, head_dim], just written."""
@@ -238,24 +257,49 @@ class LlamaModel:
             return out.reshape(bsz, self.q_size)
         assert batch.spans is not None and isinstance(batch.read_rows, list)
         outs = []
-        for (start, num_new, total, prefix), rows in zip(batch.spans, batch.read_rows):
+        for i, ((start, num_new, total, prefix), rows) in enumerate(zip(batch.spans,
+                                                                        batch.read_rows)):
             # The new tokens' K/V are at hand: only a cached prefix is read from the pages.
             k, v = k_new[start : start + num_new], v_new[start : start + num_new]
-            if prefix:
-                num_pages = -(-prefix // pool.page_size)
-                pk, pv = self._gather(pool, rows[:num_pages], layer)
-                k, v = torch.cat([pk[:prefix], k]), torch.cat([pv[:prefix], v])
-            # 4-D inputs with the KV heads repeated run SDPA's flash kernel on CPU; 3-D or
-            # enable_gqa run the math kernel (12x slower at 4096 tokens, quadratic memory).
-            k = k.transpose(0, 1).repeat_interleave(self.num_groups, dim=0).unsqueeze(0)
-            v = v.transpose(0, 1).repeat_interleave(self.num_groups, dim=0).unsqueeze(0)
             qr = q[start : start + num_new].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
             if prefix == 0:
-                out = F.scaled_dot_product_attention(qr, k, v, is_causal=True, scale=self.scale)
+                out = F.scaled_dot_product_attention(qr, self._heads(k), self._heads(v),
+                                                     is_causal=True, scale=self.scale)
             else:
-                key_pos = torch.arange(total, device=q.device)
-                query_pos = torch.arange(prefix, total, device=q.device)
-                mask = key_pos[None, :] <= query_pos[:, None]
-                out = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=self.scale)
+                num_pages = -(-prefix // pool.page_size)
+                pk, pv = self._gather(pool, rows[:num_pages], layer)
+                if q.device.type == "cpu":
+                    out = self._after_prefix(qr, k, v, pk[:prefix], pv[:prefix])
+                else:
+                    k, v = torch.cat([pk[:prefix], k]), torch.cat([pv[:prefix], v])
+                    mask = self._prefix_mask(batch, i, prefix, total, q)
+                    out = F.scaled_dot_product_attention(qr, self._heads(k), self._heads(v),
+                                                         attn_mask=mask, scale=self.scale)
             outs.append(out[0].transpose(0, 1).reshape(num_new, self.q_size))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, kv_heads, d] -> [1, heads, n, d], each KV head repeated for its query heads.
+        4-D inputs with the KV heads repeated run SDPA's flash kernel on CPU; 3-D or
+        enable_gqa run the math kernel (12x slower at 4096 tokens, quadratic memory)."""
+        return x.transpose(0, 1).repeat_interleave(self.num_groups, dim=0).unsqueeze(0)
+
+    def _after_prefix(self, qr: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      prefix_k: torch.Tensor, prefix_v: torch.Tensor) -> torch.Tensor:
+        """Attention of new tokens after a cached prefix (a later chunk, a cache hit), CPU.
+
+        As two flash passes merged by their log-sum-exps: the prefix's keys, all visible,
+        and the new tokens' own, causal. One masked pass over the concatenated keys reads
+        a [new, total] mask per head and skips no block above the diagonal. Measured on an
+        AMX Xeon, 1k new tokens after 1k-7k cached ones: attention 1.22-1.27x faster, float32
+        and bfloat16, equal to the masked pass within float rounding (3e-7 in float32).
+        """
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out_new, lse_new = flash(qr, self._heads(k), self._heads(v), 0.0, True, scale=self.scale)
+        out_pre, lse_pre = flash(qr, self._heads(prefix_k), self._heads(prefix_v), 0.0, False,
+                                 scale=self.scale)
+        top = torch.maximum(lse_new, lse_pre)
+        w_new = (lse_new - top).exp_().unsqueeze(-1)
+        w_pre = (lse_pre - top).exp_().unsqueeze(-1)
+        merged = (out_new.float() * w_new + out_pre.float() * w_pre) / (w_new + w_pre)
+        return merged.to(qr.dtype)
