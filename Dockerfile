@@ -27,9 +27,10 @@ ENV PYTHONUNBUFFERED=1 \
     TRANSFORMERS_OFFLINE=1 \
     PDSERVE_CACHE_DIR=/opt/pdserve/cache
 
-# The CPU build gets a C compiler: decode's paged attention kernel is compiled on the node
-# that runs it (-march=native for its CPU), into /tmp when the cache is read-only (common/model/paged_attention.py). The CUDA build also gets the RDMA user-space
-# libraries UCX's InfiniBand/RoCE transports load.
+# The CPU build gets a C compiler: the CPU kernels (common/model/csrc) are compiled on the node
+# that runs them (-march=native for its CPU), into /tmp when the cache is read-only
+# (common/model/cpu_kernels.py). The CUDA build also gets the RDMA user-space libraries
+# UCX's InfiniBand/RoCE transports load.
 RUN set -eux; \
     case "$FLAVOR" in \
       cpu) apt-get update; \

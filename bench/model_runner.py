@@ -6,8 +6,8 @@ best of --repeats; tokens/s, the ratio, and the fraction of the matmul bound (li
 layers' and attention's FLOPs / this machine's measured GEMM FLOP/s).
 Decode: for each dtype (float32; bfloat16 where the CPU has native bf16) and batch size
 (1, 8, 32): prefill the same prompts in both, then time only the decode steps; side by side,
-also our decode on always weight-major products (vs wm) and with attention over gathered
-pages instead of the paged kernel (vs gath), each as a ratio of their time to ours. The bound
+also our decode on always weight-major products (vs wm) and on torch's ops without the C
+kernels of common.model.cpu_kernels (vs torch), each as a ratio of their time to ours. The bound
 step time is the larger of compute (model FLOPs per step / measured GEMM FLOP/s) and memory
 (weight and KV bytes one step reads / measured read bandwidth): decode at small batches
 streams every weight once per step.
@@ -157,16 +157,16 @@ def fixed_kernel_seconds(runner: ModelRunner, prompts: list[list[int]], new_toke
         model.chooser, model.head_chooser = saved
 
 
-def gathered_attention_seconds(runner: ModelRunner, prompts: list[list[int]],
-                               new_tokens: int) -> float:
-    """Our decode with attention over gathered pages (index_select + SDPA), as before the
-    paged kernel (common.model.paged_attention) and as with --no-paged-attention."""
+def torch_ops_seconds(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> float:
+    """Our decode on torch's ops only, as with --no-cpu-kernels and as before the C kernels
+    (common.model.cpu_kernels): attention over gathered pages, the small steps unfused."""
     model = runner.model
-    saved, model.paged_attention = model.paged_attention, None
+    saved = model.paged_attention, model.fused
+    model.paged_attention, model.fused = None, None
     try:
         return ours_decode_seconds(runner, prompts, new_tokens)[0]
     finally:
-        model.paged_attention = saved
+        model.paged_attention, model.fused = saved
 
 
 def hf_decode_seconds(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -205,8 +205,8 @@ def main() -> None:
     ap.add_argument("--skip-agreement", action="store_true")
     ap.add_argument("--skip-fixed-kernel", action="store_true",
                     help="leave out the decode runs on always weight-major products")
-    ap.add_argument("--skip-gathered-attention", action="store_true",
-                    help="leave out the decode runs with attention over gathered pages")
+    ap.add_argument("--skip-torch-ops", action="store_true",
+                    help="leave out the decode runs on torch's ops only (no C kernels)")
     args = ap.parse_args()
     print(f"cpu: {describe_cpu()}")
     dtypes = args.dtypes or (["float32", "bfloat16"] if has_native_bf16() else ["float32"])
@@ -243,8 +243,8 @@ def main() -> None:
             # Untimed: the runner measures its product kernels for this batch size first
             # (common.model.gemm), as a serving node has long done by the time it is busy.
             ours_decode_seconds(runner, prompts, args.new_tokens)
-            ours, hf_s, fixed, gathered, same = [], [], [], [], True
-            paged = runner.model.paged_attention is not None
+            ours, hf_s, fixed, plain, same = [], [], [], [], True
+            kernels = runner.model.paged_attention is not None or runner.model.fused is not None
             for _ in range(args.repeats):
                 t_ours, out_ours = ours_decode_seconds(runner, prompts, args.new_tokens)
                 t_hf, out_hf = hf_decode_seconds(hf, prompts, args.new_tokens)
@@ -253,8 +253,8 @@ def main() -> None:
                 same = same and out_ours == out_hf
                 if not args.skip_fixed_kernel:
                     fixed.append(fixed_kernel_seconds(runner, prompts, args.new_tokens))
-                if paged and not args.skip_gathered_attention:
-                    gathered.append(gathered_attention_seconds(runner, prompts, args.new_tokens))
+                if kernels and not args.skip_torch_ops:
+                    plain.append(torch_ops_seconds(runner, prompts, args.new_tokens))
             steps = args.new_tokens - 1
             tok_s = batch * steps / min(ours)
             hf_tok_s = batch * steps / min(hf_s)
@@ -281,10 +281,10 @@ def main() -> None:
                 "spread_ours_pct": round(100 * (max(ours) - min(ours)) / statistics.mean(ours), 1),
                 # the chosen kernels against always weight-major (what ran before they were chosen)
                 "ratio_vs_weight_major": round(min(fixed) / min(ours), 3) if fixed else None,
-                # the paged attention kernel against gather + SDPA (what ran before it)
-                "paged_attention": paged,
-                "ratio_vs_gathered_attention": (round(min(gathered) / min(ours), 3)
-                                                if gathered else None),
+                # the C kernels against torch's ops alone (what ran before them)
+                "paged_attention": runner.model.paged_attention is not None,
+                "fused_ops": runner.model.fused is not None,
+                "ratio_vs_torch_ops": round(min(plain) / min(ours), 3) if plain else None,
             })
         if want_agreement and dtype_name == "float32":
             reference = hf_greedy(hf, chat, args.new_tokens)
@@ -319,14 +319,14 @@ def main() -> None:
     if rows:
         print(f"decode\n{'dtype':9} {'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} "
               f"{'ratio':>6} {'step ms':>8} {'bound ms':>9} {'(flop':>6} {'mem)':>5} "
-              f"{'of bound':>9} {'equal':>6} {'vs wm':>7} {'vs gath':>7} kernels (layers/head)")
+              f"{'of bound':>9} {'equal':>6} {'vs wm':>7} {'vs torch':>8} kernels (layers/head)")
     for r in rows:
         print(f"{r['dtype']:9} {r['batch']:5d} {r['tokens_per_s']:11.1f} "
               f"{r['transformers_tokens_per_s']:9.1f} {r['ratio_vs_transformers']:6.2f} "
               f"{r['step_ms']:8.1f} {r['matmul_bound_ms']:9.1f} {r['compute_bound_ms']:6.1f} "
               f"{r['memory_bound_ms']:5.1f} "
               f"{r['fraction_of_matmul_bound']:9.2f} {str(r['greedy_outputs_equal']):>6} "
-              f"{r['ratio_vs_weight_major'] or '-':>7} {r['ratio_vs_gathered_attention'] or '-':>7} "
+              f"{r['ratio_vs_weight_major'] or '-':>7} {r['ratio_vs_torch_ops'] or '-':>8} "
               f"{r['gemm_kernel']}/{r['lm_head_kernel']}")
     if agree:
         print(f"agreement with transformers' float32 over {len(chat)} prompts, {args.new_tokens} "

@@ -29,7 +29,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                    page_size=cfg.page_size, context_length=cfg.context_length,
                                    max_total_tokens=cfg.max_total_tokens or 8192,
                                    pack_weights=cfg.pack_weights,
-                                   paged_attention=cfg.paged_attention)
+                                   cpu_kernels=cfg.cpu_kernels)
     prompt = " ".join(args.prompt)
     ids = (tokenizer.encode(prompt) if args.raw
            else tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))

@@ -85,9 +85,9 @@ class ModelConfig:
     # CPU: a oneDNN-packed copy of every weight matrix beside the plain one (twice the
     # weight memory), one of the product kernels decode chooses from (common.model.gemm)
     pack_weights: bool = True
-    # CPU: decode attention by the C kernel that reads the KV pages in place
-    # (common.model.paged_attention), built on first use with the machine's C compiler
-    paged_attention: bool = True
+    # CPU: the C kernels of common.model.cpu_kernels (decode attention over the KV pages in
+    # place, the fused per-layer steps), built on first use with the machine's C compiler
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         page = self.page_size
@@ -359,9 +359,10 @@ def add_model_args(parser: Parser) -> None:
     add("--no-packed-weights", dest="pack_weights", action="store_false",
         help="CPU: keep no oneDNN-packed copy of the weights (it doubles their memory and "
              "speeds decode's products 1.2-1.7x where it measures fastest)")
-    add("--no-paged-attention", dest="paged_attention", action="store_false",
-        help="CPU: decode attention gathers the KV pages and runs torch's SDPA instead of the "
-             "C kernel that reads them in place (built on first use with gcc/cc or $CC)")
+    add("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+        help="CPU: run the model on torch's ops only, without the C kernels built on first use "
+             "with gcc/cc or $CC (decode attention over the KV pages in place, fused "
+             "per-layer steps)")
     parser.set_defaults(**_field_values(ModelConfig, ModelConfig()))
 
 

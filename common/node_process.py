@@ -92,7 +92,7 @@ def build_runner(model: ModelConfig, progress: bool = True) -> ModelRunner:
                                    max_total_tokens=model.max_total_tokens,
                                    kv_memory_bytes=budget, context_length=model.context_length,
                                    pack_weights=model.pack_weights,
-                                   paged_attention=model.paged_attention)
+                                   cpu_kernels=model.cpu_kernels)
     runner.warmup()  # before the node registers: its first request runs at full speed
     return runner
 

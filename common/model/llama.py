@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from common.kv_pool import KVPool
 from common.model.gemm import PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, linear
+from common.model.fused_ops import FusedOps, fused_ops
 from common.model.paged_attention import PagedDecodeAttention, paged_decode_attention
 from common.model.spec import ModelSpec, rope_inv_freq
 
@@ -51,9 +52,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalized in float32, scaled in the model's dtype: transformers' LlamaRMSNorm.
 
     F.rms_norm computes x * rsqrt(mean(x^2) + eps) as one op, bit-equal to the four it
-    replaces (checked in float32 and bfloat16); it saves the per-op cost that decode pays.
+    replaces; given bfloat16 it computes in float32 and rounds once, bit-equal to casting
+    around it as transformers does (tests/unit/test_rms_norm.py), two copies fewer per norm.
     """
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
@@ -72,11 +74,12 @@ class LlamaModel:
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, *, pack: bool = False,
-                 paged_attention: bool = False) -> None:
+                 cpu_kernels: bool = False) -> None:
         """`pack`: keep a oneDNN-packed copy of each matrix (twice the weight memory) for the
         kernel choice of common.model.gemm; on CUDA every product is F.linear.
-        `paged_attention`: decode attention by common.model.paged_attention where it builds
-        (the CPU); otherwise, and always on CUDA, SDPA over the gathered pages."""
+        `cpu_kernels`: the C kernels of common.model.cpu_kernels where they build (the CPU):
+        decode attention over the pages in place and the fused per-layer steps; otherwise,
+        and always on CUDA, torch's ops (decode attention: SDPA over gathered pages)."""
         self.spec = spec
         self.dtype = dtype
         self.device = device
@@ -131,46 +134,79 @@ class LlamaModel:
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
         self.paged_attention: PagedDecodeAttention | None = None
-        if paged_attention:
+        self.fused: FusedOps | None = None
+        if cpu_kernels:
             self.paged_attention = paged_decode_attention(device, dtype, spec.num_heads,
                                                           spec.num_kv_heads, spec.head_dim)
+            self.fused = fused_ops(device, dtype)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
                 batch: AttentionBatch, out_rows: torch.Tensor | None) -> torch.Tensor:
         """Run the layers over all new tokens; return final hidden states of `out_rows` (or all)."""
-        spec = self.spec
+        if self.fused is not None and positions.numel():  # C indexes the RoPE table unchecked
+            if int(positions.max()) >= self.cos.shape[0] or int(positions.min()) < 0:
+                raise ValueError("a position is outside the model's RoPE table")
         x = F.embedding(token_ids, self.embed)
-        cos, sin_rot = self.cos[positions], self.sin_rot[positions]
+        trig = None if self.fused is not None else (self.cos[positions], self.sin_rot[positions])
         num_tokens = token_ids.shape[0]
-        heads = spec.num_heads + spec.num_kv_heads
-        ps = pool.page_size
         kernel = self.chooser.pick(num_tokens) if self.chooser is not None else ROW_MAJOR
         self._gemm_s = 0.0
+        x, h = self._add_norm(x, None, self.layers[0].attn_norm)
         for idx, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, spec.rms_norm_eps)
-            # Row-major from here (decode's weight-major product is a transposed view): SDPA
-            # takes its flash kernel only when the head dim is contiguous.
-            qkv = self._linear(h, layer.qkv, kernel).contiguous()
-            # q and k rotated together: one set of rope ops per layer instead of two
-            qk_size = self.q_size + self.kv_size
-            qk = apply_rope(qkv[:, :qk_size].reshape(num_tokens, heads, spec.head_dim), cos,
-                            sin_rot)
-            q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
-            v = qkv[:, qk_size:]
-            k_slots = batch.write_slots + 2 * idx * ps
-            pool.tokens.index_copy_(0, k_slots, k.reshape(num_tokens, self.kv_size))
-            pool.tokens.index_copy_(0, k_slots + ps, v)
-            attn = self._attention(q, k, v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim),
-                                   pool, batch, idx)
-            x = x + self._linear(attn, layer.o, kernel)
-            h = rms_norm(x, layer.mlp_norm, spec.rms_norm_eps)
-            gate, up = self._linear(h, layer.gate_up, kernel).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer.down, kernel)
+            qkv = self._linear(h, layer.qkv, kernel)
+            q, k, v = self._rope_store(qkv, positions, trig, pool, batch, idx)
+            attn = self._attention(q, k, v, pool, batch, idx)
+            x, h = self._add_norm(x, self._linear(attn, layer.o, kernel), layer.mlp_norm)
+            act = self._silu_mul(self._linear(h, layer.gate_up, kernel))
+            # the residual's last add and the next norm together (the final norm after the last)
+            norm = self.layers[idx + 1].attn_norm if idx + 1 < len(self.layers) else self.norm
+            x, h = self._add_norm(x, self._linear(act, layer.down, kernel), norm)
         if self.chooser is not None:
             self.chooser.record(num_tokens, kernel, self._gemm_s)
-        if out_rows is not None:
-            x = x[out_rows]
-        return rms_norm(x, self.norm, spec.rms_norm_eps)
+        return h if out_rows is None else h[out_rows]
+
+    def _add_norm(self, x: torch.Tensor, y: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x + y (x itself when y is None) and its RMSNorm by `weight`."""
+        eps = self.spec.rms_norm_eps
+        if self.fused is not None:
+            return x, self.fused.add_rms_norm(x, y, weight, eps)  # x updated in place
+        if y is not None:
+            x = x + y
+        return x, rms_norm(x, weight, eps)
+
+    def _rope_store(self, qkv: torch.Tensor, positions: torch.Tensor,
+                    trig: tuple[torch.Tensor, torch.Tensor] | None, pool: KVPool,
+                    batch: AttentionBatch, layer: int) -> tuple[torch.Tensor, ...]:
+        """q and k rotated, k and v written to this layer's pool slots; returns q, k
+        [tokens, heads or kv_heads, head_dim] and v [tokens, kv_size] (a view of qkv)."""
+        spec = self.spec
+        n, heads = qkv.shape[0], spec.num_heads + spec.num_kv_heads
+        qk_size = self.q_size + self.kv_size
+        k_offset, v_offset = 2 * layer * pool.page_size, pool.page_size
+        if self.fused is not None:
+            qk = self.fused.rope_store(qkv, positions, self.cos, self.sin_rot, pool.tokens,
+                                       batch.write_slots, k_offset, v_offset, spec.num_heads,
+                                       spec.num_kv_heads, spec.head_dim)
+            v = qkv[:, qk_size:]
+        else:
+            assert trig is not None
+            # Row-major from here (decode's weight-major product is a transposed view): SDPA
+            # takes its flash kernel only when the head dim is contiguous.
+            qkv = qkv.contiguous()
+            # q and k rotated together: one set of rope ops per layer instead of two
+            qk = apply_rope(qkv[:, :qk_size].reshape(n, heads, spec.head_dim), *trig)
+            v = qkv[:, qk_size:]
+            k_slots = batch.write_slots + k_offset
+            pool.tokens.index_copy_(0, k_slots, qk[:, spec.num_heads :].reshape(n, self.kv_size))
+            pool.tokens.index_copy_(0, k_slots + v_offset, v)
+        return qk[:, : spec.num_heads], qk[:, spec.num_heads :], v
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head_chooser is None:
@@ -233,7 +269,8 @@ class LlamaModel:
 
     def _attention(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool,
                    batch: AttentionBatch, layer: int) -> torch.Tensor:
-        """Attention of this layer; k_new/v_new: [tokens, kv_heads, head_dim], just written."""
+        """Attention of this layer over the new tokens' k_new [tokens, kv_heads, head_dim] and
+        v_new [tokens, kv_size], just written to the pool, and the cached KV."""
         if batch.seq_lens is not None:
             assert isinstance(batch.read_rows, torch.Tensor)
             if self.paged_attention is not None:
@@ -260,7 +297,8 @@ class LlamaModel:
         for i, ((start, num_new, total, prefix), rows) in enumerate(zip(batch.spans,
                                                                         batch.read_rows)):
             # The new tokens' K/V are at hand: only a cached prefix is read from the pages.
-            k, v = k_new[start : start + num_new], v_new[start : start + num_new]
+            k = k_new[start : start + num_new]
+            v = v_new[start : start + num_new].reshape(num_new, *k.shape[1:])
             qr = q[start : start + num_new].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
             if prefix == 0:
                 out = F.scaled_dot_product_attention(qr, self._heads(k), self._heads(v),

@@ -48,11 +48,11 @@ class ModelRunner:
                  device: str = "cpu", page_size: int = 16, num_pages: int | None = None,
                  max_total_tokens: int | None = None, kv_memory_bytes: int | None = None,
                  context_length: int | None = None, pack_weights: bool = True,
-                 paged_attention: bool = True) -> None:
+                 cpu_kernels: bool = True) -> None:
         """`pack_weights`: on the CPU, also keep oneDNN-packed weights (twice the weight
         memory) so decode's products can run on whichever kernel measures fastest.
-        `paged_attention`: on the CPU, decode attention reads the pages in place
-        (common.model.paged_attention) where the kernel builds."""
+        `cpu_kernels`: on the CPU, the C kernels of common.model.cpu_kernels where they
+        build (decode attention over the pages in place, the fused per-layer steps)."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was given but torch sees no CUDA device")
@@ -60,7 +60,7 @@ class ModelRunner:
         self.dtype_name = dtype
         self.context_length = min(context_length or spec.context_length, spec.context_length)
         self.model = LlamaModel(spec, weights, torch_dtype(dtype), self.device, pack=pack_weights,
-                                paged_attention=paged_attention)
+                                cpu_kernels=cpu_kernels)
         self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype)
         if num_pages is None:
             if max_total_tokens is None and kv_memory_bytes is None:

@@ -141,12 +141,12 @@ def test_prefill_flags_reach_every_field() -> None:
             "--in-batch-prefix-caching-deprioritize-threshold=5",
             "--cache-aware-fallback-threshold=100",
             "--no-packed-weights",
-            "--no-paged-attention",
+            "--no-cpu-kernels",
         ]
     )
     assert cfg.model == ModelConfig("/m", "float16", "cuda:1", 4096, 32, 65536, None, False, False)
     defaults = parse_prefill_config([]).model
-    assert defaults.pack_weights and defaults.paged_attention  # both on by default
+    assert defaults.pack_weights and defaults.cpu_kernels  # both on by default
     assert cfg.transfer == TransferConfig("fake", 9000, 5.0, 7.5, 10.0, "secret")
     assert (cfg.host, cfg.port, cfg.schedule_policy) == ("0.0.0.0", 31000, "lpm")
     assert (cfg.max_prefill_tokens, cfg.chunked_prefill_size) == (4096, 1024)

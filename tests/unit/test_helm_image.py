@@ -43,12 +43,15 @@ def test_the_image_installs_what_the_makefile_pins() -> None:
     assert order == sorted(order)
 
 
-def test_the_cpu_image_can_build_the_paged_attention_kernel() -> None:
+def test_the_cpu_image_can_build_the_cpu_kernels() -> None:
     cpu_case = DOCKERFILE[DOCKERFILE.index("      cpu)") : DOCKERFILE.index("      cuda)")]
     assert "apt-get install -y --no-install-recommends gcc libc6-dev" in cpu_case
     project = tomllib.loads((ht.REPO / "pyproject.toml").read_text())
     shipped = project["tool"]["setuptools"]["package-data"]["common"]
-    assert "model/csrc/*.c" in shipped and (ht.REPO / "common/model/csrc/paged_attention.c").exists()
+    assert "model/csrc/*.c" in shipped
+    from common.model.cpu_kernels import CSRC, SOURCES
+
+    assert all((CSRC / name).exists() and (CSRC / name).suffix == ".c" for name, _ in SOURCES)
 
 
 def test_the_image_copies_every_package_pyproject_installs() -> None:

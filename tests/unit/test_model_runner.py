@@ -106,7 +106,8 @@ def _extend_then_decode_match_reference(ref, runner, prompts: list[list[int]], s
 
 def test_batched_extend_then_decode_of_different_lengths(pair):
     ref, runner = pair
-    assert runner.model.paged_attention is not None  # decode reads the pages in place (built)
+    # the C kernels built: decode reads the pages in place, the small steps are fused
+    assert runner.model.paged_attention is not None and runner.model.fused is not None
     _extend_then_decode_match_reference(ref, runner, [_prompt(n, 10 + n) for n in (5, 17, 11, 1)],
                                         steps=9)
     runner.pool.check_integrity()
@@ -128,16 +129,21 @@ def test_decode_matches_reference_on_every_product_kernel(pair, kernel):
         model.chooser, model.head_chooser = saved
 
 
-def test_decode_over_gathered_pages_matches_reference(pair):
-    """Without the paged kernel (--no-paged-attention, or no C compiler): gather and SDPA."""
+@pytest.mark.parametrize("without", ["paged_attention", "both"])
+def test_extend_and_decode_on_torch_ops_match_reference(pair, without):
+    """Decode attention over gathered pages (SDPA), and with it the per-layer steps as torch
+    ops: the model with --no-cpu-kernels or without a C compiler."""
     ref, runner = pair
     model = runner.model
-    kernel, model.paged_attention = model.paged_attention, None
+    saved = model.paged_attention, model.fused
+    model.paged_attention = None
+    if without == "both":
+        model.fused = None
     try:
         _extend_then_decode_match_reference(ref, runner, [_prompt(n, 70 + n) for n in (6, 21, 2)],
                                             steps=3)
     finally:
-        model.paged_attention = kernel
+        model.paged_attention, model.fused = saved
 
 
 def test_too_few_pages_is_refused(pair):

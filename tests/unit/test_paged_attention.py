@@ -1,16 +1,12 @@
 """Decode attention read from the pages in place (common.model.paged_attention): the same
-attention as over gathered pages, nothing read past a sequence's length, and its build."""
+attention as over gathered pages, and nothing read past a sequence's length."""
 
 from __future__ import annotations
-
-import logging
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model import paged_attention as pa
 from common.model.paged_attention import PagedDecodeAttention, paged_decode_attention, splits_for
 
 CPU = torch.device("cpu")
@@ -136,59 +132,3 @@ def test_shapes_the_kernel_does_not_take_are_left_to_sdpa():
     assert not PagedDecodeAttention.supports(torch.device("cuda"), torch.float32, 9, 3, 64)
     assert paged_decode_attention(CPU, torch.float32, 9, 3, 72) is None
     assert PagedDecodeAttention.supports(CPU, torch.bfloat16, 32, 8, 128)
-
-
-@pytest.fixture
-def fresh_build(tmp_path, monkeypatch):
-    """An empty cache directory and nothing loaded yet."""
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(pa, "_loaded", {})
-    monkeypatch.setattr(pa.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    return tmp_path
-
-
-def test_built_once_into_the_cache_directory(fresh_build):
-    lib = pa.load_library()
-    assert lib is not None
-    built = list((fresh_build / "cache" / "kernels").glob("paged_attention-*.so"))
-    assert len(built) == 1 and built[0].name == pa.library_name(pa._compiler() or "")
-    stamp = built[0].stat().st_mtime_ns
-    pa._loaded.clear()  # a new process: found in the cache, not built again
-    assert pa.load_library() is not None and built[0].stat().st_mtime_ns == stamp
-    assert not list((fresh_build / "cache" / "kernels").glob("*.tmp"))
-
-
-def test_an_unwritable_cache_falls_back_to_a_temp_directory(fresh_build, monkeypatch):
-    blocked = fresh_build / "not-a-directory"
-    blocked.write_text("")  # (root writes through permissions; a file in the way stops anyone)
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(blocked))
-    assert pa.load_library() is not None
-    assert list((fresh_build / "tmp").glob("pdserve-kernels-*/paged_attention-*.so"))
-
-
-def test_the_key_covers_source_flags_and_compiler(monkeypatch):
-    name = pa.library_name("gcc")
-    assert pa.library_name("clang") != name
-    monkeypatch.setattr(pa, "CFLAGS", pa.CFLAGS + ("-g",))
-    assert pa.library_name("gcc") != name
-
-
-def test_no_compiler_or_a_failed_build_leaves_decode_on_sdpa(fresh_build, monkeypatch, caplog):
-    caplog.set_level(logging.WARNING, logger=pa.__name__)
-    monkeypatch.setattr(pa, "_compiler", lambda: None)
-    assert pa.load_library() is None
-    assert paged_decode_attention(CPU, torch.float32, 9, 3, 64) is None
-    assert "no C compiler" in caplog.text
-    monkeypatch.setattr(pa, "_compiler", lambda: "false")  # a compiler that fails every build
-    assert pa.load_library() is None
-    assert "not built" in caplog.text
-    assert not list(fresh_build.rglob("*.so"))
-
-
-def test_a_directory_other_users_can_write_is_not_trusted(fresh_build, monkeypatch):
-    shared = fresh_build / "cache" / "kernels"
-    shared.mkdir(parents=True)
-    os.chmod(shared, 0o777)
-    assert pa.load_library() is not None  # built in the private temp directory instead
-    assert not list(shared.glob("*.so"))
-    assert list((fresh_build / "tmp").glob("pdserve-kernels-*/paged_attention-*.so"))

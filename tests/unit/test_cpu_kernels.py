@@ -1,0 +1,77 @@
+"""The C kernels' build (common.model.cpu_kernels): once per source, flags and CPU, into a
+directory only this user can write, and a clean fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from common.model import cpu_kernels as ck
+from common.model.fused_ops import fused_ops
+from common.model.paged_attention import paged_decode_attention
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):
+    """An empty cache directory and nothing loaded yet."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(ck, "_loaded", {})
+    monkeypatch.setattr(ck.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    return tmp_path
+
+
+def test_built_once_into_the_cache_directory(fresh_build):
+    lib = ck.load_library()
+    assert lib is not None
+    built = list((fresh_build / "cache" / "kernels").glob("pdserve-kernels-*.so"))
+    assert len(built) == 1 and built[0].name == ck.library_name(ck._compiler() or "")
+    stamp = built[0].stat().st_mtime_ns
+    ck._loaded.clear()  # a new process: found in the cache, not built again
+    assert ck.load_library() is not None and built[0].stat().st_mtime_ns == stamp
+    assert not list((fresh_build / "cache" / "kernels").glob("*.tmp"))
+
+
+def test_an_unwritable_cache_falls_back_to_a_temp_directory(fresh_build, monkeypatch):
+    blocked = fresh_build / "not-a-directory"
+    blocked.write_text("")  # (root writes through permissions; a file in the way stops anyone)
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(blocked))
+    assert ck.load_library() is not None
+    assert list((fresh_build / "tmp").glob("pdserve-kernels-*/pdserve-kernels-*.so"))
+
+
+def test_the_key_covers_sources_flags_and_compiler(monkeypatch):
+    name = ck.library_name("gcc")
+    assert ck.library_name("clang") != name
+    monkeypatch.setattr(ck, "CFLAGS", ck.CFLAGS + ("-g",))
+    assert ck.library_name("gcc") != name
+    monkeypatch.undo()
+    assert ck.library_name("gcc") == name
+    monkeypatch.setattr(ck, "SOURCES", (("paged_attention.c", ()), ("fused_ops.c", ())))
+    assert ck.library_name("gcc") != name  # one source's own flags
+
+
+def test_no_compiler_or_a_failed_build_leaves_the_model_on_torch_ops(fresh_build, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger=ck.__name__)
+    monkeypatch.setattr(ck, "_compiler", lambda: None)
+    assert ck.load_library() is None
+    assert paged_decode_attention(CPU, torch.float32, 9, 3, 64) is None
+    assert fused_ops(CPU, torch.float32) is None
+    assert "no C compiler" in caplog.text
+    monkeypatch.setattr(ck, "_compiler", lambda: "false")  # a compiler that fails every build
+    assert ck.load_library() is None
+    assert "not built" in caplog.text
+    assert not list(fresh_build.rglob("*.so")) and not list(fresh_build.rglob("*.o"))
+
+
+def test_a_directory_other_users_can_write_is_not_trusted(fresh_build, monkeypatch):
+    shared = fresh_build / "cache" / "kernels"
+    shared.mkdir(parents=True)
+    os.chmod(shared, 0o777)
+    assert ck.load_library() is not None  # built in the private temp directory instead
+    assert not list(shared.glob("*.so"))
+    assert list((fresh_build / "tmp").glob("pdserve-kernels-*/pdserve-kernels-*.so"))
