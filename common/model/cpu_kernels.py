@@ -12,6 +12,7 @@ failed build, leaves the model on its torch path (logged once).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -93,6 +94,15 @@ def _build(compiler: str, target: Path) -> None:
         os.replace(linked, target)
 
 
+def _build_once(compiler: str, target: Path) -> None:
+    """Build unless another process did while this one waited: nodes started together
+    (a pod's containers, a test cluster) take a lock on the directory and build once."""
+    with open(target.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            _build(compiler, target)
+
+
 def load_library() -> ctypes.CDLL | None:
     """The built kernel library, building it if no cache directory has it; None if it cannot be."""
     compiler = _compiler()
@@ -113,7 +123,7 @@ def load_library() -> ctypes.CDLL | None:
             try:
                 _check_private(directory)
                 if not path.exists():
-                    _build(compiler, path)
+                    _build_once(compiler, path)
                 lib = ctypes.CDLL(str(path))
                 break
             except (OSError, subprocess.SubprocessError) as e:

@@ -75,3 +75,30 @@ def test_a_directory_other_users_can_write_is_not_trusted(fresh_build, monkeypat
     assert ck.load_library() is not None  # built in the private temp directory instead
     assert not list(shared.glob("*.so"))
     assert list((fresh_build / "tmp").glob("pdserve-kernels-*/pdserve-kernels-*.so"))
+
+
+def test_processes_starting_together_build_once(fresh_build):
+    """Four processes load at once into an empty cache: one compiles, the others wait on the
+    directory's lock and load its library. The compiler, a wrapper, logs each run."""
+    import shutil
+    import subprocess
+    import sys
+
+    log = fresh_build / "cc.log"
+    wrapper = fresh_build / "cc"
+    wrapper.write_text(f"#!/bin/sh\necho run >> {log}\nexec {shutil.which('gcc') or 'cc'} \"$@\"\n")
+    wrapper.chmod(0o755)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import common.model.cpu_kernels as ck; "
+            "import tempfile; tempfile.gettempdir = lambda: sys.argv[2]; "
+            "print(ck.load_library() is not None)")
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(fresh_build / "cache"), "CC": str(wrapper)}
+    root = str(ck.CSRC.parents[2])
+    procs = [subprocess.Popen([sys.executable, "-c", code, root, str(fresh_build / "tmp")],
+                              env=env, stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert outs == ["True"] * 4
+    # one build: each source compiled once, one link
+    assert log.read_text().split() == ["run"] * (len(ck.SOURCES) + 1)
+    built = list((fresh_build / "cache" / "kernels").iterdir())
+    assert [p.name for p in built if p.suffix == ".so"] == [ck.library_name(str(wrapper))]
+    assert not [p for p in built if p.is_dir()]  # no build directory left behind
