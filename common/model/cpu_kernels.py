@@ -61,6 +61,8 @@ def library_name(compiler: str) -> str:
     parts = [" ".join(CFLAGS).encode(), compiler.encode(), _cpu_signature().encode()]
     for name, flags in SOURCES:
         parts += [name.encode(), " ".join(flags).encode(), (CSRC / name).read_bytes()]
+    for header in sorted(CSRC.glob("*.h")):  # what the sources include
+        parts += [header.name.encode(), header.read_bytes()]
     for part in parts:
         key.update(part)
         key.update(b"\0")

@@ -102,3 +102,15 @@ def test_processes_starting_together_build_once(fresh_build):
     built = list((fresh_build / "cache" / "kernels").iterdir())
     assert [p.name for p in built if p.suffix == ".so"] == [ck.library_name(str(wrapper))]
     assert not [p for p in built if p.is_dir()]  # no build directory left behind
+
+
+def test_the_key_covers_the_shared_header(monkeypatch, tmp_path):
+    """A change to cpu_math.h (included by both sources) makes a new library."""
+    import shutil
+
+    copy = tmp_path / "csrc"
+    shutil.copytree(ck.CSRC, copy)
+    monkeypatch.setattr(ck, "CSRC", copy)
+    name = ck.library_name("gcc")
+    (copy / "cpu_math.h").write_text((copy / "cpu_math.h").read_text() + "\n/* changed */\n")
+    assert ck.library_name("gcc") != name

@@ -48,7 +48,7 @@ def test_the_cpu_image_can_build_the_cpu_kernels() -> None:
     assert "apt-get install -y --no-install-recommends gcc libc6-dev" in cpu_case
     project = tomllib.loads((ht.REPO / "pyproject.toml").read_text())
     shipped = project["tool"]["setuptools"]["package-data"]["common"]
-    assert "model/csrc/*.c" in shipped
+    assert "model/csrc/*.c" in shipped and "model/csrc/*.h" in shipped
     from common.model.cpu_kernels import CSRC, SOURCES
 
     assert all((CSRC / name).exists() and (CSRC / name).suffix == ".c" for name, _ in SOURCES)

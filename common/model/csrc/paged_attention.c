@@ -10,9 +10,9 @@
  * back, and each key vector once for all the query heads that share its KV head (GQA).
  * Softmax is online, per block of a page: running max, running sum, rescaled accumulator,
  * all in float32. Ranges are merged by their maxima at the end, as flash-decoding does.
- * Built by common/model/paged_attention.py with -O3 -march=native -fopenmp on the machine
+ * Built by common/model/cpu_kernels.py with -O3 -march=native -fopenmp on the machine
  * that runs it. No -ffast-math: sums are in the order written, rounding is IEEE's, apart
- * from the exp below.
+ * from exp (cpu_math.h).
  */
 #include <math.h>
 #include <omp.h>
@@ -25,15 +25,7 @@
 #define MAX_HEAD_DIM 256
 #define BLOCK 32 /* tokens scored at once (a page is split into blocks of this many) */
 
-typedef uint16_t bf16;
-
-static inline bf16 float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
-    return (bf16)(u >> 16);
-}
+#include "cpu_math.h"
 
 /* 16 floats: GCC vector extensions, one AVX-512 register, two AVX2 ones, four NEON ones.
  * Head dims are multiples of 16 (checked by the caller). */
@@ -67,26 +59,6 @@ static inline float hsum(vf v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* exp(x) for x <= 0 (arguments here are score - running max): 2^n * p(r), with
- * x = n ln2 + r, |r| <= ln2/2, p a degree-6 Taylor polynomial (relative error < 2e-7,
- * about 2 float ulps). Plain arithmetic the compiler can vectorize; -inf gives 0. */
-static inline float exp_nonpos(float x) {
-    if (x < -87.0f) return 0.0f;
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 /* Loads 16 values of the pool's dtype as floats; `is_bf16` is a constant in each caller. */
 static inline __attribute__((always_inline)) vf load16(const void *base, int64_t index,
                                                        int is_bf16) {
@@ -96,7 +68,7 @@ static inline __attribute__((always_inline)) vf load16(const void *base, int64_t
 static inline __attribute__((always_inline)) void store1(void *base, int64_t index, float x,
                                                          int is_bf16) {
     if (is_bf16)
-        ((bf16 *)base)[index] = float_to_bf16(x);
+        ((bf16 *)base)[index] = to_bf16(x);
     else
         ((float *)base)[index] = x;
 }
@@ -164,10 +136,10 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
                 const int h = h0 + g;
                 float bm = m[h];
                 for (int64_t j = 0; j < n; j++) bm = s[g][j] > bm ? s[g][j] : bm;
-                const float corr = exp_nonpos(m[h] - bm);
+                const float corr = exp_poly(m[h] - bm);
                 float sum = 0.0f;
                 for (int64_t j = 0; j < n; j++) {
-                    s[g][j] = exp_nonpos(s[g][j] - bm);
+                    s[g][j] = exp_poly(s[g][j] - bm);
                     sum += s[g][j];
                 }
                 l[h] = l[h] * corr + sum;
@@ -240,7 +212,7 @@ static inline __attribute__((always_inline)) int attend(const Args *a, void *out
             for (int sp = 0; sp < splits; sp++) {
                 const float *pm = parts + (b * splits + sp) * part;
                 if (pm[h] == -INFINITY) continue;
-                const float w = exp_nonpos(pm[h] - mx);
+                const float w = exp_poly(pm[h] - mx);
                 total += w * pm[heads + h];
                 const float *pa = pm + 2 * heads + (int64_t)h * d;
                 for (int i = 0; i < d; i++) o[i] += w * pa[i];
