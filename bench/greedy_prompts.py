@@ -65,3 +65,39 @@ def agreement(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[i
         prefixes += common
     n = len(reference)
     return {"first_token": firsts / n, "all_tokens": wholes / n, "mean_common_prefix": prefixes / n}
+
+
+def forced_logits(runner: Any, prompts: Sequence[Sequence[int]],
+                  continuations: Sequence[Sequence[int]]) -> list[Any]:
+    """Teacher forcing: each prompt prefilled, then its given continuation fed back one token
+    a step (batched decode, as greedy runs it); per prompt, float32 logits [steps, vocab] at
+    every step. Every run sees the same tokens, so their logits compare position by position."""
+    import torch
+
+    from common.kv_pool import pages_needed
+    from common.model.runner import ExtendRequest
+
+    ps, steps = runner.page_size, len(continuations[0])
+    tables = [runner.pool.allocator.allocate(pages_needed(len(p) + steps, ps)) for p in prompts]
+    try:
+        out = [runner.extend([ExtendRequest(list(p), 0, t) for p, t in zip(prompts, tables)]).logits]
+        for step in range(steps - 1):
+            lens = [len(p) + step + 1 for p in prompts]
+            out.append(runner.decode([c[step] for c in continuations], lens, tables))
+        return list(torch.stack(out, dim=1))
+    finally:
+        for t in tables:
+            runner.pool.allocator.free(t)
+
+
+def forced_agreement(reference: Sequence[Any], candidate: Sequence[Any]) -> dict[str, float]:
+    """Over teacher-forced steps: the share where both pick the same token, and the mean KL
+    divergence of the candidate's next-token distribution from the reference's. Unlike
+    greedy agreement, one early flip does not part the rest: a stable measure of accuracy."""
+    import torch
+
+    ref, got = torch.cat(list(reference)), torch.cat(list(candidate))
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                    reduction="batchmean")
+    return {"argmax_match": (ref.argmax(-1) == got.argmax(-1)).float().mean().item(),
+            "kl": kl.item()}

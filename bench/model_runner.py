@@ -13,7 +13,9 @@ step time is the larger of compute (model FLOPs per step / measured GEMM FLOP/s)
 streams every weight once per step.
 Agreement (dtypes other than float32): greedy continuations of --new-tokens over the 16
 prompts of greedy_prompts.py, ours in that dtype and transformers' in it, each against
-transformers' float32: the share matching at the first token and over all tokens.
+transformers' float32: the share matching at the first token and over all tokens; and
+teacher-forced along float32's greedy path, the share of steps choosing the same token
+and the mean KL divergence from float32's distribution.
 
 Prints the CPU, the tables, then one JSON line per (phase, dtype, size).
 Usage: python bench/model_runner.py [--batches 1 8 32] [--new-tokens 32] [--dtypes float32]
@@ -40,7 +42,9 @@ from common.model.gemm import WEIGHT_MAJOR, KernelChooser, bucket_of  # noqa: E4
 from common.model.runner import ExtendRequest, ModelRunner  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
 from cpu_info import describe_cpu  # noqa: E402
-from greedy_prompts import agreement, chat_ids, greedy  # noqa: E402
+from greedy_prompts import (  # noqa: E402
+    agreement, chat_ids, forced_agreement, forced_logits, greedy,
+)
 
 
 def gemm_flops_per_s(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
@@ -182,6 +186,17 @@ def hf_decode_seconds(model, prompts: list[list[int]], new_tokens: int) -> tuple
     return total - prefill, out[:, ids.shape[1]:].tolist()
 
 
+def hf_forced_logits(model, prompts: list[list[int]], continuations: list[list[int]]) -> list:
+    """transformers' next-token logits along given continuations (teacher forcing, one pass
+    per prompt): [steps, vocab] float32 each, as greedy_prompts.forced_logits gives ours."""
+    outs = []
+    with torch.no_grad():
+        for p, c in zip(prompts, continuations):
+            logits = model(torch.tensor([list(p) + list(c[:-1])])).logits[0, len(p) - 1 :]
+            outs.append(logits.float())
+    return outs
+
+
 def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuations, one prompt at a time (no padding to differ by)."""
     outs = []
@@ -225,6 +240,7 @@ def main() -> None:
     chat = chat_ids(tokenizer)
     want_agreement = not args.skip_agreement and any(d != "float32" for d in dtypes)
     reference: list[list[int]] | None = None  # transformers' float32 greedy over `chat`
+    reference_logits: list | None = None  # its logits along that greedy path
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         gemm = gemm_flops_per_s(dtype)
@@ -288,14 +304,18 @@ def main() -> None:
             })
         if want_agreement and dtype_name == "float32":
             reference = hf_greedy(hf, chat, args.new_tokens)
+            reference_logits = hf_forced_logits(hf, chat, reference)
         if want_agreement and dtype_name != "float32":
-            if reference is None:
+            if reference is None or reference_logits is None:
                 ref_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
                 ref_model.generation_config.eos_token_id = None
                 reference = hf_greedy(ref_model.eval(), chat, args.new_tokens)
+                reference_logits = hf_forced_logits(ref_model, chat, reference)
                 del ref_model
             ours_a = agreement(reference, greedy(runner, chat, args.new_tokens))
             theirs_a = agreement(reference, hf_greedy(hf, chat, args.new_tokens))
+            ours_f = forced_agreement(reference_logits, forced_logits(runner, chat, reference))
+            theirs_f = forced_agreement(reference_logits, hf_forced_logits(hf, chat, reference))
             agree.append({
                 "bench": "model_runner", "phase": "agreement", "dtype": dtype_name,
                 "prompts": len(chat), "new_tokens": args.new_tokens,
@@ -305,6 +325,11 @@ def main() -> None:
                 "transformers_first_token_match": theirs_a["first_token"],
                 "transformers_all_tokens_match": theirs_a["all_tokens"],
                 "transformers_mean_common_prefix": theirs_a["mean_common_prefix"],
+                # teacher-forced along the reference's greedy path (greedy_prompts.py)
+                "forced_argmax_match": round(ours_f["argmax_match"], 4),
+                "forced_kl": round(ours_f["kl"], 6),
+                "transformers_forced_argmax_match": round(theirs_f["argmax_match"], 4),
+                "transformers_forced_kl": round(theirs_f["kl"], 6),
             })
         del runner, hf
 
@@ -330,11 +355,13 @@ def main() -> None:
               f"{r['gemm_kernel']}/{r['lm_head_kernel']}")
     if agree:
         print(f"agreement with transformers' float32 over {len(chat)} prompts, {args.new_tokens} "
-              f"greedy tokens\n{'dtype':9} {'':13} {'first':>6} {'all':>6} {'prefix':>7}")
+              f"greedy tokens (free-running; teacher-forced: same choice, KL)\n{'dtype':9} "
+              f"{'':13} {'first':>6} {'all':>6} {'prefix':>7} {'forced':>7} {'KL':>8}")
     for r in agree:
         for who, pre in (("ours", ""), ("transformers", "transformers_")):
             print(f"{r['dtype']:9} {who:13} {r[pre + 'first_token_match']:6.2f} "
-                  f"{r[pre + 'all_tokens_match']:6.2f} {r[pre + 'mean_common_prefix']:7.1f}")
+                  f"{r[pre + 'all_tokens_match']:6.2f} {r[pre + 'mean_common_prefix']:7.1f} "
+                  f"{r[pre + 'forced_argmax_match']:7.3f} {r[pre + 'forced_kl']:8.5f}")
     for r in prefill + rows + agree:
         print(json.dumps(r))
 
