@@ -101,12 +101,19 @@ class ModelRunner:
         ps, stride = self.page_size, self._layer_stride * self.page_size
         return [page_ids[p // ps] * stride + p % ps for p in range(start, stop)]
 
-    def _check_span(self, prefix_len: int, num_new: int, num_pages: int) -> None:
+    def _check_span(self, prefix_len: int, num_new: int, page_ids: Sequence[int]) -> None:
+        """The span fits the context and its pages, and every page it uses is in the pool:
+        the CPU kernels index the pool unchecked, so a bad id is refused here, not written."""
         total = prefix_len + num_new
+        if prefix_len < 0:
+            raise ValueError(f"a span cannot start at {prefix_len}")
         if total > self.context_length:
             raise ValueError(f"{total} tokens exceed the context length {self.context_length}")
-        if num_pages < pages_needed(total, self.page_size):
-            raise ValueError(f"{num_pages} pages cannot hold {total} tokens")
+        used = pages_needed(total, self.page_size)
+        if len(page_ids) < used:
+            raise ValueError(f"{len(page_ids)} pages cannot hold {total} tokens")
+        if used and (min(page_ids[:used]) < 0 or max(page_ids[:used]) >= self.pool.num_pages):
+            raise ValueError(f"a page id is outside the pool of {self.pool.num_pages} pages")
 
     @torch.inference_mode()
     def extend(self, reqs: Sequence[ExtendRequest]) -> ExtendResult:
@@ -119,7 +126,7 @@ class ModelRunner:
             n = len(r.token_ids)
             if n == 0:
                 raise ValueError("an extend request needs at least one new token")
-            self._check_span(r.prefix_len, n, len(r.page_ids))
+            self._check_span(r.prefix_len, n, r.page_ids)
             total = r.prefix_len + n
             spans.append((len(tokens), n, total, r.prefix_len))
             read_rows.append(self._rows(r.page_ids[: pages_needed(total, self.page_size)]))
@@ -167,7 +174,7 @@ class ModelRunner:
         table = torch.zeros((bsz, width), dtype=torch.long)
         write_slots = []
         for i, (n, pages) in enumerate(zip(seq_lens, page_tables)):
-            self._check_span(n - 1, 1, len(pages))
+            self._check_span(n - 1, 1, pages)
             used = pages_needed(n, ps)
             table[i, :used] = torch.as_tensor(pages[:used])
             table[i, used:] = pages[0]  # padding: any valid page, masked out below

@@ -146,6 +146,22 @@ def test_extend_and_decode_on_torch_ops_match_reference(pair, without):
         model.paged_attention, model.fused = saved
 
 
+def test_page_ids_outside_the_pool_are_refused_before_any_write(pair):
+    """The CPU kernels write and read the pool unchecked: a bad page id must not get there."""
+    _, runner = pair
+    before = runner.pool.buffer.clone()
+    outside = runner.pool.num_pages
+    with pytest.raises(ValueError, match="outside the pool"):
+        runner.extend([ExtendRequest(_prompt(5, 1), 0, [outside, 0])])
+    with pytest.raises(ValueError, match="outside the pool"):
+        runner.extend([ExtendRequest(_prompt(5, 1), 0, [0, -1])])
+    with pytest.raises(ValueError, match="outside the pool"):
+        runner.decode([3, 4], [5, 2], [[0, 1], [outside]])
+    with pytest.raises(ValueError, match="cannot start"):
+        runner.decode([3], [0], [[0]])
+    assert torch.equal(runner.pool.buffer, before)
+
+
 def test_too_few_pages_is_refused(pair):
     _, runner = pair
     with pytest.raises(ValueError, match="pages cannot hold"):
