@@ -26,6 +26,7 @@ Usage: python bench/model_runner.py [--batches 1 8 32] [--new-tokens 32] [--dtyp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -150,27 +151,31 @@ def ours_decode_seconds(runner: ModelRunner, prompts: list[list[int]], new_token
             runner.pool.allocator.free(t)
 
 
+@contextlib.contextmanager
+def model_swapped(runner: ModelRunner, **attrs):
+    """The runner's model with some attributes replaced for a side-by-side run, then restored."""
+    saved = {name: getattr(runner.model, name) for name in attrs}
+    for name, value in attrs.items():
+        setattr(runner.model, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(runner.model, name, value)
+
+
 def fixed_kernel_seconds(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> float:
     """Our decode with every product weight-major, the kernel used before they were chosen."""
-    model = runner.model
-    saved = model.chooser, model.head_chooser
-    model.chooser, model.head_chooser = KernelChooser((WEIGHT_MAJOR,)), KernelChooser((WEIGHT_MAJOR,))
-    try:
+    with model_swapped(runner, chooser=KernelChooser((WEIGHT_MAJOR,)),
+                       head_chooser=KernelChooser((WEIGHT_MAJOR,))):
         return ours_decode_seconds(runner, prompts, new_tokens)[0]
-    finally:
-        model.chooser, model.head_chooser = saved
 
 
 def torch_ops_seconds(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> float:
     """Our decode on torch's ops only, as with --no-cpu-kernels and as before the C kernels
     (common.model.cpu_kernels): attention over gathered pages, the small steps unfused."""
-    model = runner.model
-    saved = model.paged_attention, model.fused
-    model.paged_attention, model.fused = None, None
-    try:
+    with model_swapped(runner, paged_attention=None, fused=None):
         return ours_decode_seconds(runner, prompts, new_tokens)[0]
-    finally:
-        model.paged_attention, model.fused = saved
 
 
 def hf_decode_seconds(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:

@@ -29,8 +29,9 @@ def splits_for(batch: int, max_pages: int, threads: int) -> int:
 class PagedDecodeAttention:
     """One dtype's kernel: attention of one query token per sequence over its pages."""
 
-    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, kv_heads: int) -> None:
         self.dtype = dtype
+        self.kv_heads = kv_heads
         fn = getattr(lib, _SYMBOLS[dtype])
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.argtypes = [p, i64, p, i64, p, i64, i64, p, i64, p, i32, i32, i32, i32,
@@ -53,13 +54,12 @@ class PagedDecodeAttention:
         bsz, heads, d = q.shape
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
-        kv_heads = pool_rows.shape[1] // (page_size * d)
         threads = torch.get_num_threads()
         splits = splits_for(bsz, rows.shape[1], threads)
         out = torch.empty(bsz, heads * d, dtype=q.dtype)
         rc = self._fn(pool_rows.data_ptr(), pool_rows.shape[1], rows.data_ptr(), rows.shape[1],
                       lens.data_ptr(), bsz, layer, q.data_ptr(), q.stride(0), out.data_ptr(),
-                      heads, kv_heads, d, page_size, scale, splits, threads)
+                      heads, self.kv_heads, d, page_size, scale, splits, threads)
         if rc != 0:
             raise RuntimeError(f"paged decode attention failed ({rc})")
         return out
@@ -71,4 +71,4 @@ def paged_decode_attention(device: torch.device, dtype: torch.dtype, heads: int,
     if not PagedDecodeAttention.supports(device, dtype, heads, kv_heads, head_dim):
         return None
     lib = load_library()
-    return PagedDecodeAttention(lib, dtype) if lib is not None else None
+    return PagedDecodeAttention(lib, dtype, kv_heads) if lib is not None else None

@@ -102,8 +102,8 @@ class ModelRunner:
         return [page_ids[p // ps] * stride + p % ps for p in range(start, stop)]
 
     def _check_span(self, prefix_len: int, num_new: int, page_ids: Sequence[int]) -> None:
-        """The span fits the context and its pages, and every page it uses is in the pool:
-        the CPU kernels index the pool unchecked, so a bad id is refused here, not written."""
+        """The span fits the context (so the RoPE table) and its pages, and every page it uses
+        is in the pool: the CPU kernels index both unchecked, so a bad span is refused here."""
         total = prefix_len + num_new
         if prefix_len < 0:
             raise ValueError(f"a span cannot start at {prefix_len}")

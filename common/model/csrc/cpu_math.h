@@ -23,6 +23,23 @@ static inline bf16 to_bf16(float f) {
     return (bf16)(u >> 16);
 }
 
+/* A value of the model's dtype at index i, as float; stored back rounded. */
+static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? from_bf16(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) void st(void *p, int64_t i, float x, int is_bf16) {
+    if (is_bf16)
+        ((bf16 *)p)[i] = to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+/* The value as the dtype holds it (a product or sum torch rounds before the next op). */
+static inline __attribute__((always_inline)) float rnd(float x, int is_bf16) {
+    return is_bf16 ? from_bf16(to_bf16(x)) : x;
+}
+
 /* exp over the whole float range: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, p degree-6
  * Taylor (relative error < 2e-7); overflow gives inf, underflow 0 (no subnormals). n is
  * rounded by adding and taking away 1.5 * 2^23 (nearbyintf is a library call here, and

@@ -21,23 +21,6 @@
 
 #include "cpu_math.h"
 
-/* A value of the model's dtype at index i, as float; stored back rounded. */
-static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, int is_bf16) {
-    return is_bf16 ? from_bf16(((const bf16 *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline __attribute__((always_inline)) void st(void *p, int64_t i, float x, int is_bf16) {
-    if (is_bf16)
-        ((bf16 *)p)[i] = to_bf16(x);
-    else
-        ((float *)p)[i] = x;
-}
-
-/* The value as the dtype holds it (a product or sum torch rounds before the next op). */
-static inline __attribute__((always_inline)) float rnd(float x, int is_bf16) {
-    return is_bf16 ? from_bf16(to_bf16(x)) : x;
-}
-
 /* A strided matrix's rows laid out contiguously, in this thread's reusable buffer (a
  * weight-major product's output is a transposed view; torch's copy of one measured 3-4x
  * slower than its use here). Blocks of 64 columns keep the source lines in L1. */

@@ -65,14 +65,6 @@ static inline __attribute__((always_inline)) vf load16(const void *base, int64_t
     return is_bf16 ? load_bf16((const bf16 *)base + index) : load_f32((const float *)base + index);
 }
 
-static inline __attribute__((always_inline)) void store1(void *base, int64_t index, float x,
-                                                         int is_bf16) {
-    if (is_bf16)
-        ((bf16 *)base)[index] = to_bf16(x);
-    else
-        ((float *)base)[index] = x;
-}
-
 typedef struct {
     const void *pool;
     int64_t row_elems, width, layer, q_stride, batch;
@@ -218,7 +210,7 @@ static inline __attribute__((always_inline)) int attend(const Args *a, void *out
                 for (int i = 0; i < d; i++) o[i] += w * pa[i];
             }
             const float inv = 1.0f / total;
-            for (int i = 0; i < d; i++) store1(out, (b * heads + h) * d + i, o[i] * inv, is_bf16);
+            for (int i = 0; i < d; i++) st(out, (b * heads + h) * d + i, o[i] * inv, is_bf16);
         }
     }
     free(parts);
