@@ -1,9 +1,11 @@
-"""x @ W.T at decode's row counts, by whichever of three kernels measures fastest on this machine.
+"""x @ W.T at decode's row counts, by whichever kernel measures fastest on this machine.
 
-The three compute the same product:
+The kernels compute the same product:
   row_major     F.linear(x, W)
   weight_major  (W @ x.T).T, a transposed view (MKL streams W once, row by row)
   packed        oneDNN on W reordered once into its blocked layout (torch.ops.mkldnn)
+  amx           bfloat16 on AMX tiles, W reordered once into their layout
+                (common.model.amx_gemm: 1.5-2.2x packed's speed at 1-32 rows where it runs)
 At 1-64 rows which one is fastest depends on the CPU, the dtype and the row count, and
 not monotonically. Measured on an AMX Xeon over 30 layers of SmolLM2's four products,
 ms per pass (row_major / weight_major / packed):
@@ -14,7 +16,7 @@ So the model measures instead of guessing: `KernelChooser` gives each row bucket
 the bucket keeps the one with the lowest median; it explores again after RECHECK_USES
 passes, since the machine's load changes. Above 64 rows (prefill) it is row_major, the
 one kernel whose output rows are contiguous where that matters (residual adds, the KV
-scatter). All three agree to float rounding; none is exact against another.
+scatter). All agree to float rounding; none is exact against another.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-ROW_MAJOR, WEIGHT_MAJOR, PACKED = "row_major", "weight_major", "packed"
+from common.model.amx_gemm import AmxGemm, AmxWeight
+
+ROW_MAJOR, WEIGHT_MAJOR, PACKED, AMX = "row_major", "weight_major", "packed", "amx"
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TRIALS = 5
 RECHECK_USES = 2000
@@ -41,19 +45,24 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 @dataclass
 class LinearWeight:
-    """A linear layer's weight [out, in] (and bias), with its oneDNN-packed copy if asked."""
+    """A linear layer's weight [out, in] (and bias), with its oneDNN-packed copy and its
+    AMX-packed copy if asked (each as much memory again as the weight)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None
+    amx: AmxWeight | None = None
 
     @staticmethod
     def of(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           pack: bool = False) -> LinearWeight:
+           pack: bool = False, amx: AmxGemm | None = None) -> LinearWeight:
         packed = None
         if pack and can_pack(weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
-        return LinearWeight(weight, bias, packed)
+        amx_weight = None
+        if amx is not None and amx.packable(weight):
+            amx_weight = AmxWeight(amx, amx.pack(weight))
+        return LinearWeight(weight, bias, packed, amx_weight)
 
     def tensors(self) -> list[torch.Tensor]:
         """The dense tensors a product reads (the packed copy holds the same bytes)."""
@@ -61,7 +70,10 @@ class LinearWeight:
 
 
 def linear(x: torch.Tensor, w: LinearWeight, kernel: str = ROW_MAJOR) -> torch.Tensor:
-    """x [rows, in] @ w.T (+ bias) by `kernel`; packed falls back to row_major without a pack."""
+    """x [rows, in] @ w.T (+ bias) by `kernel`; packed and amx fall back to row_major
+    without their copy of the weight."""
+    if kernel == AMX and w.amx is not None:
+        return w.amx(x, w.bias)
     if kernel == WEIGHT_MAJOR:
         out = torch.mm(w.weight, x.t()).t()
         return out if w.bias is None else out + w.bias

@@ -49,10 +49,12 @@ class ModelRunner:
                  max_total_tokens: int | None = None, kv_memory_bytes: int | None = None,
                  context_length: int | None = None, pack_weights: bool = True,
                  cpu_kernels: bool = True) -> None:
-        """`pack_weights`: on the CPU, also keep oneDNN-packed weights (twice the weight
-        memory) so decode's products can run on whichever kernel measures fastest.
+        """`pack_weights`: on the CPU, also keep packed weights (twice the weight memory:
+        oneDNN's layout, or in bfloat16 with AMX and the C kernels the AMX tiles' layout) so
+        decode's products can run on whichever kernel measures fastest.
         `cpu_kernels`: on the CPU, the C kernels of common.model.cpu_kernels where they
-        build (decode attention over the pages in place, the fused per-layer steps)."""
+        build (decode attention over the pages in place, the fused per-layer steps, the
+        AMX product)."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was given but torch sees no CUDA device")
