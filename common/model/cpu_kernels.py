@@ -1,9 +1,10 @@
 """The C kernels of common/model/csrc, compiled on first use for the CPU that runs them.
 
-torch on the CPU lacks three things decode needs: attention that reads the KV pages in
-place (csrc/paged_attention.c), the per-layer small steps fused into one call each
-(csrc/fused_ops.c), and bfloat16 products at few rows that keep up with memory on AMX
-(csrc/amx_gemm.c). All are plain C (no Python or torch headers) built into one library
+torch on the CPU lacks four things the model needs: attention that reads the KV pages in
+place (csrc/paged_attention.c for decode, csrc/prefill_attention.c for prefill's spans in
+float32), the per-layer small steps fused into one call each (csrc/fused_ops.c), and
+bfloat16 products at few rows that keep up with memory on AMX (csrc/amx_gemm.c). All are
+plain C (no Python or torch headers) built into one library
 with the machine's C compiler (-O3 -march=native -fopenmp, about 2 s) into a cache
 directory, keyed by the sources, the flags, the compiler and the CPU, and loaded with
 ctypes; their OpenMP calls resolve to the runtime torch has loaded. No compiler, or a
@@ -30,8 +31,8 @@ CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 # Per source, flags of its own: the fused ops round where torch rounds, so no multiply and
 # add may become one fused multiply-add there.
-SOURCES = (("paged_attention.c", ()), ("fused_ops.c", ("-ffp-contract=off",)),
-           ("amx_gemm.c", ()))
+SOURCES = (("paged_attention.c", ()), ("prefill_attention.c", ()),
+           ("fused_ops.c", ("-ffp-contract=off",)), ("amx_gemm.c", ()))
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}

@@ -14,7 +14,9 @@ from common.model.gemm import (
     AMX, PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, linear,
 )
 from common.model.fused_ops import FusedOps, fused_ops
-from common.model.paged_attention import PagedDecodeAttention, paged_decode_attention
+from common.model.paged_attention import (
+    PagedDecodeAttention, PagedPrefillAttention, paged_decode_attention, paged_prefill_attention,
+)
 from common.model.spec import ModelSpec, rope_inv_freq
 
 
@@ -146,10 +148,13 @@ class LlamaModel:
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
         self.paged_attention: PagedDecodeAttention | None = None
+        self.prefill_attention: PagedPrefillAttention | None = None
         self.fused: FusedOps | None = None
         if cpu_kernels:
             self.paged_attention = paged_decode_attention(device, dtype, spec.num_heads,
                                                           spec.num_kv_heads, spec.head_dim)
+            self.prefill_attention = paged_prefill_attention(device, dtype, spec.num_heads,
+                                                             spec.num_kv_heads, spec.head_dim)
             self.fused = fused_ops(device, dtype)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
@@ -306,6 +311,14 @@ class LlamaModel:
             )  # [B, kv_heads, groups, d]
             return out.reshape(bsz, self.q_size)
         assert batch.spans is not None and isinstance(batch.read_rows, list)
+        if self.prefill_attention is not None:
+            # every span's keys from its pages, the new tokens' among them (just written)
+            out = q.new_empty(q.shape[0], self.q_size)
+            for (start, num_new, _, prefix), rows in zip(batch.spans, batch.read_rows):
+                end = start + num_new
+                self.prefill_attention(pool.rows, rows, layer, q[start:end], prefix,
+                                       out[start:end], pool.page_size, self.scale)
+            return out
         outs = []
         for i, ((start, num_new, total, prefix), rows) in enumerate(zip(batch.spans,
                                                                         batch.read_rows)):

@@ -1,4 +1,5 @@
-"""Decode attention read from the KV pool's pages in place: csrc/paged_attention.c.
+"""Attention read from the KV pool's pages in place: decode (csrc/paged_attention.c) and
+prefill's causal spans in float32 (csrc/prefill_attention.c).
 
 torch on the CPU has no paged attention, so decode used to gather every sequence's pages
 into one tensor per layer (index_select) and run SDPA's flash kernel on the copy; at batch
@@ -15,7 +16,7 @@ import torch
 
 from common.model.cpu_kernels import load_library
 
-MAX_GROUPS, MAX_HEADS, MAX_HEAD_DIM = 16, 128, 256  # as in the C source
+MAX_GROUPS, MAX_HEADS, MAX_HEAD_DIM = 16, 128, 256  # as in the C sources
 _SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 
 
@@ -72,3 +73,50 @@ def paged_decode_attention(device: torch.device, dtype: torch.dtype, heads: int,
         return None
     lib = load_library()
     return PagedDecodeAttention(lib, dtype, kv_heads) if lib is not None else None
+
+
+class PagedPrefillAttention:
+    """Causal attention of one extend span's new tokens over its pages, float32
+    (csrc/prefill_attention.c): the new tokens' K and V are in the pages already."""
+
+    def __init__(self, lib: ctypes.CDLL, kv_heads: int) -> None:
+        self.kv_heads = kv_heads
+        fn = lib.paged_prefill_attention_f32
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, p, i64, i32, i32, i32, i32,
+                       ctypes.c_float, i32]
+        fn.restype = i32
+        self._fn = fn
+
+    @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                 head_dim: int) -> bool:
+        # float32 only: in bfloat16 torch's flash kernel runs on AMX, 2x this kernel's speed
+        return (device.type == "cpu" and dtype == torch.float32 and heads % kv_heads == 0
+                and heads // kv_heads <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM
+                and head_dim % 16 == 0)
+
+    def __call__(self, pool_rows: torch.Tensor, rows: torch.Tensor, layer: int, q: torch.Tensor,
+                 prefix: int, out: torch.Tensor, page_size: int, scale: float) -> None:
+        """q [n, heads, head_dim] (rows of any stride), the tokens at positions prefix ..
+        prefix + n - 1; rows int64, the span's pages' layer-0 K rows, covering prefix + n
+        tokens. Writes out [n, heads * head_dim] (rows of any stride)."""
+        n, heads, d = q.shape
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        assert out.stride(1) == 1 and out.shape == (n, heads * d) and rows.is_contiguous()
+        rc = self._fn(pool_rows.data_ptr(), pool_rows.shape[1], rows.data_ptr(), layer,
+                      q.data_ptr(), q.stride(0), n, prefix, out.data_ptr(), out.stride(0),
+                      heads, self.kv_heads, d, page_size, scale, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"paged prefill attention failed ({rc})")
+
+
+def paged_prefill_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                            head_dim: int) -> PagedPrefillAttention | None:
+    """The prefill kernel for this model, or None (not the CPU in float32, an unsupported
+    shape, no build)."""
+    if not PagedPrefillAttention.supports(device, dtype, heads, kv_heads, head_dim):
+        return None
+    lib = load_library()
+    return PagedPrefillAttention(lib, kv_heads) if lib is not None else None

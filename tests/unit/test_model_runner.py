@@ -72,16 +72,27 @@ def test_full_prompt_matches_reference(pair):
     runner.pool.allocator.free(pages)
 
 
-def test_three_chunks_read_prefix_from_pages(pair):
+@pytest.mark.parametrize("prefill_kernel", [True, False])
+def test_three_chunks_read_prefix_from_pages(pair, prefill_kernel):
+    """Later chunks attend to the cached prefix: through the paged prefill kernel, and through
+    torch's flash passes over gathered pages (bfloat16, CUDA, no compiler)."""
     ref, runner = pair
-    ids = _prompt(30, 2)
-    pages = runner.pool.allocator.allocate(pages_needed(len(ids), PAGE))
-    expect = _ref_logits(ref, ids)
-    # Chunk boundaries off page boundaries on purpose: partial pages get continued.
-    for start, stop in [(0, 7), (7, 20), (20, 30)]:
-        out = runner.extend([ExtendRequest(ids[start:stop], start, pages)])
-        torch.testing.assert_close(out.logits[0], expect[stop - 1], atol=ATOL, rtol=0)
-    runner.pool.allocator.free(pages)
+    model = runner.model
+    saved = model.prefill_attention
+    assert saved is not None  # float32 on the CPU, head dim 16: the kernel's case
+    if not prefill_kernel:
+        model.prefill_attention = None
+    try:
+        ids = _prompt(30, 2)
+        pages = runner.pool.allocator.allocate(pages_needed(len(ids), PAGE))
+        expect = _ref_logits(ref, ids)
+        # Chunk boundaries off page boundaries on purpose: partial pages get continued.
+        for start, stop in [(0, 7), (7, 20), (20, 30)]:
+            out = runner.extend([ExtendRequest(ids[start:stop], start, pages)])
+            torch.testing.assert_close(out.logits[0], expect[stop - 1], atol=ATOL, rtol=0)
+        runner.pool.allocator.free(pages)
+    finally:
+        model.prefill_attention = saved
 
 
 def _extend_then_decode_match_reference(ref, runner, prompts: list[list[int]], steps: int) -> None:
@@ -106,8 +117,10 @@ def _extend_then_decode_match_reference(ref, runner, prompts: list[list[int]], s
 
 def test_batched_extend_then_decode_of_different_lengths(pair):
     ref, runner = pair
-    # the C kernels built: decode reads the pages in place, the small steps are fused
-    assert runner.model.paged_attention is not None and runner.model.fused is not None
+    # the C kernels built: attention reads the pages in place, the small steps are fused
+    model = runner.model
+    assert model.paged_attention is not None and model.prefill_attention is not None
+    assert model.fused is not None
     _extend_then_decode_match_reference(ref, runner, [_prompt(n, 10 + n) for n in (5, 17, 11, 1)],
                                         steps=9)
     runner.pool.check_integrity()
@@ -131,19 +144,19 @@ def test_decode_matches_reference_on_every_product_kernel(pair, kernel):
 
 @pytest.mark.parametrize("without", ["paged_attention", "both"])
 def test_extend_and_decode_on_torch_ops_match_reference(pair, without):
-    """Decode attention over gathered pages (SDPA), and with it the per-layer steps as torch
-    ops: the model with --no-cpu-kernels or without a C compiler."""
+    """Attention over gathered pages and copies (SDPA), and with it the per-layer steps as
+    torch ops: the model with --no-cpu-kernels or without a C compiler."""
     ref, runner = pair
     model = runner.model
-    saved = model.paged_attention, model.fused
-    model.paged_attention = None
+    saved = model.paged_attention, model.prefill_attention, model.fused
+    model.paged_attention = model.prefill_attention = None
     if without == "both":
         model.fused = None
     try:
         _extend_then_decode_match_reference(ref, runner, [_prompt(n, 70 + n) for n in (6, 21, 2)],
                                             steps=3)
     finally:
-        model.paged_attention, model.fused = saved
+        model.paged_attention, model.prefill_attention, model.fused = saved
 
 
 def test_page_ids_outside_the_pool_are_refused_before_any_write(pair):

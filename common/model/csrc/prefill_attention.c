@@ -1,0 +1,339 @@
+/* Causal attention of a prefill span (a whole prompt, a later chunk, a cache hit) read from
+ * the paged KV pool in place: the span's new tokens, their K and V already written to the
+ * pages, attend to every key up to their own position.
+ *
+ * Pool rows as in paged_attention.c: a page's layer-l K is row base + 2l, its V row
+ * base + 2l + 1, each page_size tokens x kv_heads x head_dim.
+ *
+ * Flash attention in float32, blocked for the registers: a work item is one KV head and
+ * one block of query tokens, whose rows are (token, query head of that KV head) pairs, so
+ * every key block packed is used by all the heads that share it (GQA). Per key block of
+ * BLOCK_K keys: K packed transposed and V packed (both in float32, zero past the keys that
+ * exist), scores S = Q K^T by a register tile of ROWS x 4 vectors, the causal mask on the
+ * blocks that cross the diagonal (blocks above it are never read), an online softmax per
+ * row (running max and sum, exp_nonpositive) and O = alpha O + P V by the same tile. Work
+ * items run heaviest first (the last query blocks see the most keys). The packed K and V
+ * of the span are a transient float32 copy, 2 x kv_heads x tokens x head_dim (12 MB at
+ * 8k tokens for SmolLM2): every query block reads them, and each is packed once.
+ *
+ * torch's CPU flash kernel computes the same thing from a contiguous copy with each KV head
+ * repeated for its query heads (and, after a cached prefix, from the pages gathered and two
+ * passes merged); this reads the pages where they are.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VL 16  /* floats per vector register */
+#define ROWS 6 /* score rows per register tile: 6 x 4 accumulators of the 32 registers */
+#else
+#define VL 8
+#define ROWS 3 /* 3 x 4 of 16 */
+#endif
+#define NV 4                /* vectors per tile row; head dims are multiples of 16 */
+#define TILE_COLS (NV * VL) /* 64 or 32 */
+#define BLOCK_K 64          /* keys per block */
+#define MAX_HEAD_DIM 256
+#define MAX_GROUPS 16
+#define TARGET_ROWS 96 /* rows per work item: query tokens x query heads per KV head */
+
+typedef float vec __attribute__((vector_size(VL * 4)));
+
+static inline vec vload(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vstore(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+/* x in every lane: x - 0 is x exactly (even -0), so this folds to one broadcast; 0 + x
+ * does not fold (-0 + 0 is +0) and costs a scalar add per broadcast. */
+static inline vec splat(float x) { return x - (vec){0}; }
+
+typedef int32_t vmask __attribute__((vector_size(VL * 4)));
+
+static inline vec vmax(vec a, vec b) {
+    const vmask m = a > b;
+    return (vec)(((vmask)a & m) | ((vmask)b & ~m));
+}
+
+/* Horizontal max and sum as trees of halves (lane by lane they are 15 dependent steps per
+ * row, a fifth of the kernel's time when written so). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+static inline v8f max8(v8f a, v8f b) {
+    const v8i m = a > b;
+    return (v8f)(((v8i)a & m) | ((v8i)b & ~m));
+}
+
+static inline v4f max4(v4f a, v4f b) {
+    const v4i m = a > b;
+    return (v4f)(((v4i)a & m) | ((v4i)b & ~m));
+}
+
+static inline v8f lo8(vec v) {
+#if VL == 16
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+#else
+    return v;
+#endif
+}
+
+#if VL == 16
+static inline v8f hi8(vec v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+#endif
+
+static inline float hmax(vec v) {
+    v8f a = lo8(v);
+#if VL == 16
+    a = max8(a, hi8(v));
+#endif
+    const v4f b = max4(__builtin_shufflevector(a, a, 0, 1, 2, 3),
+                       __builtin_shufflevector(a, a, 4, 5, 6, 7));
+    const float x = b[0] > b[2] ? b[0] : b[2], y = b[1] > b[3] ? b[1] : b[3];
+    return x > y ? x : y;
+}
+
+static inline float hsum(vec v) {
+    v8f a = lo8(v);
+#if VL == 16
+    a = a + hi8(v);
+#endif
+    const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* exp(x) for softmax's x <= 0 (a score minus its row's max): exp_poly's reduction and
+ * polynomial (cpu_math.h, relative error < 2e-7) without its overflow side, the scale
+ * added to the exponent bits. Below -86 it gives 0 (exp(-86) is 4e-38, nothing against
+ * the row's largest term, 1); the cut keeps 2^n a normal number. */
+static inline float exp_nonpositive(float x) {
+    const float big = 12582912.0f; /* 1.5 * 2^23: adding and taking it away rounds */
+    const float xc = x < -86.0f ? -86.0f : x;
+    const float n = (xc * 1.44269504088896341f + big) - big;
+    const float r = xc - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += (int32_t)n << 23;
+    float y;
+    memcpy(&y, &bits, sizeof y);
+    return x < -86.0f ? 0.0f : y;
+}
+
+/* s[r][0..TILE_COLS) = sum_c q[r][c] kt[c][0..TILE_COLS) for ROWS rows (row strides d, BLOCK_K). */
+static inline __attribute__((always_inline)) void score_tile(const float *q, const float *kt,
+                                                             int d, float *s) {
+    vec acc[ROWS][NV];
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = (vec){0};
+    for (int c = 0; c < d; c++) {
+        vec k[NV];
+        for (int v = 0; v < NV; v++) k[v] = vload(kt + (int64_t)c * BLOCK_K + v * VL);
+        for (int r = 0; r < ROWS; r++) {
+            const vec qv = splat(q[(int64_t)r * d + c]);
+            for (int v = 0; v < NV; v++) acc[r][v] += qv * k[v];
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < NV; v++) vstore(s + (int64_t)r * BLOCK_K + v * VL, acc[r][v]);
+}
+
+/* o[r][0..nv VL) = alpha[r] o[r] + sum_{j < n} p[r][j] v[j][0..nv VL) (o and v stride d);
+ * nv is a constant where it is called (4, or 1 for a head dim's last vectors). */
+static inline __attribute__((always_inline)) void value_tile(const float *p, const float *v,
+                                                             int d, int n, const float *alpha,
+                                                             float *o, int nv) {
+    vec acc[ROWS][NV];
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < nv; c++) acc[r][c] = vload(o + (int64_t)r * d + c * VL) * alpha[r];
+    for (int j = 0; j < n; j++) {
+        vec vv[NV];
+        for (int c = 0; c < nv; c++) vv[c] = vload(v + (int64_t)j * d + c * VL);
+        for (int r = 0; r < ROWS; r++) {
+            const vec pv = splat(p[(int64_t)r * BLOCK_K + j]);
+            for (int c = 0; c < nv; c++) acc[r][c] += pv * vv[c];
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < nv; c++) vstore(o + (int64_t)r * d + c * VL, acc[r][c]);
+}
+
+typedef struct {
+    const float *pool;
+    int64_t row_elems, layer, q_stride, n_q, q_pos0, out_stride;
+    const int64_t *rows;
+    const float *q;
+    float *out;
+    int heads, kv_heads, d, page_size, block_q;
+    float scale;
+} Args;
+
+typedef struct {
+    float *q, *s, *o, *m, *l, *alpha;
+} Scratch;
+
+/* Packs key block b of KV head h (keys [b BLOCK_K, + n)): K transposed into kt [d][BLOCK_K],
+ * V into v [BLOCK_K][d], as float32; keys past n are zero (never NaN from a stale slot). */
+static void pack_block(const Args *a, int h, int64_t b, int n, float *kt, float *v) {
+    const int d = a->d;
+    const int64_t tok = (int64_t)a->kv_heads * d, ps = a->page_size;
+    for (int j = 0; j < n; j++) {
+        const int64_t pos = b * BLOCK_K + j, page = pos / ps, off = pos % ps;
+        const int64_t krow = a->rows[page] + 2 * a->layer;
+        const int64_t kat = krow * a->row_elems + off * tok + (int64_t)h * d;
+        const int64_t vat = kat + a->row_elems;
+        for (int c = 0; c < d; c++) kt[(int64_t)c * BLOCK_K + j] = a->pool[kat + c];
+        memcpy(v + (int64_t)j * d, a->pool + vat, sizeof(float) * d);
+    }
+    for (int j = n; j < BLOCK_K; j++) {
+        for (int c = 0; c < d; c++) kt[(int64_t)c * BLOCK_K + j] = 0.0f;
+        memset(v + (int64_t)j * d, 0, sizeof(float) * d);
+    }
+}
+
+/* One work item: KV head h, query tokens [t0, t0 + nt). Row r is token t0 + r / groups,
+ * query head h * groups + r % groups; rows are padded to a multiple of ROWS with zeros. */
+static void item(const Args *a, int h, int64_t t0, int nt, const float *kt_all,
+                 const float *v_all, Scratch *w) {
+    const int d = a->d, groups = a->heads / a->kv_heads;
+    const int rows = nt * groups, padded = (rows + ROWS - 1) / ROWS * ROWS;
+    for (int r = 0; r < padded; r++) {
+        float *qr = w->q + (int64_t)r * d;
+        if (r < rows) {
+            const int64_t at = (t0 + r / groups) * a->q_stride + (int64_t)(h * groups + r % groups) * d;
+            for (int c = 0; c < d; c++) qr[c] = a->q[at + c] * a->scale;
+        } else {
+            memset(qr, 0, sizeof(float) * d);
+        }
+        memset(w->o + (int64_t)r * d, 0, sizeof(float) * d);
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    const int64_t first_pos = a->q_pos0 + t0, last_pos = first_pos + nt - 1;
+    for (int64_t k0 = 0; k0 <= last_pos; k0 += BLOCK_K) {
+        const int n = last_pos + 1 - k0 < BLOCK_K ? (int)(last_pos + 1 - k0) : BLOCK_K;
+        const float *kt = kt_all + k0 * d, *v = v_all + k0 * d;
+        for (int r = 0; r < padded; r += ROWS)
+            for (int c = 0; c < BLOCK_K; c += TILE_COLS)
+                score_tile(w->q + (int64_t)r * d, kt + c, d, w->s + (int64_t)r * BLOCK_K + c);
+        const int masked = k0 + n - 1 > first_pos; /* a key after some row's own position */
+        for (int r = 0; r < padded; r++) {
+            float *s = w->s + (int64_t)r * BLOCK_K;
+            /* keys this row sees in the block: up to its position, and only those that exist */
+            int see = n;
+            if (masked && r < rows) {
+                const int64_t upto = first_pos + r / groups - k0 + 1;
+                see = upto < 0 ? 0 : (upto < n ? (int)upto : n);
+            }
+            for (int j = see; j < BLOCK_K; j++) s[j] = -INFINITY; /* exp gives 0 */
+            vec top = vload(s);
+            for (int j = VL; j < BLOCK_K; j += VL) top = vmax(top, vload(s + j));
+            float mx = hmax(top);
+            mx = w->m[r] > mx ? w->m[r] : mx;
+            for (int j = 0; j < BLOCK_K; j++) s[j] = exp_nonpositive(s[j] - mx);
+            vec total = vload(s);
+            for (int j = VL; j < BLOCK_K; j += VL) total += vload(s + j);
+            const float sum = hsum(total);
+            w->alpha[r] = exp_nonpositive(w->m[r] - mx);
+            w->l[r] = w->l[r] * w->alpha[r] + sum;
+            w->m[r] = mx;
+        }
+        for (int r = 0; r < padded; r += ROWS) {
+            const float *p = w->s + (int64_t)r * BLOCK_K;
+            float *o = w->o + (int64_t)r * d;
+            int c = 0;
+            for (; c + TILE_COLS <= d; c += TILE_COLS)
+                value_tile(p, v + c, d, n, w->alpha + r, o + c, NV);
+            for (; c < d; c += VL) value_tile(p, v + c, d, n, w->alpha + r, o + c, 1);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const int64_t at = (t0 + r / groups) * a->out_stride + (int64_t)(h * groups + r % groups) * d;
+        const float inv = 1.0f / w->l[r];
+        const float *o = w->o + (int64_t)r * d;
+        for (int c = 0; c < d; c++) a->out[at + c] = o[c] * inv;
+    }
+}
+
+static int attend(const Args *a, int threads) {
+    const int d = a->d;
+    if (a->kv_heads < 1 || a->heads % a->kv_heads || a->heads / a->kv_heads > MAX_GROUPS ||
+        d > MAX_HEAD_DIM || d % 16 || a->n_q < 1 || a->q_pos0 < 0 || threads < 1)
+        return -1;
+    const int groups = a->heads / a->kv_heads;
+    const int64_t bq = a->block_q, blocks = (a->n_q + bq - 1) / bq;
+    const int64_t items = blocks * a->kv_heads;
+    const int64_t padded = (bq * groups + ROWS - 1) / ROWS * ROWS;
+    const int64_t keys = a->q_pos0 + a->n_q, kblocks = (keys + BLOCK_K - 1) / BLOCK_K;
+    const int64_t per_head = kblocks * BLOCK_K * (int64_t)d; /* K^T blocks, or V blocks */
+    const int64_t per_thread = padded * (2 * d + BLOCK_K + 3);
+    if (threads > items) threads = (int)items;
+    float *packed = aligned_alloc(64, sizeof(float) * (size_t)(2 * per_head * a->kv_heads));
+    /* aligned_alloc wants a multiple of the alignment: 16 floats */
+    float *scratch = aligned_alloc(64, sizeof(float) * (size_t)((per_thread * threads + 15) / 16 * 16));
+    if (!packed || !scratch) {
+        free(packed);
+        free(scratch);
+        return -2;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        /* every key block of every KV head packed once, then used by all query blocks */
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < kblocks * a->kv_heads; it++) {
+            const int h = (int)(it / kblocks);
+            const int64_t b = it % kblocks;
+            const int n = keys - b * BLOCK_K < BLOCK_K ? (int)(keys - b * BLOCK_K) : BLOCK_K;
+            float *kt = packed + h * per_head + b * BLOCK_K * d;
+            float *v = packed + (a->kv_heads + h) * per_head + b * BLOCK_K * d;
+            pack_block(a, h, b, n, kt, v);
+        }
+        float *base = scratch + per_thread * omp_get_thread_num();
+        Scratch w = {base, base + padded * d, base + padded * (d + BLOCK_K),
+                     base + padded * (2 * d + BLOCK_K), base + padded * (2 * d + BLOCK_K + 1),
+                     base + padded * (2 * d + BLOCK_K + 2)};
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            /* heaviest first: the last query block, every KV head, then the one before */
+            const int64_t block = blocks - 1 - it / a->kv_heads;
+            const int h = (int)(it % a->kv_heads);
+            const int64_t t0 = block * bq;
+            const int nt = a->n_q - t0 < bq ? (int)(a->n_q - t0) : (int)bq;
+            item(a, h, t0, nt, packed + h * per_head, packed + (a->kv_heads + h) * per_head, &w);
+        }
+    }
+    free(packed);
+    free(scratch);
+    return 0;
+}
+
+/* The entry point (ctypes, common/model/paged_attention.py): pool = KVPool.rows of
+ * row_elems floats per row; rows: the span's pages' base rows, covering q_pos0 + n_q tokens;
+ * q [n_q, heads, d] with q_stride floats between tokens; out [n_q, heads * d] with
+ * out_stride floats between tokens. Query token i is at position q_pos0 + i. Returns 0, -1
+ * for a shape the kernel does not take, -2 out of memory. */
+int paged_prefill_attention_f32(const float *pool, int64_t row_elems, const int64_t *rows,
+                                int64_t layer, const float *q, int64_t q_stride, int64_t n_q,
+                                int64_t q_pos0, float *out, int64_t out_stride, int heads,
+                                int kv_heads, int d, int page_size, float scale, int threads) {
+    const int groups = kv_heads > 0 ? heads / kv_heads : 1;
+    int bq = TARGET_ROWS / (groups > 0 ? groups : 1);
+    if (bq < 8) bq = 8;
+    const Args a = {pool, row_elems, layer, q_stride, n_q, q_pos0, out_stride, rows, q,
+                    out, heads, kv_heads, d, page_size, bq, scale};
+    return attend(&a, threads);
+}
