@@ -3,7 +3,8 @@
 Prefill: for each dtype and prompt length (128, 1k, 4k, 8k tokens), one prompt through
 our extend and through transformers' forward (last-token logits only, no cache kept), the
 best of --repeats; tokens/s, the ratio, and the fraction of the matmul bound (linear
-layers' and attention's FLOPs / this machine's measured GEMM FLOP/s).
+layers' and attention's FLOPs / this machine's measured GEMM FLOP/s); side by side, ours
+with torch's flash attention on copies in place of the paged prefill kernel (vs torch).
 Decode: for each dtype (float32; bfloat16 where the CPU has native bf16) and batch size
 (1, 8, 32): prefill the same prompts in both, then time only the decode steps; side by side,
 also our decode on always weight-major products (vs wm) and on torch's ops without the C
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 from common.cpu_features import has_native_bf16  # noqa: E402
 from common.kv_pool import pages_needed  # noqa: E402
 from common.model.default_model import default_model_dir  # noqa: E402
-from common.model.gemm import WEIGHT_MAJOR, KernelChooser, bucket_of  # noqa: E402
+from common.model.gemm import AMX, WEIGHT_MAJOR, KernelChooser, bucket_of  # noqa: E402
 from common.model.runner import ExtendRequest, ModelRunner  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
 from cpu_info import describe_cpu  # noqa: E402
@@ -97,23 +98,35 @@ def prefill_flops(spec, n: int) -> float:
     return n * linear + attention + 2 * spec.vocab_size * spec.hidden_size
 
 
+def _prefill_seconds(runner: ModelRunner, ids: list[int]) -> float:
+    pages = runner.pool.allocator.allocate(pages_needed(len(ids), runner.page_size))
+    try:
+        t = time.perf_counter()
+        runner.extend([ExtendRequest(ids, 0, pages)])
+        return time.perf_counter() - t
+    finally:
+        runner.pool.allocator.free(pages)
+
+
 def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths: list[int],
-                 repeats: int) -> list[dict]:
+                 repeats: int, torch_ops: bool) -> list[dict]:
+    """Per length: ours, transformers' and (if `torch_ops` and the runner has the paged
+    prefill kernel) ours on torch's attention, interleaved, best of `repeats` each."""
     rows = []
     g = torch.Generator().manual_seed(0)
+    plain_too = torch_ops and runner.model.prefill_attention is not None
     for n in lengths:
         ids = torch.randint(0, runner.spec.vocab_size, (n,), generator=g).tolist()
-        ours, theirs = [], []
+        ours, theirs, plain = [], [], []
         for _ in range(repeats):
-            pages = runner.pool.allocator.allocate(pages_needed(n, runner.page_size))
-            t = time.perf_counter()
-            runner.extend([ExtendRequest(ids, 0, pages)])
-            ours.append(time.perf_counter() - t)
-            runner.pool.allocator.free(pages)
+            ours.append(_prefill_seconds(runner, ids))
             with torch.no_grad():
                 t = time.perf_counter()
                 hf(torch.tensor([ids]), use_cache=False, logits_to_keep=1)
                 theirs.append(time.perf_counter() - t)
+            if plain_too:
+                with model_swapped(runner, prefill_attention=None):
+                    plain.append(_prefill_seconds(runner, ids))
         t_ours, t_hf = min(ours), min(theirs)
         rows.append({
             "bench": "model_runner", "phase": "prefill", "tokens": n, "dtype": dtype_name,
@@ -122,6 +135,9 @@ def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths:
             "ratio_vs_transformers": round(t_hf / t_ours, 3),
             "seconds": round(t_ours, 3), "transformers_seconds": round(t_hf, 3),
             "fraction_of_matmul_bound": round(prefill_flops(runner.spec, n) / gemm / t_ours, 3),
+            # the paged prefill kernel against torch's flash kernel on copies (what ran before)
+            "prefill_attention": runner.model.prefill_attention is not None,
+            "ratio_vs_torch_attention": round(min(plain) / t_ours, 3) if plain else None,
         })
     return rows
 
@@ -172,9 +188,15 @@ def fixed_kernel_seconds(runner: ModelRunner, prompts: list[list[int]], new_toke
 
 
 def torch_ops_seconds(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> float:
-    """Our decode on torch's ops only, as with --no-cpu-kernels and as before the C kernels
-    (common.model.cpu_kernels): attention over gathered pages, the small steps unfused."""
-    with model_swapped(runner, paged_attention=None, fused=None):
+    """Our decode on torch's ops only, as before the C kernels (common.model.cpu_kernels):
+    attention over gathered pages, the small steps unfused, no AMX product. Where the AMX
+    product replaced oneDNN's packed weights the choice is row- or weight-major only (with
+    --no-cpu-kernels the runner packs for oneDNN, 1.5-2.2x slower than AMX at these rows)."""
+    assert runner.model.chooser is not None  # the CPU
+    kernels = tuple(k for k in runner.model.chooser.kernels if k != AMX)
+    with model_swapped(runner, paged_attention=None, fused=None, prefill_attention=None,
+                       chooser=KernelChooser(kernels), head_chooser=KernelChooser(kernels)):
+        ours_decode_seconds(runner, prompts, new_tokens)  # the fresh choosers measure first
         return ours_decode_seconds(runner, prompts, new_tokens)[0]
 
 
@@ -226,7 +248,8 @@ def main() -> None:
     ap.add_argument("--skip-fixed-kernel", action="store_true",
                     help="leave out the decode runs on always weight-major products")
     ap.add_argument("--skip-torch-ops", action="store_true",
-                    help="leave out the decode runs on torch's ops only (no C kernels)")
+                    help="leave out our runs on torch's ops only (decode without the C kernels, "
+                    "prefill on torch's flash attention)")
     args = ap.parse_args()
     print(f"cpu: {describe_cpu()}")
     dtypes = args.dtypes or (["float32", "bfloat16"] if has_native_bf16() else ["float32"])
@@ -258,7 +281,7 @@ def main() -> None:
         flops_per_token = runner.spec.decode_flops_per_token()
         if not args.skip_prefill:
             prefill += prefill_rows(runner, hf, dtype_name, gemm, args.prefill_lengths,
-                                    args.repeats)
+                                    args.repeats, not args.skip_torch_ops)
         for batch in ([] if args.skip_decode else args.batches):
             prompts = prompt_batch(tokenizer, batch)
             # Untimed: the runner measures its product kernels for this batch size first
@@ -340,12 +363,12 @@ def main() -> None:
 
     if prefill:
         print(f"prefill\n{'dtype':9} {'tokens':>6} {'ours tok/s':>11} {'hf tok/s':>9} "
-              f"{'ratio':>6} {'ours s':>8} {'hf s':>8} {'of bound':>9}")
+              f"{'ratio':>6} {'ours s':>8} {'hf s':>8} {'of bound':>9} {'vs torch':>8}")
         for r in prefill:
             print(f"{r['dtype']:9} {r['tokens']:6d} {r['tokens_per_s']:11.1f} "
                   f"{r['transformers_tokens_per_s']:9.1f} {r['ratio_vs_transformers']:6.2f} "
                   f"{r['seconds']:8.2f} {r['transformers_seconds']:8.2f} "
-                  f"{r['fraction_of_matmul_bound']:9.2f}")
+                  f"{r['fraction_of_matmul_bound']:9.2f} {r['ratio_vs_torch_attention'] or '-':>8}")
     if rows:
         print(f"decode\n{'dtype':9} {'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} "
               f"{'ratio':>6} {'step ms':>8} {'bound ms':>9} {'(flop':>6} {'mem)':>5} "
