@@ -7,6 +7,8 @@ import torch
 
 from common.kv_pool import pages_needed
 from common.model.gemm import PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
+from common.model.cpu_kernels import load_library
+from common.model.paged_attention import paged_prefill_attention
 from common.model.runner import ExtendRequest, ModelRunner
 
 transformers = pytest.importorskip("transformers")
@@ -79,9 +81,12 @@ def test_three_chunks_read_prefix_from_pages(pair, prefill_kernel):
     ref, runner = pair
     model = runner.model
     saved = model.prefill_attention
-    assert saved is not None  # float32 on the CPU, head dim 16: the kernel's case
-    if not prefill_kernel:
-        model.prefill_attention = None
+    spec = runner.spec
+    # float32 on the CPU, head dim 16: the kernel's case (the model takes it with AVX-512)
+    model.prefill_attention = paged_prefill_attention(
+        runner.device, torch.float32, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+        any_vector_width=True) if prefill_kernel else None
+    assert (model.prefill_attention is not None) == prefill_kernel
     try:
         ids = _prompt(30, 2)
         pages = runner.pool.allocator.allocate(pages_needed(len(ids), PAGE))
@@ -119,10 +124,22 @@ def test_batched_extend_then_decode_of_different_lengths(pair):
     ref, runner = pair
     # the C kernels built: attention reads the pages in place, the small steps are fused
     model = runner.model
-    assert model.paged_attention is not None and model.prefill_attention is not None
-    assert model.fused is not None
-    _extend_then_decode_match_reference(ref, runner, [_prompt(n, 10 + n) for n in (5, 17, 11, 1)],
-                                        steps=9)
+    assert model.paged_attention is not None and model.fused is not None
+    # prefill's kernel where it is built with AVX-512 (slower than torch's without); the
+    # batch's four spans go through it here on any machine
+    lib = load_library()
+    assert lib is not None
+    assert (model.prefill_attention is not None) == (lib.prefill_attention_lanes() == 16)
+    saved = model.prefill_attention
+    spec = runner.spec
+    model.prefill_attention = paged_prefill_attention(
+        runner.device, torch.float32, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+        any_vector_width=True)
+    try:
+        _extend_then_decode_match_reference(ref, runner,
+                                            [_prompt(n, 10 + n) for n in (5, 17, 11, 1)], steps=9)
+    finally:
+        model.prefill_attention = saved
     runner.pool.check_integrity()
 
 

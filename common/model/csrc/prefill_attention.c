@@ -321,6 +321,11 @@ static int attend(const Args *a, int threads) {
     return 0;
 }
 
+/* Floats per vector register this build uses: common/model/paged_attention.py takes the
+ * kernel only at 16 (AVX-512). The 8-lane build is correct but measured 2.5-3x slower than
+ * torch's flash kernel, which ran with AVX-512, on the same AMX Xeon (-march=haswell). */
+int prefill_attention_lanes(void) { return VL; }
+
 /* The entry point (ctypes, common/model/paged_attention.py): pool = KVPool.rows of
  * row_elems floats per row; rows: the span's pages' base rows, covering q_pos0 + n_q tokens;
  * q [n_q, heads, d] with q_stride floats between tokens; out [n_q, heads * d] with
