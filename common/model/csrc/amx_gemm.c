@@ -66,41 +66,17 @@ static void configure(int rows0, int rows1) {
     _tile_loadconfig(&cfg);
 }
 
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-
-/* 16 floats rounded to bfloat16 as to_bf16 rounds them (cpu_math.h), in vector registers. */
-static inline vh to_bf16_16(vf f) {
-    vu u;
-    memcpy(&u, &f, sizeof u);
-    const vu nan = (u & 0x7fffffffu) > 0x7f800000u;
-    const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & rounded), vh);
-}
-
-static inline vf from_bf16_16(const bf16 *p) {
-    vh h;
-    memcpy(&h, p, sizeof h);
-    vu w = __builtin_convertvector(h, vu) << 16;
-    vf f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
 /* The accumulators of one column pair and up to 32 rows to y, rounded to bfloat16; torch
  * rounds the product, then adds the bias and rounds again. */
 static void store_rows(float acc[32][2 * BLOCK_N], int rows, int blocks, const bf16 *bias,
                        bf16 *y, int64_t ldy) {
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < blocks; c++) {
-            vf v;
+            f32x16 v;
             memcpy(&v, &acc[r][c * BLOCK_N], sizeof v);
-            vh h = to_bf16_16(v);
-            if (bias != NULL) {
-                vh sum = to_bf16_16(from_bf16_16((const bf16 *)&h) + from_bf16_16(bias + c * BLOCK_N));
-                h = sum;
-            }
+            u16x16 h = to_bf16x16(v);
+            if (bias != NULL)
+                h = to_bf16x16(load_bf16x16((const bf16 *)&h) + load_bf16x16(bias + c * BLOCK_N));
             memcpy(y + r * ldy + c * BLOCK_N, &h, sizeof h);
         }
 }

@@ -40,15 +40,14 @@ static inline __attribute__((always_inline)) float rnd(float x, int is_bf16) {
     return is_bf16 ? from_bf16(to_bf16(x)) : x;
 }
 
-/* exp over the whole float range: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, p degree-6
- * Taylor (relative error < 2e-7); overflow gives inf, underflow 0 (no subnormals). n is
- * rounded by adding and taking away 1.5 * 2^23 (nearbyintf is a library call here, and
- * this is plain arithmetic the compiler vectorizes). */
-static inline float exp_poly(float x) {
+/* exp's reduction and polynomial: x = n ln2 + r, |r| <= ln2/2, returns p(r) ~ exp(r)
+ * (degree-6 Taylor, relative error < 2e-7) and n. n is rounded by adding and taking away
+ * 1.5 * 2^23 (nearbyintf is a library call here, and this is plain arithmetic the compiler
+ * vectorizes). x must lie within [-126 ln2, 128 ln2]. */
+static inline float exp_reduced(float x, float *n_out) {
     const float big = 12582912.0f; /* 1.5 * 2^23 */
-    const float xc = x > 88.7f ? 88.7f : (x < -87.3f ? -87.3f : x);
-    const float n = (xc * 1.44269504088896341f + big) - big;
-    const float r = xc - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+    const float n = (x * 1.44269504088896341f + big) - big;
+    const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
     float p = 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
     p = p * r + 1.0f / 24.0f;
@@ -56,6 +55,16 @@ static inline float exp_poly(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
+    *n_out = n;
+    return p;
+}
+
+/* exp over the whole float range: 2^n * p(r); overflow gives inf, underflow 0 (no
+ * subnormals). */
+static inline float exp_poly(float x) {
+    const float xc = x > 88.7f ? 88.7f : (x < -87.3f ? -87.3f : x);
+    float n;
+    const float p = exp_reduced(xc, &n);
     /* |n| <= 128: the scale in two halves, so 2^128 does not overflow the exponent field */
     const int32_t e = (int32_t)n, e1 = e >> 1, e2 = e - e1;
     const int32_t b1 = (e1 + 127) << 23, b2 = (e2 + 127) << 23;
@@ -64,6 +73,29 @@ static inline float exp_poly(float x) {
     memcpy(&s2, &b2, sizeof s2);
     const float y = p * s1 * s2;
     return x > 88.7f ? INFINITY : (x < -87.3f ? 0.0f : y);
+}
+
+/* 16 lanes (one AVX-512 register, two AVX2 ones) of bfloat16 widened to float, and of
+ * float rounded to bfloat16 as to_bf16 rounds them. */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+static inline f32x16 load_bf16x16(const bf16 *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    f32x16 v;
+    memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+static inline u16x16 to_bf16x16(f32x16 f) {
+    u32x16 u;
+    memcpy(&u, &f, sizeof u);
+    const u32x16 nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & rounded), u16x16);
 }
 
 #endif

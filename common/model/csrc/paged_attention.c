@@ -27,26 +27,15 @@
 
 #include "cpu_math.h"
 
-/* 16 floats: GCC vector extensions, one AVX-512 register, two AVX2 ones, four NEON ones.
- * Head dims are multiples of 16 (checked by the caller). */
-typedef float vf __attribute__((vector_size(64)));
+/* 16 floats (cpu_math.h's f32x16): GCC vector extensions, one AVX-512 register, two AVX2
+ * ones, four NEON ones. Head dims are multiples of 16 (checked by the caller). */
+typedef f32x16 vf;
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
 
 static inline vf load_f32(const float *p) {
     vf v;
     memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline vf load_bf16(const bf16 *p) {
-    vh h;
-    memcpy(&h, p, sizeof h);
-    vu w = __builtin_convertvector(h, vu) << 16;
-    vf v;
-    memcpy(&v, &w, sizeof v);
     return v;
 }
 
@@ -62,7 +51,7 @@ static inline float hsum(vf v) {
 /* Loads 16 values of the pool's dtype as floats; `is_bf16` is a constant in each caller. */
 static inline __attribute__((always_inline)) vf load16(const void *base, int64_t index,
                                                        int is_bf16) {
-    return is_bf16 ? load_bf16((const bf16 *)base + index) : load_f32((const float *)base + index);
+    return is_bf16 ? load_bf16x16((const bf16 *)base + index) : load_f32((const float *)base + index);
 }
 
 typedef struct {

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #if defined(__AVX512F__)
 #define VL 16  /* floats per vector register */
 #define ROWS 6 /* score rows per register tile: 6 x 4 accumulators of the 32 registers */
@@ -111,21 +113,12 @@ static inline float hsum(vec v) {
 }
 
 /* exp(x) for softmax's x <= 0 (a score minus its row's max): exp_poly's reduction and
- * polynomial (cpu_math.h, relative error < 2e-7) without its overflow side, the scale
- * added to the exponent bits. Below -86 it gives 0 (exp(-86) is 4e-38, nothing against
- * the row's largest term, 1); the cut keeps 2^n a normal number. */
+ * polynomial (cpu_math.h) without its overflow side, the scale added to the exponent bits.
+ * Below -86 it gives 0 (exp(-86) is 4e-38, nothing against the row's largest term, 1); the
+ * cut keeps 2^n a normal number. */
 static inline float exp_nonpositive(float x) {
-    const float big = 12582912.0f; /* 1.5 * 2^23: adding and taking it away rounds */
-    const float xc = x < -86.0f ? -86.0f : x;
-    const float n = (xc * 1.44269504088896341f + big) - big;
-    const float r = xc - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    float n;
+    const float p = exp_reduced(x < -86.0f ? -86.0f : x, &n);
     int32_t bits;
     memcpy(&bits, &p, sizeof bits);
     bits += (int32_t)n << 23;
