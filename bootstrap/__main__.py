@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
-import json
 import logging
 import signal
 import socket
@@ -18,11 +17,11 @@ from bootstrap.registry import DEFAULT_LEASE_S
 from bootstrap.router import DEFAULT_AFFINITY_TOKENS, DEFAULT_EPSILON
 from common import metrics, socket_auth
 from common.config import BootstrapConfig, ConfigError, add_bootstrap_args
+from common.ready import READY_PREFIX, ready_line  # noqa: F401  (READY_PREFIX: for tests)
 
 if TYPE_CHECKING:  # the service pulls in transformers and torch: import it after the flags check
     from bootstrap.service import BootstrapService, GatewaySettings
 
-READY_PREFIX = "PDSERVE_READY "  # common.node_process.READY_PREFIX, without importing the runner
 
 
 try:
@@ -158,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def announce(info: dict[str, object]) -> None:
         logger.info("API on %s, registry on %s", info["api_url"], info["registry_url"])
-        print(READY_PREFIX + json.dumps(info), flush=True)
+        sys.stdout.write(ready_line(info))
+        sys.stdout.flush()
 
     async def run() -> None:
         loop = asyncio.get_running_loop()

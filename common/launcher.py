@@ -32,7 +32,8 @@ import urllib.request
 from typing import Any
 
 from common.config import add_bootstrap_args, add_decode_args, add_prefill_args
-from common.node_process import READY_PREFIX, add_node_args
+from common.node_process import add_node_args
+from common.ready import parse_ready
 from common.roles import ROLE_MODULES
 
 ROLE_PARSERS = {"bootstrap": add_bootstrap_args, "prefill": add_prefill_args, "decode": add_decode_args}
@@ -156,9 +157,10 @@ class Child:
     def _read(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.startswith(READY_PREFIX):
+            info = parse_ready(line)
+            if info is not None:
                 if self.ready is None:
-                    self.ready = json.loads(line[len(READY_PREFIX):])
+                    self.ready = info
             else:
                 sys.stdout.write(f"[{self.name}] {line}")
 

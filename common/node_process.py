@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -24,14 +23,13 @@ from common import metrics
 from common.config import ModelConfig
 from common.ipc import bind_pull
 from common.node_http import serve_status
+from common.ready import READY_PREFIX, ready_line  # noqa: F401  (READY_PREFIX: for callers)
 from common.registry_set import RegistrySet
 
 if TYPE_CHECKING:
     from common.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-READY_PREFIX = "PDSERVE_READY "
 
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +134,8 @@ class NodeProcess:
         """One machine-readable line on stdout for launchers and tests."""
         info = {"role": self.node.role, "node_id": self.node.node_id, "http_url": self.http_url,
                 **fields}
-        print(READY_PREFIX + json.dumps(info), flush=True)
+        sys.stdout.write(ready_line(info))
+        sys.stdout.flush()
 
     def is_gateway_alive(self, gateway_id: str, now: float) -> bool:
         """Whether the gateway that sent a request is still there (always, without a registry)."""

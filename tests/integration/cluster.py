@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.node_process import READY_PREFIX
+from common.ready import parse_ready
 
 
 @dataclass
@@ -61,8 +61,9 @@ def _spawn(proc: Proc) -> None:
     def read() -> None:
         assert popen.stdout is not None
         for line in popen.stdout:
-            if line.startswith(READY_PREFIX) and not proc.ready and proc.popen is popen:
-                proc.ready.update(json.loads(line[len(READY_PREFIX):]))
+            info = parse_ready(line)
+            if info is not None and not proc.ready and proc.popen is popen:
+                proc.ready.update(info)
             proc.lines.append(line)
             del proc.lines[:-200]
 

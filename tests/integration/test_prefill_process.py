@@ -17,7 +17,7 @@ import zmq
 from common import messages as msg
 from common.ipc import bind_pull, recv_messages
 from common.kv_pool import pages_needed
-from common.node_process import READY_PREFIX
+from common.ready import parse_ready
 from kv_node import NodeProcess, NodeSpec
 from tolerance import assert_close_scaled
 
@@ -35,8 +35,9 @@ def start_node(module: str, *args: str, timeout: float = 120.0) -> tuple[subproc
     def read() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.startswith(READY_PREFIX):
-                ready.update(json.loads(line[len(READY_PREFIX):]))
+            info = parse_ready(line)
+            if info is not None:
+                ready.update(info)
 
     threading.Thread(target=read, daemon=True).start()
     deadline = time.monotonic() + timeout
