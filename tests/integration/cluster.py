@@ -76,8 +76,11 @@ def wait_ready(procs: list[Proc], timeout: float = 300.0, *, restarts: int = 1) 
     started again, at most `restarts` times in all; then it fails with its last lines.
 
     (Seen once in CI: a decode node stalled for 180 s right after "joining bootstrap
-    replica", its registry thread silent too; not reproduced in 80 starts here. The warning
-    keeps its stacks for whoever sees it next.)"""
+    replica", its registry thread silent too. A clean-clone run showed the same, and its
+    warning the cause: the node was ready, but its READY line had a log write appended
+    before the newline (stderr shares the pipe), json.loads raised and the reading thread
+    died. common.ready now writes the line in one call and reads only its JSON object. The
+    restart stays for a start-up that really stalls.)"""
     deadline = time.monotonic() + timeout
     for p in procs:
         while not p.ready:
