@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -86,14 +87,15 @@ def _run(cmd: list[str]) -> None:
 
 
 def _build(compiler: str, target: Path) -> None:
-    """Each source to an object with its flags, linked to a temporary name, then renamed:
-    processes building at once each get a whole file."""
+    """Each source to an object with its flags (compiled side by side, one per core),
+    linked to a temporary name, then renamed: processes building at once each get a whole
+    file."""
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        objects = []
-        for name, flags in SOURCES:
-            obj = str(Path(work) / (name + ".o"))
-            _run([compiler, *CFLAGS, *flags, "-c", "-o", obj, str(CSRC / name)])
-            objects.append(obj)
+        objects = [str(Path(work) / (name + ".o")) for name, _ in SOURCES]
+        commands = [[compiler, *CFLAGS, *flags, "-c", "-o", obj, str(CSRC / name)]
+                    for (name, flags), obj in zip(SOURCES, objects)]
+        with ThreadPoolExecutor(max_workers=min(len(commands), os.cpu_count() or 1)) as pool:
+            list(pool.map(_run, commands))  # the first failure raises here
         linked = str(Path(work) / target.name)
         _run([compiler, "-shared", "-fopenmp", "-o", linked, *objects, "-lm"])
         os.replace(linked, target)
