@@ -23,7 +23,6 @@ if TYPE_CHECKING:  # the service pulls in transformers and torch: import it afte
     from bootstrap.service import BootstrapService, GatewaySettings
 
 
-
 try:
     import uvloop
 except ImportError:  # optional: the standard loop serves the same, slower
