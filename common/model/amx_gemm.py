@@ -12,6 +12,7 @@ torch kernels are all there is.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -72,13 +73,9 @@ class AmxWeight:
         return self.kernel(x, self.packed, bias)
 
 
-_kernel: list[AmxGemm | None] = []
-
-
+@functools.cache
 def amx_gemm() -> AmxGemm | None:
     """The AMX product if this machine can run it (the CPU has AMX, the library built with
     it, the kernel grants the tile state), else None."""
-    if not _kernel:
-        lib = load_library()
-        _kernel.append(AmxGemm(lib) if lib is not None and lib.amx_gemm_ready() == 1 else None)
-    return _kernel[0]
+    lib = load_library()
+    return AmxGemm(lib) if lib is not None and lib.amx_gemm_ready() == 1 else None

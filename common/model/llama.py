@@ -98,9 +98,8 @@ class LlamaModel:
             amx = amx_gemm()
         pack = (pack and device.type == "cpu" and torch.backends.mkldnn.is_available()
                 and amx is None)
-        kernels = (ROW_MAJOR, WEIGHT_MAJOR, PACKED) if pack else (ROW_MAJOR, WEIGHT_MAJOR)
-        if amx is not None:
-            kernels = (ROW_MAJOR, WEIGHT_MAJOR, AMX)
+        third = (AMX,) if amx is not None else (PACKED,) if pack else ()
+        kernels = (ROW_MAJOR, WEIGHT_MAJOR, *third)
         self.chooser = KernelChooser(kernels) if device.type == "cpu" else None
         self.head_chooser = KernelChooser(kernels) if device.type == "cpu" else None
         self._gemm_s = 0.0

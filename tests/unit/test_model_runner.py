@@ -74,6 +74,16 @@ def test_full_prompt_matches_reference(pair):
     runner.pool.allocator.free(pages)
 
 
+def _prefill_kernel(runner):
+    """The paged prefill kernel at any vector width (the model takes it with AVX-512 only):
+    float32 on the CPU, head dim 16, the tiny models are its case."""
+    spec = runner.spec
+    kernel = paged_prefill_attention(runner.device, torch.float32, spec.num_heads,
+                                     spec.num_kv_heads, spec.head_dim, any_vector_width=True)
+    assert kernel is not None
+    return kernel
+
+
 @pytest.mark.parametrize("prefill_kernel", [True, False])
 def test_three_chunks_read_prefix_from_pages(pair, prefill_kernel):
     """Later chunks attend to the cached prefix: through the paged prefill kernel, and through
@@ -81,12 +91,7 @@ def test_three_chunks_read_prefix_from_pages(pair, prefill_kernel):
     ref, runner = pair
     model = runner.model
     saved = model.prefill_attention
-    spec = runner.spec
-    # float32 on the CPU, head dim 16: the kernel's case (the model takes it with AVX-512)
-    model.prefill_attention = paged_prefill_attention(
-        runner.device, torch.float32, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-        any_vector_width=True) if prefill_kernel else None
-    assert (model.prefill_attention is not None) == prefill_kernel
+    model.prefill_attention = _prefill_kernel(runner) if prefill_kernel else None
     try:
         ids = _prompt(30, 2)
         pages = runner.pool.allocator.allocate(pages_needed(len(ids), PAGE))
@@ -131,10 +136,7 @@ def test_batched_extend_then_decode_of_different_lengths(pair):
     assert lib is not None
     assert (model.prefill_attention is not None) == (lib.prefill_attention_lanes() == 16)
     saved = model.prefill_attention
-    spec = runner.spec
-    model.prefill_attention = paged_prefill_attention(
-        runner.device, torch.float32, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-        any_vector_width=True)
+    model.prefill_attention = _prefill_kernel(runner)
     try:
         _extend_then_decode_match_reference(ref, runner,
                                             [_prompt(n, 10 + n) for n in (5, 17, 11, 1)], steps=9)
