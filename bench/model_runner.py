@@ -5,6 +5,8 @@ our extend and through transformers' forward (last-token logits only, no cache k
 best of --repeats; tokens/s, the ratio, and the fraction of the matmul bound (linear
 layers' and attention's FLOPs / this machine's measured GEMM FLOP/s); side by side, ours
 with torch's flash attention on copies in place of the paged prefill kernel (vs torch).
+Untimed prefill passes first let the runner choose that row bucket's product kernel
+(common.model.gemm; the kernel column), as decode's warm-up does for its batch.
 Decode: for each dtype (float32; bfloat16 where the CPU has native bf16) and batch size
 (1, 8, 32): prefill the same prompts in both, then time only the decode steps; side by side,
 also our decode on always weight-major products (vs wm) and on torch's ops without the C
@@ -85,10 +87,9 @@ def kv_bytes(runner: ModelRunner, tokens: int) -> int:
 
 def kernel_choice(chooser, rows: int) -> str:
     """The product kernel the runner settled on for `rows` (see common.model.gemm)."""
-    bucket = bucket_of(rows)
-    if chooser is None or bucket is None:
+    if chooser is None:
         return "row_major"
-    return chooser.choices().get(bucket, "exploring")
+    return chooser.choices().get(bucket_of(rows), "exploring")
 
 
 def prefill_flops(spec, n: int) -> float:
@@ -108,6 +109,17 @@ def _prefill_seconds(runner: ModelRunner, ids: list[int]) -> float:
         runner.pool.allocator.free(pages)
 
 
+def settle_prefill_kernel(runner: ModelRunner, ids: list[int], most: int = 12) -> None:
+    """Untimed: prefill passes until the runner's product kernel for len(ids) rows is chosen
+    (common.model.gemm), on the shortest prompt of that row bucket (seconds per row decide)."""
+    chooser = runner.model.chooser
+    bucket = bucket_of(len(ids))
+    for _ in range(most):
+        if chooser is None or bucket in chooser.choices():
+            return
+        _prefill_seconds(runner, ids[: bucket // 2 + 1])
+
+
 def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths: list[int],
                  repeats: int, torch_ops: bool) -> list[dict]:
     """Per length: ours, transformers' and (if `torch_ops` and the runner has the paged
@@ -117,6 +129,7 @@ def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths:
     plain_too = torch_ops and runner.model.prefill_attention is not None
     for n in lengths:
         ids = torch.randint(0, runner.spec.vocab_size, (n,), generator=g).tolist()
+        settle_prefill_kernel(runner, ids)
         ours, theirs, plain = [], [], []
         for _ in range(repeats):
             ours.append(_prefill_seconds(runner, ids))
@@ -135,6 +148,7 @@ def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths:
             "ratio_vs_transformers": round(t_hf / t_ours, 3),
             "seconds": round(t_ours, 3), "transformers_seconds": round(t_hf, 3),
             "fraction_of_matmul_bound": round(prefill_flops(runner.spec, n) / gemm / t_ours, 3),
+            "gemm_kernel": kernel_choice(runner.model.chooser, n),
             # the paged prefill kernel against torch's flash kernel on copies (what ran before)
             "prefill_attention": runner.model.prefill_attention is not None,
             "ratio_vs_torch_attention": round(min(plain) / t_ours, 3) if plain else None,
@@ -363,12 +377,13 @@ def main() -> None:
 
     if prefill:
         print(f"prefill\n{'dtype':9} {'tokens':>6} {'ours tok/s':>11} {'hf tok/s':>9} "
-              f"{'ratio':>6} {'ours s':>8} {'hf s':>8} {'of bound':>9} {'vs torch':>8}")
+              f"{'ratio':>6} {'ours s':>8} {'hf s':>8} {'of bound':>9} {'vs torch':>8} kernel")
         for r in prefill:
             print(f"{r['dtype']:9} {r['tokens']:6d} {r['tokens_per_s']:11.1f} "
                   f"{r['transformers_tokens_per_s']:9.1f} {r['ratio_vs_transformers']:6.2f} "
                   f"{r['seconds']:8.2f} {r['transformers_seconds']:8.2f} "
-                  f"{r['fraction_of_matmul_bound']:9.2f} {r['ratio_vs_torch_attention'] or '-':>8}")
+                  f"{r['fraction_of_matmul_bound']:9.2f} {r['ratio_vs_torch_attention'] or '-':>8} "
+                  f"{r['gemm_kernel']}")
     if rows:
         print(f"decode\n{'dtype':9} {'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} "
               f"{'ratio':>6} {'step ms':>8} {'bound ms':>9} {'(flop':>6} {'mem)':>5} "

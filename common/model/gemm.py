@@ -1,4 +1,4 @@
-"""x @ W.T at decode's row counts, by whichever kernel measures fastest on this machine.
+"""x @ W.T by whichever kernel measures fastest on this machine at that many rows.
 
 The kernels compute the same product:
   row_major     F.linear(x, W)
@@ -12,11 +12,16 @@ ms per pass (row_major / weight_major / packed):
   float32   1 row 31 / 31 / 35    2 rows 32 / 67 / 39    8 rows 75 / 68 / 48
   bfloat16  1 row 36 / 28 / 17   32 rows 45 / 44 / 37   64 rows 58 / 33 / 35
 So the model measures instead of guessing: `KernelChooser` gives each row bucket (1, 2,
-4, ..., 64) every kernel for TRIALS (5) forward passes, timed over their products only, and
-the bucket keeps the one with the lowest median; it explores again after RECHECK_USES
-passes, since the machine's load changes. Above 64 rows (prefill) it is row_major, the
-one kernel whose output rows are contiguous where that matters (residual adds, the KV
-scatter). All agree to float rounding; none is exact against another.
+4, ..., 64 for decode; 128, 256, ..., 8192 for prefill, longer passes in the last) every
+kernel for TRIALS (5; PREFILL_TRIALS, 3, for prefill) forward passes, timed over their
+products only, and the bucket keeps the one with the lowest median; it explores again after RECHECK_USES passes, since the
+machine's load changes. Prefill buckets try only the kernels whose output rows are
+contiguous (row_major and packed; the residual adds and the KV scatter read rows) and
+compare seconds per row, since a bucket's passes differ in length up to 2x. There too the
+CPU decides: on an AMX Xeon F.linear and packed ran alike (193-205 GFLOP/s at 1024 rows,
+float32), on an AVX-512 AMD EPYC packed ran 2.4x F.linear (470 vs 196 GFLOP/s; MKL's sgemm
+there runs well below the cores' AVX-512 peak). All agree to float rounding; none is exact
+against another.
 """
 
 from __future__ import annotations
@@ -30,8 +35,14 @@ import torch.nn.functional as F
 from common.model.amx_gemm import AmxGemm, AmxWeight
 
 ROW_MAJOR, WEIGHT_MAJOR, PACKED, AMX = "row_major", "weight_major", "packed", "amx"
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
+BUCKETS = DECODE_BUCKETS + PREFILL_BUCKETS
+# the kernels a prefill bucket may choose: their output rows are contiguous
+PREFILL_KERNELS = (ROW_MAJOR, PACKED)
 TRIALS = 5
+# a prefill pass times 120+ products of a millisecond or more: less noisy than decode's
+PREFILL_TRIALS = 3
 RECHECK_USES = 2000
 # oneDNN's reorder takes the expected row count as a layout hint; 8 measured as good as
 # 1 or 32 across 1-64 rows, and the packed weight serves every row count.
@@ -82,12 +93,16 @@ def linear(x: torch.Tensor, w: LinearWeight, kernel: str = ROW_MAJOR) -> torch.T
     return F.linear(x, w.weight, w.bias)
 
 
-def bucket_of(rows: int) -> int | None:
-    """The smallest bucket holding `rows`; None above the largest (prefill sizes)."""
+def bucket_of(rows: int) -> int:
+    """The smallest bucket holding `rows`; the largest for more rows than it holds."""
     for b in BUCKETS:
         if rows <= b:
             return b
-    return None
+    return BUCKETS[-1]
+
+
+def is_prefill_bucket(bucket: int) -> bool:
+    return bucket > DECODE_BUCKETS[-1]
 
 
 @dataclass
@@ -100,41 +115,48 @@ class _Bucket:
 @dataclass
 class KernelChooser:
     """Per row bucket, which kernel to run: explore each for `trials` passes, then keep the
-    fastest median for `recheck_uses` passes. Pure bookkeeping: the caller times the passes."""
+    fastest median for `recheck_uses` passes. Pure bookkeeping: the caller times the passes.
+    Prefill buckets choose among `kernels` that are also PREFILL_KERNELS (row_major if
+    none is), by seconds per row."""
 
     kernels: tuple[str, ...] = (ROW_MAJOR, WEIGHT_MAJOR, PACKED)
     trials: int = TRIALS
+    prefill_trials: int = PREFILL_TRIALS
     recheck_uses: int = RECHECK_USES
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
 
+    def candidates(self, bucket: int) -> tuple[str, ...]:
+        if not is_prefill_bucket(bucket):
+            return self.kernels
+        return tuple(k for k in self.kernels if k in PREFILL_KERNELS) or (ROW_MAJOR,)
+
     def _state(self, bucket: int) -> _Bucket:
         if bucket not in self._buckets:
-            self._buckets[bucket] = _Bucket({k: [] for k in self.kernels})
+            self._buckets[bucket] = _Bucket({k: [] for k in self.candidates(bucket)})
         return self._buckets[bucket]
 
     def pick(self, rows: int) -> str:
-        bucket = bucket_of(rows)
-        if bucket is None:
-            return ROW_MAJOR
-        state = self._state(bucket)
+        state = self._state(bucket_of(rows))
         if state.choice is not None:
             return state.choice
         # the kernel with the fewest samples so far (ties in `kernels` order)
-        return min(self.kernels, key=lambda k: len(state.samples[k]))
+        return min(state.samples, key=lambda k: len(state.samples[k]))
 
     def record(self, rows: int, kernel: str, seconds: float) -> None:
         bucket = bucket_of(rows)
-        if bucket is None or kernel not in self.kernels:
-            return
         state = self._state(bucket)
+        if kernel not in state.samples:
+            return
         if state.choice is not None:
             state.uses += 1
             if state.uses >= self.recheck_uses:
-                self._buckets[bucket] = _Bucket({k: [] for k in self.kernels})
+                del self._buckets[bucket]
             return
-        state.samples[kernel].append(seconds)
-        if all(len(s) >= self.trials for s in state.samples.values()):
-            state.choice = min(self.kernels, key=lambda k: statistics.median(state.samples[k]))
+        prefill = is_prefill_bucket(bucket)
+        state.samples[kernel].append(seconds / rows if prefill else seconds)
+        trials = self.prefill_trials if prefill else self.trials
+        if all(len(s) >= trials for s in state.samples.values()):
+            state.choice = min(state.samples, key=lambda k: statistics.median(state.samples[k]))
 
     def choices(self) -> dict[int, str]:
         """The kernel each bucket settled on (buckets still exploring are left out)."""

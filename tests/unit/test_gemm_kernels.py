@@ -1,4 +1,4 @@
-"""Decode's product kernels (common.model.gemm): equal products, and the choice by measurement."""
+"""The product kernels (common.model.gemm): equal products, and the choice by measurement."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from common.model.gemm import (
-    BUCKETS, PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, bucket_of, can_pack,
-    linear,
+    AMX, BUCKETS, PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, bucket_of,
+    can_pack, linear,
 )
 
 KERNELS = (ROW_MAJOR, WEIGHT_MAJOR, PACKED)
@@ -44,7 +44,9 @@ def test_packed_without_a_pack_is_row_major():
 
 def test_buckets():
     assert [bucket_of(n) for n in (1, 2, 3, 5, 9, 17, 33, 64)] == [1, 2, 4, 8, 16, 32, 64, 64]
-    assert bucket_of(65) is None and BUCKETS[-1] == 64
+    assert [bucket_of(n) for n in (65, 128, 129, 1000, 4097, 8192)] == [128, 128, 256, 1024,
+                                                                       8192, 8192]
+    assert bucket_of(100_000) == BUCKETS[-1] == 8192
 
 
 def test_chooser_explores_each_kernel_then_keeps_the_fastest_median():
@@ -77,11 +79,29 @@ def test_chooser_explores_again_after_recheck_uses():
     assert chooser.pick(32) == PACKED
 
 
-def test_prefill_sizes_are_row_major_and_not_recorded():
-    chooser = KernelChooser(KERNELS)
-    assert chooser.pick(65) == ROW_MAJOR and chooser.pick(4096) == ROW_MAJOR
-    chooser.record(65, PACKED, 0.0)
-    assert chooser.choices() == {}
+def test_prefill_buckets_choose_between_row_output_kernels_by_seconds_per_row():
+    chooser = KernelChooser(KERNELS, prefill_trials=2)
+    assert chooser.candidates(1024) == (ROW_MAJOR, PACKED)  # weight_major's rows are strided
+    # One bucket's passes differ in length: packed's time per row is lower, though its
+    # longer passes took more seconds in all.
+    passes = [(600, ROW_MAJOR, 6.0), (1000, PACKED, 5.0), (600, ROW_MAJOR, 6.0),
+              (1000, PACKED, 5.0)]
+    for rows, kernel, seconds in passes:
+        assert chooser.pick(rows) == kernel
+        chooser.record(rows, kernel, seconds)
+    assert chooser.choices() == {1024: PACKED} and chooser.pick(513) == PACKED
+    chooser.record(600, WEIGHT_MAJOR, 0.0)  # not a candidate there: ignored
+    assert chooser.choices() == {1024: PACKED}
+    # decode buckets keep comparing seconds per pass, every kernel
+    assert chooser.candidates(64) == KERNELS
+
+
+def test_prefill_without_a_row_output_kernel_is_row_major():
+    for kernels in ((WEIGHT_MAJOR,), (ROW_MAJOR, WEIGHT_MAJOR, AMX)):
+        chooser = KernelChooser(kernels, prefill_trials=1)
+        assert chooser.pick(4096) == ROW_MAJOR
+        chooser.record(4096, ROW_MAJOR, 1.0)
+        assert chooser.choices() == {4096: ROW_MAJOR}
 
 
 def test_a_runner_without_packed_weights_chooses_between_the_other_two():
