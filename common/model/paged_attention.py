@@ -1,5 +1,5 @@
 """Attention read from the KV pool's pages in place: decode (csrc/paged_attention.c) and
-prefill's causal spans in float32 (csrc/prefill_attention.c).
+prefill's causal spans (csrc/prefill_attention.c).
 
 torch on the CPU has no paged attention, so decode used to gather every sequence's pages
 into one tensor per layer (index_select) and run SDPA's flash kernel on the copy; at batch
@@ -9,9 +9,12 @@ repeated for its query heads, and after a cached prefix on the pages gathered to
 passes merged). The prefill kernel reads the span's pages, packs each key block once for
 all query blocks and heads that use it, and runs register-tiled flash attention: on an AMX
 Xeon 1.15-1.6x torch's flash kernel in float32 (SmolLM2's 9 heads over 3 KV heads, 1k-4k
-tokens). In bfloat16 torch's kernel runs on AMX, about 2x this one, and is kept. Both are
-built with the other CPU kernels (common.model.cpu_kernels); without them attention runs
-on gathered pages and copies as before.
+tokens). In bfloat16 it computes in float32 too: on an AVX-512 AMD EPYC without AMX, torch's
+flash kernel ran bfloat16 no faster than float32 (130 ms per layer at 4k tokens, causal,
+either dtype), so this kernel serves bfloat16 there as well; with AMX torch's kernel runs
+bfloat16 on the tiles, about 2x this one, and is kept. Both are built with the other CPU
+kernels (common.model.cpu_kernels); without them attention runs on gathered pages and
+copies as before.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ import ctypes
 
 import torch
 
+from common.cpu_features import cpu_flags
 from common.model.cpu_kernels import load_library
 
 MAX_GROUPS, MAX_HEADS, MAX_HEAD_DIM = 16, 128, 256  # as in the C sources
 _SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
+_PREFILL_SYMBOLS = {torch.float32: "paged_prefill_attention_f32",
+                    torch.bfloat16: "paged_prefill_attention_bf16"}
 
 
 def splits_for(batch: int, max_pages: int, threads: int) -> int:
@@ -82,12 +88,13 @@ def paged_decode_attention(device: torch.device, dtype: torch.dtype, heads: int,
 
 
 class PagedPrefillAttention:
-    """Causal attention of one extend span's new tokens over its pages, float32
+    """Causal attention of one extend span's new tokens over its pages, one dtype's kernel
     (csrc/prefill_attention.c): the new tokens' K and V are in the pages already."""
 
-    def __init__(self, lib: ctypes.CDLL, kv_heads: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype, kv_heads: int) -> None:
+        self.dtype = dtype
         self.kv_heads = kv_heads
-        fn = lib.paged_prefill_attention_f32
+        fn = getattr(lib, _PREFILL_SYMBOLS[dtype])
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, p, i64, i32, i32, i32, i32,
                        ctypes.c_float, i32]
@@ -97,8 +104,7 @@ class PagedPrefillAttention:
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
                  head_dim: int) -> bool:
-        # float32 only: in bfloat16 torch's flash kernel runs on AMX, 2x this kernel's speed
-        return (device.type == "cpu" and dtype == torch.float32 and heads % kv_heads == 0
+        return (device.type == "cpu" and dtype in _PREFILL_SYMBOLS and heads % kv_heads == 0
                 and heads // kv_heads <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM
                 and head_dim % 16 == 0)
 
@@ -106,11 +112,13 @@ class PagedPrefillAttention:
                  prefix: int, out: torch.Tensor, page_size: int, scale: float) -> None:
         """q [n, heads, head_dim] (rows of any stride), the tokens at positions prefix ..
         prefix + n - 1; rows int64, the span's pages' layer-0 K rows, covering prefix + n
-        tokens. Writes out [n, heads * head_dim] (rows of any stride)."""
+        tokens. Writes out [n, heads * head_dim] (rows of any stride). All in the kernel's
+        dtype."""
         n, heads, d = q.shape
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         assert out.stride(1) == 1 and out.shape == (n, heads * d) and rows.is_contiguous()
+        assert pool_rows.dtype == q.dtype == out.dtype == self.dtype
         rc = self._fn(pool_rows.data_ptr(), pool_rows.shape[1], rows.data_ptr(), layer,
                       q.data_ptr(), q.stride(0), n, prefix, out.data_ptr(), out.stride(0),
                       heads, self.kv_heads, d, page_size, scale, torch.get_num_threads())
@@ -119,14 +127,16 @@ class PagedPrefillAttention:
 
 
 def paged_prefill_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
-                            head_dim: int, *,
-                            any_vector_width: bool = False) -> PagedPrefillAttention | None:
-    """The prefill kernel for this model, or None (not the CPU in float32, an unsupported
-    shape, no build, or a build without AVX-512: with 8-lane vectors it measured slower than
-    torch's flash kernel; `any_vector_width` takes it anyway, for its tests)."""
+                            head_dim: int, *, always: bool = False) -> PagedPrefillAttention | None:
+    """The prefill kernel for this model, or None: not the CPU, an unsupported shape, no
+    build, or where torch's flash kernel measured faster: a build without AVX-512 (with
+    8-lane vectors this kernel ran 2.5-3x slower) and bfloat16 on a CPU with AMX. `always`
+    takes it in those two cases too, for its tests."""
     if not PagedPrefillAttention.supports(device, dtype, heads, kv_heads, head_dim):
         return None
     lib = load_library()
-    if lib is None or (lib.prefill_attention_lanes() < 16 and not any_vector_width):
+    if lib is None:
         return None
-    return PagedPrefillAttention(lib, kv_heads)
+    slower = (lib.prefill_attention_lanes() < 16
+              or (dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()))
+    return PagedPrefillAttention(lib, dtype, kv_heads) if always or not slower else None

@@ -52,12 +52,13 @@ static const void *contiguous_rows(const void *src, int64_t rs, int64_t cs, int6
 
 /* Rows split over threads only where the work pays for waking them (torch's grain size,
  * 32768 elements). Not `omp parallel if (...)`: with libgomp that costs about 9 us a call
- * even when false, 7x a 1536-wide silu on one row. `nthreads` must be in scope. */
+ * even when false, 7x a 1536-wide silu on one row. `nthreads` and `is_bf16` must be in
+ * scope. */
 #define FOR_ROWS(rows, elems, CALL)                                                            \
     do {                                                                                       \
         if (nthreads > 1 && (elems) >= 32768) {                                                \
             _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                 \
-            for (int64_t t = 0; t < (rows); t++) CALL;                                         \
+            for (int64_t t = 0; t < (rows); t++) DTYPE_CONSTANT(CALL);                         \
         } else {                                                                               \
             for (int64_t t = 0; t < (rows); t++) CALL;                                         \
         }                                                                                      \

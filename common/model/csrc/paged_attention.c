@@ -173,13 +173,11 @@ static inline __attribute__((always_inline)) int attend(const Args *a, void *out
         float *pm = parts + it * part, *pl = pm + heads, *pa = pl + heads;
         vf *mine = work + (int64_t)omp_get_thread_num() * (work_size / (int64_t)sizeof(vf));
         /* head dims 64 and 128 get their own copies, the vector count a constant there (the
-         * key and value vectors then stay in registers: 1.2-1.4x measured at 64) */
-        if (nv == 4)
-            attend_item(a, b, t0, t1, pm, pl, pa, mine, is_bf16, 4);
-        else if (nv == 8)
-            attend_item(a, b, t0, t1, pm, pl, pa, mine, is_bf16, 8);
-        else
-            attend_item(a, b, t0, t1, pm, pl, pa, mine, is_bf16, nv);
+         * key and value vectors then stay in registers: 1.2-1.4x measured at 64); and each
+         * dtype its own (cpu_math.h) */
+        DTYPE_CONSTANT(if (nv == 4) attend_item(a, b, t0, t1, pm, pl, pa, mine, is_bf16, 4);
+                       else if (nv == 8) attend_item(a, b, t0, t1, pm, pl, pa, mine, is_bf16, 8);
+                       else attend_item(a, b, t0, t1, pm, pl, pa, mine, is_bf16, nv));
     }
     /* merge each head's splits by their maxima (an empty split has max -inf) */
     for (int64_t b = 0; b < a->batch; b++) {

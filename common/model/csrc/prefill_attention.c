@@ -5,7 +5,9 @@
  * Pool rows as in paged_attention.c: a page's layer-l K is row base + 2l, its V row
  * base + 2l + 1, each page_size tokens x kv_heads x head_dim.
  *
- * Flash attention in float32, blocked for the registers: a work item is one KV head and
+ * Flash attention in float32 (the pool, queries and output float32 or bfloat16; bfloat16
+ * K and V become float32 as they are packed, the output is rounded once), blocked for the
+ * registers: a work item is one KV head and
  * one block of query tokens, whose rows are (token, query head of that KV head) pairs, so
  * every key block packed is used by all the heads that share it (GQA). Per key block of
  * BLOCK_K keys: K packed transposed and V packed (both in float32, zero past the keys that
@@ -166,12 +168,12 @@ static inline __attribute__((always_inline)) void value_tile(const float *p, con
 }
 
 typedef struct {
-    const float *pool;
+    const void *pool; /* float32 or, with is_bf16, bfloat16: as q and out */
     int64_t row_elems, layer, q_stride, n_q, q_pos0, out_stride;
     const int64_t *rows;
-    const float *q;
-    float *out;
-    int heads, kv_heads, d, page_size, block_q;
+    const void *q;
+    void *out;
+    int heads, kv_heads, d, page_size, block_q, is_bf16;
     float scale;
 } Args;
 
@@ -181,7 +183,9 @@ typedef struct {
 
 /* Packs key block b of KV head h (keys [b BLOCK_K, + n)): K transposed into kt [d][BLOCK_K],
  * V into v [BLOCK_K][d], as float32; keys past n are zero (never NaN from a stale slot). */
-static void pack_block(const Args *a, int h, int64_t b, int n, float *kt, float *v) {
+static inline __attribute__((always_inline)) void pack_block(const Args *a, int h, int64_t b,
+                                                              int n, float *kt, float *v,
+                                                              int is_bf16) {
     const int d = a->d;
     const int64_t tok = (int64_t)a->kv_heads * d, ps = a->page_size;
     for (int j = 0; j < n; j++) {
@@ -189,8 +193,12 @@ static void pack_block(const Args *a, int h, int64_t b, int n, float *kt, float 
         const int64_t krow = a->rows[page] + 2 * a->layer;
         const int64_t kat = krow * a->row_elems + off * tok + (int64_t)h * d;
         const int64_t vat = kat + a->row_elems;
-        for (int c = 0; c < d; c++) kt[(int64_t)c * BLOCK_K + j] = a->pool[kat + c];
-        memcpy(v + (int64_t)j * d, a->pool + vat, sizeof(float) * d);
+        for (int c = 0; c < d; c++) kt[(int64_t)c * BLOCK_K + j] = ld(a->pool, kat + c, is_bf16);
+        float *vj = v + (int64_t)j * d;
+        if (is_bf16)
+            for (int c = 0; c < d; c++) vj[c] = ld(a->pool, vat + c, 1);
+        else
+            memcpy(vj, (const float *)a->pool + vat, sizeof(float) * d);
     }
     for (int j = n; j < BLOCK_K; j++) {
         for (int c = 0; c < d; c++) kt[(int64_t)c * BLOCK_K + j] = 0.0f;
@@ -200,15 +208,16 @@ static void pack_block(const Args *a, int h, int64_t b, int n, float *kt, float 
 
 /* One work item: KV head h, query tokens [t0, t0 + nt). Row r is token t0 + r / groups,
  * query head h * groups + r % groups; rows are padded to a multiple of ROWS with zeros. */
-static void item(const Args *a, int h, int64_t t0, int nt, const float *kt_all,
-                 const float *v_all, Scratch *w) {
+static inline __attribute__((always_inline)) void item(const Args *a, int h, int64_t t0, int nt,
+                                                        const float *kt_all, const float *v_all,
+                                                        Scratch *w, int is_bf16) {
     const int d = a->d, groups = a->heads / a->kv_heads;
     const int rows = nt * groups, padded = (rows + ROWS - 1) / ROWS * ROWS;
     for (int r = 0; r < padded; r++) {
         float *qr = w->q + (int64_t)r * d;
         if (r < rows) {
             const int64_t at = (t0 + r / groups) * a->q_stride + (int64_t)(h * groups + r % groups) * d;
-            for (int c = 0; c < d; c++) qr[c] = a->q[at + c] * a->scale;
+            for (int c = 0; c < d; c++) qr[c] = ld(a->q, at + c, is_bf16) * a->scale;
         } else {
             memset(qr, 0, sizeof(float) * d);
         }
@@ -258,12 +267,12 @@ static void item(const Args *a, int h, int64_t t0, int nt, const float *kt_all,
         const int64_t at = (t0 + r / groups) * a->out_stride + (int64_t)(h * groups + r % groups) * d;
         const float inv = 1.0f / w->l[r];
         const float *o = w->o + (int64_t)r * d;
-        for (int c = 0; c < d; c++) a->out[at + c] = o[c] * inv;
+        for (int c = 0; c < d; c++) st(a->out, at + c, o[c] * inv, is_bf16);
     }
 }
 
 static int attend(const Args *a, int threads) {
-    const int d = a->d;
+    const int d = a->d, is_bf16 = a->is_bf16;
     if (a->kv_heads < 1 || a->heads % a->kv_heads || a->heads / a->kv_heads > MAX_GROUPS ||
         d > MAX_HEAD_DIM || d % 16 || a->n_q < 1 || a->q_pos0 < 0 || threads < 1)
         return -1;
@@ -293,7 +302,7 @@ static int attend(const Args *a, int threads) {
             const int n = keys - b * BLOCK_K < BLOCK_K ? (int)(keys - b * BLOCK_K) : BLOCK_K;
             float *kt = packed + h * per_head + b * BLOCK_K * d;
             float *v = packed + (a->kv_heads + h) * per_head + b * BLOCK_K * d;
-            pack_block(a, h, b, n, kt, v);
+            DTYPE_CONSTANT(pack_block(a, h, b, n, kt, v, is_bf16));
         }
         float *base = scratch + per_thread * omp_get_thread_num();
         Scratch w = {base, base + padded * d, base + padded * (d + BLOCK_K),
@@ -306,7 +315,8 @@ static int attend(const Args *a, int threads) {
             const int h = (int)(it % a->kv_heads);
             const int64_t t0 = block * bq;
             const int nt = a->n_q - t0 < bq ? (int)(a->n_q - t0) : (int)bq;
-            item(a, h, t0, nt, packed + h * per_head, packed + (a->kv_heads + h) * per_head, &w);
+            DTYPE_CONSTANT(item(a, h, t0, nt, packed + h * per_head,
+                                packed + (a->kv_heads + h) * per_head, &w, is_bf16));
         }
     }
     free(packed);
@@ -319,19 +329,35 @@ static int attend(const Args *a, int threads) {
  * torch's flash kernel, which ran with AVX-512, on the same AMX Xeon (-march=haswell). */
 int prefill_attention_lanes(void) { return VL; }
 
-/* The entry point (ctypes, common/model/paged_attention.py): pool = KVPool.rows of
- * row_elems floats per row; rows: the span's pages' base rows, covering q_pos0 + n_q tokens;
- * q [n_q, heads, d] with q_stride floats between tokens; out [n_q, heads * d] with
- * out_stride floats between tokens. Query token i is at position q_pos0 + i. Returns 0, -1
- * for a shape the kernel does not take, -2 out of memory. */
-int paged_prefill_attention_f32(const float *pool, int64_t row_elems, const int64_t *rows,
-                                int64_t layer, const float *q, int64_t q_stride, int64_t n_q,
-                                int64_t q_pos0, float *out, int64_t out_stride, int heads,
-                                int kv_heads, int d, int page_size, float scale, int threads) {
+/* The entry points (ctypes, common/model/paged_attention.py), one per dtype of the pool,
+ * q and out: pool = KVPool.rows of row_elems values per row; rows: the span's pages' base
+ * rows, covering q_pos0 + n_q tokens; q [n_q, heads, d] with q_stride values between
+ * tokens; out [n_q, heads * d] with out_stride values between tokens. Query token i is at
+ * position q_pos0 + i. Return 0, -1 for a shape the kernel does not take, -2 out of memory. */
+static int prefill(const void *pool, int64_t row_elems, const int64_t *rows, int64_t layer,
+                   const void *q, int64_t q_stride, int64_t n_q, int64_t q_pos0, void *out,
+                   int64_t out_stride, int heads, int kv_heads, int d, int page_size,
+                   float scale, int threads, int is_bf16) {
     const int groups = kv_heads > 0 ? heads / kv_heads : 1;
     int bq = TARGET_ROWS / (groups > 0 ? groups : 1);
     if (bq < 8) bq = 8;
     const Args a = {pool, row_elems, layer, q_stride, n_q, q_pos0, out_stride, rows, q,
-                    out, heads, kv_heads, d, page_size, bq, scale};
+                    out, heads, kv_heads, d, page_size, bq, is_bf16, scale};
     return attend(&a, threads);
+}
+
+int paged_prefill_attention_f32(const float *pool, int64_t row_elems, const int64_t *rows,
+                                int64_t layer, const float *q, int64_t q_stride, int64_t n_q,
+                                int64_t q_pos0, float *out, int64_t out_stride, int heads,
+                                int kv_heads, int d, int page_size, float scale, int threads) {
+    return prefill(pool, row_elems, rows, layer, q, q_stride, n_q, q_pos0, out, out_stride,
+                   heads, kv_heads, d, page_size, scale, threads, 0);
+}
+
+int paged_prefill_attention_bf16(const bf16 *pool, int64_t row_elems, const int64_t *rows,
+                                 int64_t layer, const bf16 *q, int64_t q_stride, int64_t n_q,
+                                 int64_t q_pos0, bf16 *out, int64_t out_stride, int heads,
+                                 int kv_heads, int d, int page_size, float scale, int threads) {
+    return prefill(pool, row_elems, rows, layer, q, q_stride, n_q, q_pos0, out, out_stride,
+                   heads, kv_heads, d, page_size, scale, threads, 1);
 }
