@@ -346,18 +346,14 @@ static int prefill(const void *pool, int64_t row_elems, const int64_t *rows, int
     return attend(&a, threads);
 }
 
-int paged_prefill_attention_f32(const float *pool, int64_t row_elems, const int64_t *rows,
-                                int64_t layer, const float *q, int64_t q_stride, int64_t n_q,
-                                int64_t q_pos0, float *out, int64_t out_stride, int heads,
-                                int kv_heads, int d, int page_size, float scale, int threads) {
-    return prefill(pool, row_elems, rows, layer, q, q_stride, n_q, q_pos0, out, out_stride,
-                   heads, kv_heads, d, page_size, scale, threads, 0);
-}
+#define ENTRY(NAME, IS_BF16)                                                                   \
+    int NAME(const void *pool, int64_t row_elems, const int64_t *rows, int64_t layer,          \
+             const void *q, int64_t q_stride, int64_t n_q, int64_t q_pos0, void *out,          \
+             int64_t out_stride, int heads, int kv_heads, int d, int page_size, float scale,   \
+             int threads) {                                                                    \
+        return prefill(pool, row_elems, rows, layer, q, q_stride, n_q, q_pos0, out,            \
+                       out_stride, heads, kv_heads, d, page_size, scale, threads, IS_BF16);    \
+    }
 
-int paged_prefill_attention_bf16(const bf16 *pool, int64_t row_elems, const int64_t *rows,
-                                 int64_t layer, const bf16 *q, int64_t q_stride, int64_t n_q,
-                                 int64_t q_pos0, bf16 *out, int64_t out_stride, int heads,
-                                 int kv_heads, int d, int page_size, float scale, int threads) {
-    return prefill(pool, row_elems, rows, layer, q, q_stride, n_q, q_pos0, out, out_stride,
-                   heads, kv_heads, d, page_size, scale, threads, 1);
-}
+ENTRY(paged_prefill_attention_f32, 0)
+ENTRY(paged_prefill_attention_bf16, 1)
