@@ -14,10 +14,11 @@ ms per pass (row_major / weight_major / packed):
 So the model measures instead of guessing: `KernelChooser` gives each row bucket (1, 2,
 4, ..., 64 for decode; 128, 256, ..., 8192 for prefill, longer passes in the last) every
 kernel for TRIALS (5; PREFILL_TRIALS, 3, for prefill) forward passes, timed over their
-products only, and the bucket keeps the one with the lowest median; it explores again after RECHECK_USES passes, since the
-machine's load changes. Prefill buckets try only the kernels whose output rows are
-contiguous (row_major and packed; the residual adds and the KV scatter read rows) and
-compare seconds per row, since a bucket's passes differ in length up to 2x. There too the
+products only, and the bucket keeps the one with the lowest median; it explores again
+after RECHECK_USES passes, since the machine's load changes. Prefill buckets try only the
+kernels whose output rows are contiguous (row_major and packed; the residual adds and the
+KV scatter read rows) and compare seconds per row, since a bucket's passes differ in
+length up to 2x. There too the
 CPU decides: on an AMX Xeon F.linear and packed ran alike (193-205 GFLOP/s at 1024 rows,
 float32), on an AVX-512 AMD EPYC packed ran 2.4x F.linear (470 vs 196 GFLOP/s; MKL's sgemm
 there runs well below the cores' AVX-512 peak). All agree to float rounding; none is exact

@@ -7,9 +7,9 @@
  *
  * Flash attention in float32 (the pool, queries and output float32 or bfloat16; bfloat16
  * K and V become float32 as they are packed, the output is rounded once), blocked for the
- * registers: a work item is one KV head and
- * one block of query tokens, whose rows are (token, query head of that KV head) pairs, so
- * every key block packed is used by all the heads that share it (GQA). Per key block of
+ * registers: a work item is one KV head and one block of query tokens, whose rows are
+ * (token, query head of that KV head) pairs, so every key block packed is used by all the
+ * heads that share it (GQA). Per key block of
  * BLOCK_K keys: K packed transposed and V packed (both in float32, zero past the keys that
  * exist), scores S = Q K^T by a register tile of ROWS x 4 vectors, the causal mask on the
  * blocks that cross the diagonal (blocks above it are never read), an online softmax per
