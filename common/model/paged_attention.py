@@ -23,7 +23,7 @@ import ctypes
 
 import torch
 
-from common.cpu_features import cpu_flags
+from common.cpu_features import cpu_flags, has_amx_bf16
 from common.model.cpu_kernels import load_library
 
 MAX_GROUPS, MAX_HEADS, MAX_HEAD_DIM = 16, 128, 256  # as in the C sources
@@ -138,5 +138,5 @@ def paged_prefill_attention(device: torch.device, dtype: torch.dtype, heads: int
     if lib is None:
         return None
     slower = (lib.prefill_attention_lanes() < 16
-              or (dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()))
+              or (dtype == torch.bfloat16 and has_amx_bf16(cpu_flags())))
     return PagedPrefillAttention(lib, dtype, kv_heads) if always or not slower else None

@@ -194,11 +194,7 @@ static inline __attribute__((always_inline)) void pack_block(const Args *a, int 
         const int64_t kat = krow * a->row_elems + off * tok + (int64_t)h * d;
         const int64_t vat = kat + a->row_elems;
         for (int c = 0; c < d; c++) kt[(int64_t)c * BLOCK_K + j] = ld(a->pool, kat + c, is_bf16);
-        float *vj = v + (int64_t)j * d;
-        if (is_bf16)
-            for (int c = 0; c < d; c++) vj[c] = ld(a->pool, vat + c, 1);
-        else
-            memcpy(vj, (const float *)a->pool + vat, sizeof(float) * d);
+        for (int c = 0; c < d; c++) v[(int64_t)j * d + c] = ld(a->pool, vat + c, is_bf16);
     }
     for (int j = n; j < BLOCK_K; j++) {
         for (int c = 0; c < d; c++) kt[(int64_t)c * BLOCK_K + j] = 0.0f;
