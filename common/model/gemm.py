@@ -50,9 +50,20 @@ RECHECK_USES = 2000
 PACK_HINT_ROWS = 8
 
 
+def mkldnn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 here: AVX-512 BW/VL/DQ or AVX-NE-CONVERT on x86. Without
+    them its weight reorder raises (an AVX2-only AMD EPYC), so there is no packed copy."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def packs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights of this device and dtype get oneDNN's packed copy."""
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and (dtype == torch.float32 or (dtype == torch.bfloat16 and mkldnn_bf16())))
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    return packs(weight.device, weight.dtype)
 
 
 @dataclass

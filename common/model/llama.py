@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from common.kv_pool import KVPool
 from common.model.amx_gemm import amx_gemm
 from common.model.gemm import (
-    AMX, PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, linear,
+    AMX, PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, linear, packs,
 )
 from common.model.fused_ops import FusedOps, fused_ops
 from common.model.paged_attention import (
@@ -97,8 +97,7 @@ class LlamaModel:
         amx = None
         if pack and cpu_kernels and device.type == "cpu" and dtype == torch.bfloat16:
             amx = amx_gemm()
-        pack = (pack and device.type == "cpu" and torch.backends.mkldnn.is_available()
-                and amx is None)
+        pack = pack and packs(device, dtype) and amx is None
         third = (AMX,) if amx is not None else (PACKED,) if pack else ()
         kernels = (ROW_MAJOR, WEIGHT_MAJOR, *third)
         self.chooser = KernelChooser(kernels) if device.type == "cpu" else None

@@ -104,8 +104,7 @@ def test_prefill_without_a_row_output_kernel_is_row_major():
         assert chooser.choices() == {4096: ROW_MAJOR}
 
 
-def test_a_runner_without_packed_weights_chooses_between_the_other_two():
-    from common.model.runner import ModelRunner
+def _tiny_runner_inputs():
     from common.model.spec import ModelSpec
 
     spec = ModelSpec(architecture="llama", vocab_size=32, hidden_size=8, intermediate_size=16,
@@ -123,9 +122,36 @@ def test_a_runner_without_packed_weights_chooses_between_the_other_two():
                         "post_attention_layernorm.weight": (8,)}.items():
         names.append(p + name)
         shapes[p + name] = shape
-    weights = {n: torch.randn(*shapes[n], generator=g) for n in names}
+    return spec, {n: torch.randn(*shapes[n], generator=g) for n in names}
+
+
+def test_a_runner_without_packed_weights_chooses_between_the_other_two():
+    from common.model.runner import ModelRunner
+
+    spec, weights = _tiny_runner_inputs()
     plain = ModelRunner(spec, weights, num_pages=8, pack_weights=False)
     assert plain.model.lm_head.packed is None and plain.model.layers[0].qkv.packed is None
     assert plain.model.chooser is not None and PACKED not in plain.model.chooser.kernels
     packed = ModelRunner(spec, weights, num_pages=8)
-    assert (packed.model.layers[0].down.packed is not None) == can_pack(weights[p + "mlp.down_proj.weight"])
+    down = weights["model.layers.0.mlp.down_proj.weight"]
+    assert (packed.model.layers[0].down.packed is not None) == can_pack(down)
+
+
+def test_bfloat16_where_onednn_has_no_bfloat16_runs_without_packed_weights(monkeypatch):
+    """oneDNN's bfloat16 reorder raises on a CPU without AVX-512 BW/VL/DQ (an AVX2 AMD EPYC):
+    there a bfloat16 runner keeps no packed copy, chooses between the other two kernels, and
+    runs (a bfloat16 model failed to load there before)."""
+    from common.model import gemm
+    from common.kv_pool import pages_needed
+    from common.model.runner import ExtendRequest, ModelRunner
+
+    monkeypatch.setattr(gemm, "mkldnn_bf16", lambda: False)
+    spec, weights = _tiny_runner_inputs()
+    assert not can_pack(weights["model.norm.weight"].to(torch.bfloat16))
+    assert can_pack(weights["model.norm.weight"])  # float32 packs as before
+    runner = ModelRunner(spec, weights, dtype="bfloat16", num_pages=8, cpu_kernels=False)
+    assert runner.model.layers[0].qkv.packed is None and runner.model.lm_head.packed is None
+    assert runner.model.chooser is not None and PACKED not in runner.model.chooser.kernels
+    pages = runner.pool.allocator.allocate(pages_needed(5, runner.page_size))
+    logits = runner.extend([ExtendRequest([1, 2, 3, 4, 5], 0, pages)]).logits[0]
+    assert logits.shape == (32,) and bool(torch.isfinite(logits.float()).all())
