@@ -17,8 +17,7 @@ LAYERS, LAYER = 3, 1
 
 def _kernel(heads: int, kv_heads: int, head_dim: int,
             dtype: torch.dtype = torch.float32) -> PagedPrefillAttention:
-    # always: the model takes it with AVX-512 only (and bfloat16 without AMX only), its
-    # results hold everywhere
+    # always: the model takes it in bfloat16 only without AMX, its results hold everywhere
     kernel = paged_prefill_attention(CPU, dtype, heads, kv_heads, head_dim, always=True)
     # CI and the image have a C compiler: a kernel that did not build fails here, not silently
     assert kernel is not None, "the paged prefill attention kernel did not build"
@@ -138,17 +137,14 @@ def test_supports():
     assert not PagedPrefillAttention.supports(torch.device("cuda"), torch.float32, 9, 3, 64)
 
 
-@pytest.mark.parametrize("flags", [frozenset({"avx512f", "avx512_bf16"}),
+@pytest.mark.parametrize("flags", [frozenset({"avx2"}), frozenset({"avx512f", "avx512_bf16"}),
                                    frozenset({"avx512f", "avx512_bf16", "amx_bf16"})])
 def test_the_model_takes_the_kernel_where_torch_measured_slower(monkeypatch, flags):
-    """float32 with AVX-512 always; bfloat16 only without AMX (where torch's flash kernel runs
-    on the tiles); `always` in every case."""
+    """float32 on every CPU (AVX2 or AVX-512); bfloat16 only without AMX (where torch's
+    flash kernel runs on the tiles); `always` in every case."""
     monkeypatch.setattr(paged_attention, "cpu_flags", lambda: flags)
-    lib = paged_attention.load_library()
-    assert lib is not None, "the CPU kernels did not build"
-    lanes = lib.prefill_attention_lanes()
     for dtype in (torch.float32, torch.bfloat16):
         kernel = paged_prefill_attention(CPU, dtype, 9, 3, 64)
-        expect = lanes == 16 and (dtype == torch.float32 or "amx_bf16" not in flags)
+        expect = dtype == torch.float32 or "amx_bf16" not in flags
         assert (kernel is not None) == expect, dtype
         assert paged_prefill_attention(CPU, dtype, 9, 3, 64, always=True) is not None

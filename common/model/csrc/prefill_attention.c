@@ -30,15 +30,18 @@
 
 #include "cpu_math.h"
 
+/* A register tile is ROWS score rows x NV vectors: ROWS x NV accumulators, NV loaded
+ * vectors and a broadcast, within the 32 (AVX-512) or 16 (AVX2) vector registers. */
 #if defined(__AVX512F__)
-#define VL 16  /* floats per vector register */
-#define ROWS 6 /* score rows per register tile: 6 x 4 accumulators of the 32 registers */
+#define VL 16 /* floats per vector register */
+#define ROWS 6
+#define NV 4 /* 24 accumulators */
 #else
 #define VL 8
-#define ROWS 3 /* 3 x 4 of 16 */
+#define ROWS 6
+#define NV 2 /* 12 accumulators: 3 x 4 needed 17 registers and spilled (1.2-1.4x slower) */
 #endif
-#define NV 4                /* vectors per tile row; head dims are multiples of 16 */
-#define TILE_COLS (NV * VL) /* 64 or 32 */
+#define TILE_COLS (NV * VL) /* 64 or 16; head dims are multiples of 16 */
 #define BLOCK_K 64          /* keys per block */
 #define MAX_HEAD_DIM 256
 #define MAX_GROUPS 16
@@ -114,20 +117,30 @@ static inline float hsum(vec v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* exp(x) for softmax's x <= 0 (a score minus its row's max): exp_poly's reduction and
- * polynomial (cpu_math.h) without its overflow side, the scale added to the exponent bits.
- * Below -86 it gives 0 (exp(-86) is 4e-38, nothing against the row's largest term, 1); the
- * cut keeps 2^n a normal number. */
-static inline float exp_nonpositive(float x) {
-    float n;
-    const float p = exp_reduced(x < -86.0f ? -86.0f : x, &n);
-    int32_t bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += (int32_t)n << 23;
-    float y;
-    memcpy(&y, &bits, sizeof y);
-    return x < -86.0f ? 0.0f : y;
+/* exp(x) for softmax's x <= 0 (a score minus its row's max), a vector at a time:
+ * exp_reduced's reduction and polynomial (cpu_math.h) without exp_poly's overflow side, the
+ * scale added to the exponent bits. Below -86 it gives 0 (exp(-86) is 4e-38, nothing against
+ * the row's largest term, 1); the cut keeps 2^n a normal number. A NaN stays NaN. Written
+ * on vectors: GCC leaves the scalar form's selects as branches in the loop, unvectorized
+ * (on AVX2 the softmax then took as long as the two products). */
+static inline vec vexp_nonpositive(vec x) {
+    const vmask low = x < splat(-86.0f);
+    x = (vec)(((vmask)splat(-86.0f) & low) | ((vmask)x & ~low));
+    const vec big = splat(12582912.0f); /* 1.5 * 2^23: adding and taking it away rounds */
+    const vec n = (x * 1.44269504088896341f + big) - big;
+    const vec r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+    vec p = splat(1.0f / 720.0f);
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const vmask bits = (vmask)p + (__builtin_convertvector(n, vmask) << 23);
+    return (vec)(bits & ~low);
 }
+
+static inline float exp_nonpositive(float x) { return vexp_nonpositive(splat(x))[0]; }
 
 /* s[r][0..TILE_COLS) = sum_c q[r][c] kt[c][0..TILE_COLS) for ROWS rows (row strides d, BLOCK_K). */
 static inline __attribute__((always_inline)) void score_tile(const float *q, const float *kt,
@@ -148,7 +161,7 @@ static inline __attribute__((always_inline)) void score_tile(const float *q, con
 }
 
 /* o[r][0..nv VL) = alpha[r] o[r] + sum_{j < n} p[r][j] v[j][0..nv VL) (o and v stride d);
- * nv is a constant where it is called (4, or 1 for a head dim's last vectors). */
+ * nv is a constant where it is called (NV, or 1 for a head dim's last vectors). */
 static inline __attribute__((always_inline)) void value_tile(const float *p, const float *v,
                                                              int d, int n, const float *alpha,
                                                              float *o, int nv) {
@@ -242,9 +255,12 @@ static inline __attribute__((always_inline)) void item(const Args *a, int h, int
             for (int j = VL; j < BLOCK_K; j += VL) top = vmax(top, vload(s + j));
             float mx = hmax(top);
             mx = w->m[r] > mx ? w->m[r] : mx;
-            for (int j = 0; j < BLOCK_K; j++) s[j] = exp_nonpositive(s[j] - mx);
-            vec total = vload(s);
-            for (int j = VL; j < BLOCK_K; j += VL) total += vload(s + j);
+            vec total = (vec){0};
+            for (int j = 0; j < BLOCK_K; j += VL) {
+                const vec e = vexp_nonpositive(vload(s + j) - mx);
+                vstore(s + j, e);
+                total += e;
+            }
             const float sum = hsum(total);
             w->alpha[r] = exp_nonpositive(w->m[r] - mx);
             w->l[r] = w->l[r] * w->alpha[r] + sum;
@@ -319,11 +335,6 @@ static int attend(const Args *a, int threads) {
     free(scratch);
     return 0;
 }
-
-/* Floats per vector register this build uses: common/model/paged_attention.py takes the
- * kernel only at 16 (AVX-512). The 8-lane build is correct but measured 2.5-3x slower than
- * torch's flash kernel, which ran with AVX-512, on the same AMX Xeon (-march=haswell). */
-int prefill_attention_lanes(void) { return VL; }
 
 /* The entry points (ctypes, common/model/paged_attention.py), one per dtype of the pool,
  * q and out: pool = KVPool.rows of row_elems values per row; rows: the span's pages' base
