@@ -56,21 +56,27 @@ static inline __attribute__((always_inline)) float rnd(float x, int is_bf16) {
     return is_bf16 ? from_bf16(to_bf16(x)) : x;
 }
 
-/* exp's reduction and polynomial: x = n ln2 + r, |r| <= ln2/2, returns p(r) ~ exp(r)
- * (degree-6 Taylor, relative error < 2e-7) and n. n is rounded by adding and taking away
- * 1.5 * 2^23 (nearbyintf is a library call here, and this is plain arithmetic the compiler
+/* exp's reduction and polynomial on x of any float type (float, or a vector of floats,
+ * the constants broadcast): x = n ln2 + r, |r| <= ln2/2, sets p ~ exp(r) (degree-6 Taylor,
+ * relative error < 2e-7) and n. n is rounded by adding and taking away 1.5 * 2^23
+ * (nearbyintf is a library call here, and this is plain arithmetic the compiler
  * vectorizes). x must lie within [-126 ln2, 128 ln2]. */
+#define EXP_REDUCE(x, n, p)                                                         \
+    do {                                                                            \
+        (n) = ((x) * 1.44269504088896341f + 12582912.0f) - 12582912.0f;             \
+        const __typeof__(x) r_ = (x) - (n) * 0.693145751953125f -                   \
+                                 (n) * 1.42860682030941723e-6f;                     \
+        (p) = r_ * (1.0f / 720.0f) + 1.0f / 120.0f;                                 \
+        (p) = (p) * r_ + 1.0f / 24.0f;                                              \
+        (p) = (p) * r_ + 1.0f / 6.0f;                                               \
+        (p) = (p) * r_ + 0.5f;                                                      \
+        (p) = (p) * r_ + 1.0f;                                                      \
+        (p) = (p) * r_ + 1.0f;                                                      \
+    } while (0)
+
 static inline float exp_reduced(float x, float *n_out) {
-    const float big = 12582912.0f; /* 1.5 * 2^23 */
-    const float n = (x * 1.44269504088896341f + big) - big;
-    const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    float n, p;
+    EXP_REDUCE(x, n, p);
     *n_out = n;
     return p;
 }
