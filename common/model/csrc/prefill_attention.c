@@ -39,7 +39,7 @@
 #else
 #define VL 8
 #define ROWS 6
-#define NV 2 /* 12 accumulators: 3 x 4 needed 17 registers and spilled (1.2-1.4x slower) */
+#define NV 2 /* 12 accumulators: 3 x 4 needed 17 registers and spilled (1.1-1.25x slower) */
 #endif
 #define TILE_COLS (NV * VL) /* 64 or 16; head dims are multiples of 16 */
 #define BLOCK_K 64          /* keys per block */
