@@ -92,9 +92,12 @@ class LinearWeight:
         return [self.weight] + ([self.bias] if self.bias is not None else [])
 
 
-def linear(x: torch.Tensor, w: LinearWeight, kernel: str = ROW_MAJOR) -> torch.Tensor:
+def linear(x: torch.Tensor, w: LinearWeight, kernel: str = ROW_MAJOR,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in] @ w.T (+ bias) by `kernel`; packed and amx fall back to row_major
-    without their copy of the weight."""
+    without their copy of the weight. `out` (contiguous [rows, out]): where row_major
+    writes, the same BLAS call as F.linear's (bit-equal); the other kernels return a
+    tensor of their own, so use the result."""
     if kernel == AMX and w.amx is not None:
         return w.amx(x, w.bias)
     if kernel == WEIGHT_MAJOR:
@@ -102,6 +105,10 @@ def linear(x: torch.Tensor, w: LinearWeight, kernel: str = ROW_MAJOR) -> torch.T
         return out if w.bias is None else out + w.bias
     if kernel == PACKED and w.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, w.packed, w.bias, "none", [], "")
+    if out is not None:
+        if w.bias is None:
+            return torch.mm(x, w.weight.t(), out=out)
+        return torch.addmm(w.bias, x, w.weight.t(), out=out)
     return F.linear(x, w.weight, w.bias)
 
 

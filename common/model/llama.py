@@ -18,6 +18,7 @@ from common.model.paged_attention import (
     PagedDecodeAttention, PagedPrefillAttention, paged_decode_attention, paged_prefill_attention,
 )
 from common.model.spec import ModelSpec, rope_inv_freq
+from common.model.workspace import WORKSPACE_ROWS, Workspace
 
 
 @dataclass
@@ -103,6 +104,7 @@ class LlamaModel:
         self.chooser = KernelChooser(kernels) if device.type == "cpu" else None
         self.head_chooser = KernelChooser(kernels) if device.type == "cpu" else None
         self._gemm_s = 0.0
+        self._ws: Workspace | None = None  # during a CPU prefill pass (common.model.workspace)
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -168,26 +170,45 @@ class LlamaModel:
         num_tokens = token_ids.shape[0]
         kernel = self.chooser.pick(num_tokens) if self.chooser is not None else ROW_MAJOR
         self._gemm_s = 0.0
-        x, h = self._add_norm(x, None, self.layers[0].attn_norm)
-        for idx, layer in enumerate(self.layers):
-            qkv = self._linear(h, layer.qkv, kernel)
-            q, k, v = self._rope_store(qkv, positions, trig, pool, batch, idx)
-            attn = self._attention(q, k, v, pool, batch, idx)
-            x, h = self._add_norm(x, self._linear(attn, layer.o, kernel), layer.mlp_norm)
-            act = self._silu_mul(self._linear(h, layer.gate_up, kernel))
-            # the residual's last add and the next norm together (the final norm after the last)
-            norm = self.layers[idx + 1].attn_norm if idx + 1 < len(self.layers) else self.norm
-            x, h = self._add_norm(x, self._linear(act, layer.down, kernel), norm)
+        if self.device.type == "cpu" and num_tokens >= WORKSPACE_ROWS:
+            self._ws = Workspace(self.device, self.dtype)
+        try:
+            h = self._layers(x, positions, trig, pool, batch, kernel)
+        finally:
+            self._ws = None
         if self.chooser is not None:
             self.chooser.record(num_tokens, kernel, self._gemm_s)
         return h if out_rows is None else h[out_rows]
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor,
+                trig: tuple[torch.Tensor, torch.Tensor] | None, pool: KVPool,
+                batch: AttentionBatch, kernel: str) -> torch.Tensor:
+        """The layers over the embedded tokens x (the residual stream, updated in place
+        where the fused steps run); returns the final norm's output."""
+        x, h = self._add_norm(x, None, self.layers[0].attn_norm)
+        for idx, layer in enumerate(self.layers):
+            qkv = self._linear(h, layer.qkv, kernel, "qkv")
+            q, k, v = self._rope_store(qkv, positions, trig, pool, batch, idx)
+            attn = self._attention(q, k, v, pool, batch, idx)
+            x, h = self._add_norm(x, self._linear(attn, layer.o, kernel, "o"), layer.mlp_norm)
+            act = self._silu_mul(self._linear(h, layer.gate_up, kernel, "gate_up"))
+            # the residual's last add and the next norm together (the final norm after the last)
+            norm = self.layers[idx + 1].attn_norm if idx + 1 < len(self.layers) else self.norm
+            x, h = self._add_norm(x, self._linear(act, layer.down, kernel, "down"), norm)
+        return h
+
+    def _out(self, role: str, *shape: int) -> torch.Tensor | None:
+        """This pass's buffer for `role` (each step's output has its own role), or None
+        outside a CPU prefill pass: the step then allocates its output."""
+        return self._ws.take(role, *shape) if self._ws is not None else None
 
     def _add_norm(self, x: torch.Tensor, y: torch.Tensor | None,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream x + y (x itself when y is None) and its RMSNorm by `weight`."""
         eps = self.spec.rms_norm_eps
         if self.fused is not None:
-            return x, self.fused.add_rms_norm(x, y, weight, eps)  # x updated in place
+            # x updated in place; h in this pass's buffer (read by the next product)
+            return x, self.fused.add_rms_norm(x, y, weight, eps, out=self._out("h", *x.shape))
         if y is not None:
             x = x + y
         return x, rms_norm(x, weight, eps)
@@ -204,7 +225,8 @@ class LlamaModel:
         if self.fused is not None:
             qk = self.fused.rope_store(qkv, positions, self.cos, self.sin_rot, pool.tokens,
                                        batch.write_slots, k_offset, v_offset, spec.num_heads,
-                                       spec.num_kv_heads, spec.head_dim)
+                                       spec.num_kv_heads, spec.head_dim,
+                                       out=self._out("qk", n, heads, spec.head_dim))
             v = qkv[:, qk_size:]
         else:
             assert trig is not None
@@ -221,7 +243,8 @@ class LlamaModel:
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
-            return self.fused.silu_mul(gate_up)
+            rows, width = gate_up.shape
+            return self.fused.silu_mul(gate_up, out=self._out("act", rows, width // 2))
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -235,10 +258,15 @@ class LlamaModel:
         self.head_chooser.record(rows, kernel, self._gemm_s)
         return out.float()
 
-    def _linear(self, x: torch.Tensor, w: LinearWeight, kernel: str) -> torch.Tensor:
-        """A product, its seconds added to this pass's total (CPU ops run synchronously)."""
+    def _linear(self, x: torch.Tensor, w: LinearWeight, kernel: str,
+                role: str | None = None) -> torch.Tensor:
+        """A product, its seconds added to this pass's total (CPU ops run synchronously);
+        row_major's output in this pass's buffer for `role`, if it has one."""
+        buf = None
+        if role is not None and kernel == ROW_MAJOR:
+            buf = self._out(role, x.shape[0], w.weight.shape[0])
         t = time.perf_counter()
-        out = linear(x, w, kernel)
+        out = linear(x, w, kernel, buf)
         self._gemm_s += time.perf_counter() - t
         return out
 
@@ -312,7 +340,8 @@ class LlamaModel:
         assert batch.spans is not None and isinstance(batch.read_rows, list)
         if self.prefill_attention is not None:
             # every span's keys from its pages, the new tokens' among them (just written)
-            out = q.new_empty(q.shape[0], self.q_size)
+            buf = self._out("attn", q.shape[0], self.q_size)
+            out = q.new_empty(q.shape[0], self.q_size) if buf is None else buf
             for (start, num_new, _, prefix), rows in zip(batch.spans, batch.read_rows):
                 end = start + num_new
                 self.prefill_attention(pool.rows, rows, layer, q[start:end], prefix,

@@ -10,6 +10,7 @@ from common.kv_pool import pages_needed
 from common.model.gemm import PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
 from common.model.paged_attention import paged_prefill_attention
 from common.model.runner import ExtendRequest, ModelRunner
+from common.model.workspace import WORKSPACE_ROWS, Workspace
 
 transformers = pytest.importorskip("transformers")
 
@@ -225,3 +226,41 @@ def test_too_few_pages_is_refused(pair):
     _, runner = pair
     with pytest.raises(ValueError, match="pages cannot hold"):
         runner.extend([ExtendRequest(_prompt(9, 3), 0, [0, 1])])
+
+
+@pytest.mark.parametrize("steps", ["kernels", "torch_ops"])
+def test_prefill_of_many_rows_reuses_one_buffer_per_role(pair, monkeypatch, steps):
+    """From WORKSPACE_ROWS rows a pass keeps one buffer per step's output for all its layers
+    (no fresh page-faulted tensors per layer), and the logits still match the reference,
+    through the extend and the decode steps that read the KV it wrote."""
+    ref, runner = pair
+    model = runner.model
+    taken: dict[str, list[int]] = {}
+    original = Workspace.take
+
+    def spy(self, role, *shape):
+        out = original(self, role, *shape)
+        taken.setdefault(role, []).append(out.untyped_storage().data_ptr())
+        return out
+
+    monkeypatch.setattr(Workspace, "take", spy)
+    saved = model.chooser, model.paged_attention, model.prefill_attention, model.fused
+    model.chooser = KernelChooser((ROW_MAJOR,), trials=1, prefill_trials=1)
+    if steps == "torch_ops":
+        model.paged_attention = model.prefill_attention = model.fused = None
+    try:
+        prompts = [_prompt(150, 80), _prompt(40, 81)]  # 190 rows
+        assert sum(map(len, prompts)) >= WORKSPACE_ROWS
+        _extend_then_decode_match_reference(ref, runner, prompts, steps=3)
+    finally:
+        model.chooser, model.paged_attention, model.prefill_attention, model.fused = saved
+    assert model._ws is None  # dropped with its pass
+    layers = runner.spec.num_layers
+    roles = {"qkv", "o", "gate_up", "down"}
+    if steps == "kernels":
+        roles |= {"qk", "attn", "act", "h"}
+    assert set(taken) == roles
+    for role, storages in taken.items():
+        # once per layer (h: twice, and once before the first), always the same buffer
+        assert len(storages) == (2 * layers + 1 if role == "h" else layers), role
+        assert len(set(storages)) == 1, role
