@@ -13,7 +13,7 @@
  * BLOCK_K keys: K packed transposed and V packed (both in float32, zero past the keys that
  * exist), scores S = Q K^T by a register tile of ROWS x 4 vectors, the causal mask on the
  * blocks that cross the diagonal (blocks above it are never read), an online softmax per
- * row (running max and sum, exp_nonpositive) and O = alpha O + P V by the same tile. Work
+ * row (running max and sum, in base 2: exp2_nonpositive) and O = alpha O + P V by the same tile. Work
  * items run heaviest first (the last query blocks see the most keys). The packed K and V
  * of the span are a transient float32 copy, 2 x kv_heads x tokens x head_dim (12 MB at
  * 8k tokens for SmolLM2): every query block reads them, and each is packed once.
@@ -29,6 +29,10 @@
 #include <string.h>
 
 #include "cpu_math.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* A register tile is ROWS score rows x NV vectors: ROWS x NV accumulators, NV loaded
  * vectors and a broadcast, within the 32 (AVX-512) or 16 (AVX2) vector registers. */
@@ -117,22 +121,50 @@ static inline float hsum(vec v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* exp(x) for softmax's x <= 0 (a score minus its row's max), a vector at a time:
- * EXP_REDUCE's reduction and polynomial (cpu_math.h) without exp_poly's overflow side, the
- * scale added to the exponent bits. Below -86 it gives 0 (exp(-86) is 4e-38, nothing against
- * the row's largest term, 1); the cut keeps 2^n a normal number. A NaN stays NaN. Written
- * on vectors: GCC left the scalar form's selects as branches, the loop unvectorized (the
- * kernel ran 1.4x faster at 1k tokens with this, on an AVX2 AMD EPYC). */
-static inline vec vexp_nonpositive(vec x) {
-    const vmask low = x < splat(-86.0f);
-    x = (vec)(((vmask)splat(-86.0f) & low) | ((vmask)x & ~low));
-    vec n, p;
-    EXP_REDUCE(x, n, p);
+/* 2^x for softmax's x <= 0 (a score minus its row's max, scores in base 2: q is scaled by
+ * log2(e) too), a vector at a time: x = n + f, n an integer, |f| <= 1/2, 2^f by its
+ * degree-6 Taylor polynomial in f ln 2 (relative error < 2e-7), scaled by 2^n. Below -125
+ * it gives exactly 0 (2^-125 is nothing against the row's largest term, 1; the cut keeps
+ * every 2^n normal, so no product meets a subnormal). A NaN stays NaN. On AVX-512 the
+ * rounding and the scaling are an instruction each (VRNDSCALEPS, VSCALEFPS), the cut a
+ * mask: 12 vector ops per 16 scores against 19 for exp's two-constant reduction. Written
+ * on vectors: GCC left a scalar form's selects as branches and the loop unvectorized. */
+#define EXP2_POLY(f, p)                                                   \
+    do {                                                                  \
+        (p) = (f) * 1.5403530393381606e-4f + 1.3333558146428443e-3f;      \
+        (p) = (p) * (f) + 9.6181291076284772e-3f;                         \
+        (p) = (p) * (f) + 5.5504108664821580e-2f;                         \
+        (p) = (p) * (f) + 2.4022650695910071e-1f;                         \
+        (p) = (p) * (f) + 6.9314718055994531e-1f;                         \
+        (p) = (p) * (f) + 1.0f;                                           \
+    } while (0)
+
+#if VL == 16
+static inline vec vexp2_nonpositive(vec x) {
+    const __m512 v = (__m512)x;
+    /* not below the cut: true for a NaN too (unordered) */
+    const __mmask16 kept = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
+    const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vec f = (vec)_mm512_sub_ps(v, n);
+    vec p;
+    EXP2_POLY(f, p);
+    return (vec)_mm512_maskz_scalef_ps(kept, (__m512)p, n);
+}
+#else
+static inline vec vexp2_nonpositive(vec x) {
+    const vmask low = x < splat(-125.0f);
+    x = (vec)(((vmask)splat(-125.0f) & low) | ((vmask)x & ~low));
+    /* rounded to the nearest integer by adding and taking away 1.5 * 2^23 */
+    const vec n = (x + splat(12582912.0f)) - splat(12582912.0f);
+    const vec f = x - n;
+    vec p;
+    EXP2_POLY(f, p);
     const vmask bits = (vmask)p + (__builtin_convertvector(n, vmask) << 23);
     return (vec)(bits & ~low);
 }
+#endif
 
-static inline float exp_nonpositive(float x) { return vexp_nonpositive(splat(x))[0]; }
+static inline float exp2_nonpositive(float x) { return vexp2_nonpositive(splat(x))[0]; }
 
 /* s[r][0..TILE_COLS) = sum_c q[r][c] kt[c][0..TILE_COLS) for ROWS rows (row strides d, BLOCK_K). */
 static inline __attribute__((always_inline)) void score_tile(const float *q, const float *kt,
@@ -183,7 +215,8 @@ typedef struct {
 } Args;
 
 typedef struct {
-    float *q, *s, *o, *m, *l, *alpha;
+    float *q, *s, *o, *m, *alpha;
+    float *l; /* per row, its sum so far in VL lanes (added across them once, at the end) */
 } Scratch;
 
 /* Packs key block b of KV head h (keys [b BLOCK_K, + n)): K transposed into kt [d][BLOCK_K],
@@ -214,17 +247,18 @@ static inline __attribute__((always_inline)) void item(const Args *a, int h, int
                                                         Scratch *w, int is_bf16) {
     const int d = a->d, groups = a->heads / a->kv_heads;
     const int rows = nt * groups, padded = (rows + ROWS - 1) / ROWS * ROWS;
+    const float scale2 = a->scale * 1.44269504088896341f; /* scores in base 2 */
     for (int r = 0; r < padded; r++) {
         float *qr = w->q + (int64_t)r * d;
         if (r < rows) {
             const int64_t at = (t0 + r / groups) * a->q_stride + (int64_t)(h * groups + r % groups) * d;
-            for (int c = 0; c < d; c++) qr[c] = ld(a->q, at + c, is_bf16) * a->scale;
+            for (int c = 0; c < d; c++) qr[c] = ld(a->q, at + c, is_bf16) * scale2;
         } else {
             memset(qr, 0, sizeof(float) * d);
         }
         memset(w->o + (int64_t)r * d, 0, sizeof(float) * d);
         w->m[r] = -INFINITY;
-        w->l[r] = 0.0f;
+        vstore(w->l + (int64_t)r * VL, (vec){0});
     }
     const int64_t first_pos = a->q_pos0 + t0, last_pos = first_pos + nt - 1;
     for (int64_t k0 = 0; k0 <= last_pos; k0 += BLOCK_K) {
@@ -249,13 +283,14 @@ static inline __attribute__((always_inline)) void item(const Args *a, int h, int
             mx = w->m[r] > mx ? w->m[r] : mx;
             vec total = (vec){0};
             for (int j = 0; j < BLOCK_K; j += VL) {
-                const vec e = vexp_nonpositive(vload(s + j) - mx);
+                const vec e = vexp2_nonpositive(vload(s + j) - mx);
                 vstore(s + j, e);
                 total += e;
             }
-            const float sum = hsum(total);
-            w->alpha[r] = exp_nonpositive(w->m[r] - mx);
-            w->l[r] = w->l[r] * w->alpha[r] + sum;
+            /* 2^0 is 1 exactly: once a row's max settles (most blocks) its exp is skipped */
+            w->alpha[r] = mx > w->m[r] ? exp2_nonpositive(w->m[r] - mx) : 1.0f;
+            float *l = w->l + (int64_t)r * VL;
+            vstore(l, vload(l) * w->alpha[r] + total);
             w->m[r] = mx;
         }
         for (int r = 0; r < padded; r += ROWS) {
@@ -269,7 +304,7 @@ static inline __attribute__((always_inline)) void item(const Args *a, int h, int
     }
     for (int r = 0; r < rows; r++) {
         const int64_t at = (t0 + r / groups) * a->out_stride + (int64_t)(h * groups + r % groups) * d;
-        const float inv = 1.0f / w->l[r];
+        const float inv = 1.0f / hsum(vload(w->l + (int64_t)r * VL));
         const float *o = w->o + (int64_t)r * d;
         for (int c = 0; c < d; c++) st(a->out, at + c, o[c] * inv, is_bf16);
     }
@@ -286,7 +321,7 @@ static int attend(const Args *a, int threads) {
     const int64_t padded = (bq * groups + ROWS - 1) / ROWS * ROWS;
     const int64_t keys = a->q_pos0 + a->n_q, kblocks = (keys + BLOCK_K - 1) / BLOCK_K;
     const int64_t per_head = kblocks * BLOCK_K * (int64_t)d; /* K^T blocks, or V blocks */
-    const int64_t per_thread = padded * (2 * d + BLOCK_K + 3);
+    const int64_t per_thread = padded * (2 * d + BLOCK_K + 2 + VL);
     if (threads > items) threads = (int)items;
     float *packed = aligned_alloc(64, sizeof(float) * (size_t)(2 * per_head * a->kv_heads));
     /* aligned_alloc wants a multiple of the alignment: 16 floats */
