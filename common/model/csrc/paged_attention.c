@@ -8,8 +8,9 @@
  * A work item is one sequence, or one range of its pages when there are few sequences (so
  * every thread has work), with all its heads: a page's K and V rows are then read front to
  * back, and each key vector once for all the query heads that share its KV head (GQA).
- * Softmax is online, per block of a page: running max, running sum, rescaled accumulator,
- * all in float32. Ranges are merged by their maxima at the end, as flash-decoding does.
+ * Softmax is online, per block of a page (16 keys, their scores one vector, in base 2):
+ * running max, running sum, rescaled accumulator, all in float32. Ranges are merged by
+ * their maxima at the end, as flash-decoding does.
  * Built by common/model/cpu_kernels.py with -O3 -march=native -fopenmp on the machine
  * that runs it. No -ffast-math: sums are in the order written, rounding is IEEE's, apart
  * from exp (cpu_math.h).
@@ -23,7 +24,7 @@
 #define MAX_GROUPS 16
 #define MAX_HEADS 128
 #define MAX_HEAD_DIM 256
-#define BLOCK 32 /* tokens scored at once (a page is split into blocks of this many) */
+#define BLOCK 16 /* keys scored at once, one vector of scores (a page is split into blocks) */
 
 #include "cpu_math.h"
 
@@ -32,6 +33,8 @@
 typedef f32x16 vf;
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef int32_t vi4 __attribute__((vector_size(16)));
 
 static inline vf load_f32(const float *p) {
     vf v;
@@ -47,6 +50,53 @@ static inline float hsum(vf v) {
     vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
+
+static inline vf8 max8(vf8 a, vf8 b) {
+    const vi8 m = a > b;
+    return (vf8)(((vi8)a & m) | ((vi8)b & ~m));
+}
+
+static inline vf4 max4(vf4 a, vf4 b) {
+    const vi4 m = a > b;
+    return (vf4)(((vi4)a & m) | ((vi4)b & ~m));
+}
+
+static inline float hmax(vf v) {
+    const vf8 a = max8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+    const vf4 b = max4(__builtin_shufflevector(a, a, 0, 1, 2, 3),
+                       __builtin_shufflevector(a, a, 4, 5, 6, 7));
+    const float x = b[0] > b[2] ? b[0] : b[2], y = b[1] > b[3] ? b[1] : b[3];
+    return x > y ? x : y;
+}
+
+/* Lane j of the result: the sum of d[j]'s lanes, for 16 vectors at once (16 dot products'
+ * partial sums). A transposing tree of 15 shuffle pairs and adds, where a horizontal sum
+ * per dot product took 7 dependent steps each. */
+static inline vf sum_lanes(const vf d[BLOCK]) {
+    vf w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: d[2i]'s halves added; 8-15: d[2i + 1]'s */
+        w[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                       18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(d[2 * i], d[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                       25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* lanes 4k..4k+3: d[4i + k]'s sum in 4 parts */
+        x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20,
+                                       21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* lanes 2k, 2k+1: d[8i + k]'s sum in 2 parts */
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18,
+                                       19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                   26, 28, 30) +
+           __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                   27, 29, 31);
+}
+
+static inline float exp2_nonpositive(float x) { return exp2_nonpositive16((vf){0} + x)[0]; }
 
 /* Loads 16 values of the pool's dtype as floats; `is_bf16` is a constant in each caller. */
 static inline __attribute__((always_inline)) vf load16(const void *base, int64_t index,
@@ -77,10 +127,14 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
     const int64_t tok_elems = (int64_t)a->kv_heads * d, ps = a->page_size;
     const int64_t elem = is_bf16 ? 2 : 4;
     vf *qv = work, *acc = work + (int64_t)a->heads * nv; /* [heads][nv] each */
+    /* scores in base 2 (q scaled by log2(e) too): softmax's exp is 2^x (cpu_math.h) */
+    const float scale2 = a->scale * 1.44269504088896341f;
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     float m[MAX_HEADS], l[MAX_HEADS], s[MAX_GROUPS][BLOCK];
+    vf dots[MAX_GROUPS][BLOCK];
     for (int h = 0; h < a->heads; h++) {
         for (int c = 0; c < nv; c++) {
-            qv[h * nv + c] = load16(a->q, b * a->q_stride + (int64_t)h * d + 16 * c, is_bf16) * a->scale;
+            qv[h * nv + c] = load16(a->q, b * a->q_stride + (int64_t)h * d + 16 * c, is_bf16) * scale2;
             acc[h * nv + c] = (vf){0};
         }
         m[h] = -INFINITY;
@@ -100,9 +154,14 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
             for (int64_t byte = 0; byte < 2 * a->row_elems * elem; byte += 64)
                 __builtin_prefetch(next + byte);
         }
+        const i32x16 valid = lane < (int32_t)n;
         for (int kvh = 0; kvh < a->kv_heads; kvh++) {
             const int h0 = kvh * groups;
-            for (int64_t j = 0; j < n; j++) {
+            for (int64_t j = 0; j < BLOCK; j++) {
+                if (j >= n) { /* past the block's keys: no load, a score masked below */
+                    for (int g = 0; g < groups; g++) dots[g][j] = (vf){0};
+                    continue;
+                }
                 vf kv[MAX_HEAD_DIM / 16];
                 const int64_t at = kbase + j * tok_elems + (int64_t)kvh * d;
                 for (int c = 0; c < nv; c++) kv[c] = load16(a->pool, at + 16 * c, is_bf16);
@@ -110,22 +169,22 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
                     const vf *qh = qv + (int64_t)(h0 + g) * nv;
                     vf dot = qh[0] * kv[0];
                     for (int c = 1; c < nv; c++) dot += qh[c] * kv[c];
-                    s[g][j] = hsum(dot);
+                    dots[g][j] = dot;
                 }
             }
             for (int g = 0; g < groups; g++) {
                 const int h = h0 + g;
-                float bm = m[h];
-                for (int64_t j = 0; j < n; j++) bm = s[g][j] > bm ? s[g][j] : bm;
-                const float corr = exp_poly(m[h] - bm);
-                float sum = 0.0f;
-                for (int64_t j = 0; j < n; j++) {
-                    s[g][j] = exp_poly(s[g][j] - bm);
-                    sum += s[g][j];
-                }
-                l[h] = l[h] * corr + sum;
+                vf sc = sum_lanes(dots[g]);
+                sc = (vf)((valid & (i32x16)sc) | (~valid & (i32x16)((vf){0} - INFINITY)));
+                const float top = hmax(sc), bm = top > m[h] ? top : m[h];
+                /* 2^0 is 1 exactly: once a head's max settles its rescale is skipped */
+                const float corr = bm > m[h] ? exp2_nonpositive(m[h] - bm) : 1.0f;
+                const vf e = exp2_nonpositive16(sc - bm); /* 0 where masked */
+                memcpy(s[g], &e, sizeof e);
+                l[h] = l[h] * corr + hsum(e);
                 m[h] = bm;
-                for (int c = 0; c < nv; c++) acc[(int64_t)h * nv + c] *= corr;
+                if (corr != 1.0f)
+                    for (int c = 0; c < nv; c++) acc[(int64_t)h * nv + c] *= corr;
             }
             for (int64_t j = 0; j < n; j++) {
                 vf vv[MAX_HEAD_DIM / 16];
@@ -191,7 +250,7 @@ static inline __attribute__((always_inline)) int attend(const Args *a, void *out
             for (int sp = 0; sp < splits; sp++) {
                 const float *pm = parts + (b * splits + sp) * part;
                 if (pm[h] == -INFINITY) continue;
-                const float w = exp_poly(pm[h] - mx);
+                const float w = exp2_nonpositive(pm[h] - mx); /* maxima in base 2 */
                 total += w * pm[heads + h];
                 const float *pa = pm + 2 * heads + (int64_t)h * d;
                 for (int i = 0; i < d; i++) o[i] += w * pa[i];

@@ -30,10 +30,6 @@
 
 #include "cpu_math.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 /* A register tile is ROWS score rows x NV vectors: ROWS x NV accumulators, NV loaded
  * vectors and a broadcast, within the 32 (AVX-512) or 16 (AVX2) vector registers. */
 #if defined(__AVX512F__)
@@ -121,47 +117,12 @@ static inline float hsum(vec v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* 2^x for softmax's x <= 0 (a score minus its row's max, scores in base 2: q is scaled by
- * log2(e) too), a vector at a time: x = n + f, n an integer, |f| <= 1/2, 2^f by its
- * degree-6 Taylor polynomial in f ln 2 (relative error < 2e-7), scaled by 2^n. Below -125
- * it gives exactly 0 (2^-125 is nothing against the row's largest term, 1; the cut keeps
- * every 2^n normal, so no product meets a subnormal). A NaN stays NaN. On AVX-512 the
- * rounding and the scaling are an instruction each (VRNDSCALEPS, VSCALEFPS), the cut a
- * mask: 12 vector ops per 16 scores against 19 for exp's two-constant reduction. Written
- * on vectors: GCC left a scalar form's selects as branches and the loop unvectorized. */
-#define EXP2_POLY(f, p)                                                   \
-    do {                                                                  \
-        (p) = (f) * 1.5403530393381606e-4f + 1.3333558146428443e-3f;      \
-        (p) = (p) * (f) + 9.6181291076284772e-3f;                         \
-        (p) = (p) * (f) + 5.5504108664821580e-2f;                         \
-        (p) = (p) * (f) + 2.4022650695910071e-1f;                         \
-        (p) = (p) * (f) + 6.9314718055994531e-1f;                         \
-        (p) = (p) * (f) + 1.0f;                                           \
-    } while (0)
-
+/* 2^x for x <= 0 on this width's vectors (cpu_math.h; scores are in base 2: q is scaled
+ * by log2(e) too) */
 #if VL == 16
-static inline vec vexp2_nonpositive(vec x) {
-    const __m512 v = (__m512)x;
-    /* not below the cut: true for a NaN too (unordered) */
-    const __mmask16 kept = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
-    const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const vec f = (vec)_mm512_sub_ps(v, n);
-    vec p;
-    EXP2_POLY(f, p);
-    return (vec)_mm512_maskz_scalef_ps(kept, (__m512)p, n);
-}
+#define vexp2_nonpositive exp2_nonpositive16
 #else
-static inline vec vexp2_nonpositive(vec x) {
-    const vmask low = x < splat(-125.0f);
-    x = (vec)(((vmask)splat(-125.0f) & low) | ((vmask)x & ~low));
-    /* rounded to the nearest integer by adding and taking away 1.5 * 2^23 */
-    const vec n = (x + splat(12582912.0f)) - splat(12582912.0f);
-    const vec f = x - n;
-    vec p;
-    EXP2_POLY(f, p);
-    const vmask bits = (vmask)p + (__builtin_convertvector(n, vmask) << 23);
-    return (vec)(bits & ~low);
-}
+DEFINE_EXP2_NONPOSITIVE(vexp2_nonpositive, vec, vmask)
 #endif
 
 static inline float exp2_nonpositive(float x) { return vexp2_nonpositive(splat(x))[0]; }
