@@ -101,6 +101,32 @@ static inline float exp_poly(float x) {
     return x > 88.7f ? INFINITY : (x < -87.3f ? 0.0f : y);
 }
 
+/* 8 and 4 lanes, for horizontal max and sum as trees of halves (lane by lane they are
+ * dependent steps: a fifth of the prefill kernel's time when written so). */
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+
+static inline f32x8 max8(f32x8 a, f32x8 b) {
+    const i32x8 m = a > b;
+    return (f32x8)(((i32x8)a & m) | ((i32x8)b & ~m));
+}
+
+static inline float hmax8(f32x8 a) {
+    const f32x4 l = __builtin_shufflevector(a, a, 0, 1, 2, 3);
+    const f32x4 h = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    const i32x4 m = l > h;
+    const f32x4 b = (f32x4)(((i32x4)l & m) | ((i32x4)h & ~m));
+    const float x = b[0] > b[2] ? b[0] : b[2], y = b[1] > b[3] ? b[1] : b[3];
+    return x > y ? x : y;
+}
+
+static inline float hsum8(f32x8 a) {
+    const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 /* 16 lanes (one AVX-512 register, two AVX2 ones) of bfloat16 widened to float, and of
  * float rounded to bfloat16 as to_bf16 rounds them. */
 typedef float f32x16 __attribute__((vector_size(64)));

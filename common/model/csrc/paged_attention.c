@@ -31,10 +31,6 @@
 /* 16 floats (cpu_math.h's f32x16): GCC vector extensions, one AVX-512 register, two AVX2
  * ones, four NEON ones. Head dims are multiples of 16 (checked by the caller). */
 typedef f32x16 vf;
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-typedef int32_t vi8 __attribute__((vector_size(32)));
-typedef int32_t vi4 __attribute__((vector_size(16)));
 
 static inline vf load_f32(const float *p) {
     vf v;
@@ -42,33 +38,13 @@ static inline vf load_f32(const float *p) {
     return v;
 }
 
-/* A tree sum of the 16 lanes (GCC's omp simd reduction adds them one after another:
- * 16 dependent adds per dot product, the kernel's hot spot when it was written so). */
-static inline float hsum(vf v) {
-    vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-static inline vf8 max8(vf8 a, vf8 b) {
-    const vi8 m = a > b;
-    return (vf8)(((vi8)a & m) | ((vi8)b & ~m));
-}
-
-static inline vf4 max4(vf4 a, vf4 b) {
-    const vi4 m = a > b;
-    return (vf4)(((vi4)a & m) | ((vi4)b & ~m));
-}
-
-static inline float hmax(vf v) {
-    const vf8 a = max8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
-                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
-    const vf4 b = max4(__builtin_shufflevector(a, a, 0, 1, 2, 3),
-                       __builtin_shufflevector(a, a, 4, 5, 6, 7));
-    const float x = b[0] > b[2] ? b[0] : b[2], y = b[1] > b[3] ? b[1] : b[3];
-    return x > y ? x : y;
-}
+/* Horizontal sum and max as trees of halves (cpu_math.h; GCC's omp simd reduction adds the
+ * lanes one after another: 16 dependent adds per dot product, the kernel's hot spot when it
+ * was written so). */
+static inline f32x8 lo8(vf v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+static inline f32x8 hi8(vf v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+static inline float hsum(vf v) { return hsum8(lo8(v) + hi8(v)); }
+static inline float hmax(vf v) { return hmax8(max8(lo8(v), hi8(v))); }
 
 /* Lane j of the result: the sum of d[j]'s lanes, for 16 vectors at once (16 dot products'
  * partial sums). A transposing tree of 15 shuffle pairs and adds, where a horizontal sum

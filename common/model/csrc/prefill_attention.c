@@ -68,24 +68,8 @@ static inline vec vmax(vec a, vec b) {
     return (vec)(((vmask)a & m) | ((vmask)b & ~m));
 }
 
-/* Horizontal max and sum as trees of halves (lane by lane they are 15 dependent steps per
- * row, a fifth of the kernel's time when written so). */
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-typedef int32_t v4i __attribute__((vector_size(16)));
-
-static inline v8f max8(v8f a, v8f b) {
-    const v8i m = a > b;
-    return (v8f)(((v8i)a & m) | ((v8i)b & ~m));
-}
-
-static inline v4f max4(v4f a, v4f b) {
-    const v4i m = a > b;
-    return (v4f)(((v4i)a & m) | ((v4i)b & ~m));
-}
-
-static inline v8f lo8(vec v) {
+/* Horizontal max and sum (cpu_math.h's trees of halves) */
+static inline f32x8 lo8(vec v) {
 #if VL == 16
     return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
 #else
@@ -93,28 +77,20 @@ static inline v8f lo8(vec v) {
 #endif
 }
 
-#if VL == 16
-static inline v8f hi8(vec v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
-#endif
-
 static inline float hmax(vec v) {
-    v8f a = lo8(v);
 #if VL == 16
-    a = max8(a, hi8(v));
+    return hmax8(max8(lo8(v), __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)));
+#else
+    return hmax8(v);
 #endif
-    const v4f b = max4(__builtin_shufflevector(a, a, 0, 1, 2, 3),
-                       __builtin_shufflevector(a, a, 4, 5, 6, 7));
-    const float x = b[0] > b[2] ? b[0] : b[2], y = b[1] > b[3] ? b[1] : b[3];
-    return x > y ? x : y;
 }
 
 static inline float hsum(vec v) {
-    v8f a = lo8(v);
 #if VL == 16
-    a = a + hi8(v);
+    return hsum8(lo8(v) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+    return hsum8(v);
 #endif
-    const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 /* 2^x for x <= 0 on this width's vectors (cpu_math.h; scores are in base 2: q is scaled
