@@ -2,7 +2,8 @@
 
 Prefill: for each dtype and prompt length (128, 1k, 4k, 8k tokens), one prompt through
 our extend and through transformers' forward (last-token logits only, no cache kept), the
-best of --repeats (of at least 2048 / tokens runs for short prompts); tokens/s, the ratio, and the fraction of the matmul bound (linear
+best of --repeats (of 2048 / tokens at least, for short prompts); tokens/s, the ratio,
+and the fraction of the matmul bound (linear
 layers' and attention's FLOPs / this machine's measured GEMM FLOP/s); side by side, ours
 with torch's flash attention on copies in place of the paged prefill kernel (vs torch).
 Untimed prefill passes first let the runner choose that row bucket's product kernel
@@ -133,7 +134,8 @@ def settle_prefill_kernel(runner: ModelRunner, ids: list[int], most: int = 12) -
 def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths: list[int],
                  repeats: int, torch_ops: bool) -> list[dict]:
     """Per length: ours, transformers' and (if `torch_ops` and the runner has the paged
-    prefill kernel) ours on torch's attention, interleaved, best of `repeats` (or 2048 / n) each."""
+    prefill kernel) ours on torch's attention, interleaved, best of `repeats` (or of
+    2048 / n, if more) each."""
     rows = []
     g = torch.Generator().manual_seed(0)
     plain_too = torch_ops and runner.model.prefill_attention is not None
