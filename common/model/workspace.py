@@ -12,6 +12,8 @@ nothing outlives the forward that made it; decode passes (a few rows) do not tak
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # From this many rows a pass takes a workspace: prefill row buckets (common.model.gemm);
@@ -31,14 +33,9 @@ class Workspace:
 
     def take(self, role: str, *shape: int) -> torch.Tensor:
         """A contiguous [*shape] view of `role`'s buffer (its contents are stale)."""
-        size = 1
-        for dim in shape:
-            size *= dim
+        size = math.prod(shape)
         buf = self._buffers.get(role)
         if buf is None or buf.numel() < size:
             buf = torch.empty(size, dtype=self.dtype, device=self.device)
             self._buffers[role] = buf
         return buf[:size].view(shape)
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())

@@ -199,4 +199,13 @@ static inline f32x16 exp2_nonpositive16(f32x16 x) {
 DEFINE_EXP2_NONPOSITIVE(exp2_nonpositive16, f32x16, i32x16)
 #endif
 
+/* The same for one float (x - 0 broadcasts it in one instruction; 0 + x does not fold). */
+static inline float exp2_nonpositive(float x) { return exp2_nonpositive16(x - (f32x16){0})[0]; }
+
+/* Horizontal sum and max of 16 lanes: their halves folded, then the 8-lane trees. */
+static inline f32x8 lo8(f32x16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+static inline f32x8 hi8(f32x16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+static inline float hsum16(f32x16 v) { return hsum8(lo8(v) + hi8(v)); }
+static inline float hmax16(f32x16 v) { return hmax8(max8(lo8(v), hi8(v))); }
+
 #endif

@@ -38,14 +38,6 @@ static inline vf load_f32(const float *p) {
     return v;
 }
 
-/* Horizontal sum and max as trees of halves (cpu_math.h; GCC's omp simd reduction adds the
- * lanes one after another: 16 dependent adds per dot product, the kernel's hot spot when it
- * was written so). */
-static inline f32x8 lo8(vf v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
-static inline f32x8 hi8(vf v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
-static inline float hsum(vf v) { return hsum8(lo8(v) + hi8(v)); }
-static inline float hmax(vf v) { return hmax8(max8(lo8(v), hi8(v))); }
-
 /* Lane j of the result: the sum of d[j]'s lanes, for 16 vectors at once (16 dot products'
  * partial sums). A transposing tree of 15 shuffle pairs and adds, where a horizontal sum
  * per dot product took 7 dependent steps each. */
@@ -71,8 +63,6 @@ static inline vf sum_lanes(const vf d[BLOCK]) {
            __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
                                    27, 29, 31);
 }
-
-static inline float exp2_nonpositive(float x) { return exp2_nonpositive16((vf){0} + x)[0]; }
 
 /* Loads 16 values of the pool's dtype as floats; `is_bf16` is a constant in each caller. */
 static inline __attribute__((always_inline)) vf load16(const void *base, int64_t index,
@@ -152,12 +142,12 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
                 const int h = h0 + g;
                 vf sc = sum_lanes(dots[g]);
                 sc = (vf)((valid & (i32x16)sc) | (~valid & (i32x16)((vf){0} - INFINITY)));
-                const float top = hmax(sc), bm = top > m[h] ? top : m[h];
+                const float top = hmax16(sc), bm = top > m[h] ? top : m[h];
                 /* 2^0 is 1 exactly: once a head's max settles its rescale is skipped */
                 const float corr = bm > m[h] ? exp2_nonpositive(m[h] - bm) : 1.0f;
                 const vf e = exp2_nonpositive16(sc - bm); /* 0 where masked */
                 memcpy(s[g], &e, sizeof e);
-                l[h] = l[h] * corr + hsum(e);
+                l[h] = l[h] * corr + hsum16(e);
                 m[h] = bm;
                 if (corr != 1.0f)
                     for (int c = 0; c < nv; c++) acc[(int64_t)h * nv + c] *= corr;

@@ -13,8 +13,8 @@
  * BLOCK_K keys: K packed transposed and V packed (both in float32, zero past the keys that
  * exist), scores S = Q K^T by a register tile of ROWS x 4 vectors, the causal mask on the
  * blocks that cross the diagonal (blocks above it are never read), an online softmax per
- * row (running max and sum, in base 2: exp2_nonpositive) and O = alpha O + P V by the same tile. Work
- * items run heaviest first (the last query blocks see the most keys). The packed K and V
+ * row (running max and sum, in base 2: exp2_nonpositive) and O = alpha O + P V by the same
+ * tile. Work items run heaviest first (the last query blocks see the most keys). The packed K and V
  * of the span are a transient float32 copy, 2 x kv_heads x tokens x head_dim (12 MB at
  * 8k tokens for SmolLM2): every query block reads them, and each is packed once.
  *
@@ -69,29 +69,13 @@ static inline vec vmax(vec a, vec b) {
 }
 
 /* Horizontal max and sum (cpu_math.h's trees of halves) */
-static inline f32x8 lo8(vec v) {
 #if VL == 16
-    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+#define hmax hmax16
+#define hsum hsum16
 #else
-    return v;
+#define hmax hmax8
+#define hsum hsum8
 #endif
-}
-
-static inline float hmax(vec v) {
-#if VL == 16
-    return hmax8(max8(lo8(v), __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)));
-#else
-    return hmax8(v);
-#endif
-}
-
-static inline float hsum(vec v) {
-#if VL == 16
-    return hsum8(lo8(v) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
-#else
-    return hsum8(v);
-#endif
-}
 
 /* 2^x for x <= 0 on this width's vectors (cpu_math.h; scores are in base 2: q is scaled
  * by log2(e) too) */
@@ -100,8 +84,6 @@ static inline float hsum(vec v) {
 #else
 DEFINE_EXP2_NONPOSITIVE(vexp2_nonpositive, vec, vmask)
 #endif
-
-static inline float exp2_nonpositive(float x) { return vexp2_nonpositive(splat(x))[0]; }
 
 /* s[r][0..TILE_COLS) = sum_c q[r][c] kt[c][0..TILE_COLS) for ROWS rows (row strides d, BLOCK_K). */
 static inline __attribute__((always_inline)) void score_tile(const float *q, const float *kt,
