@@ -357,8 +357,9 @@ def add_model_args(parser: Parser) -> None:
     add("--max-total-tokens", type=int, help="KV pool size in tokens")
     add("--kv-cache-memory-gb", type=float, help="KV pool budget when --max-total-tokens is unset")
     add("--no-packed-weights", dest="pack_weights", action="store_false",
-        help="CPU: keep no oneDNN-packed copy of the weights (it doubles their memory and "
-             "speeds decode's products 1.2-1.7x where it measures fastest)")
+        help="CPU: keep no packed copies of the weights (oneDNN's or AMX's, and the float32 "
+             "panel product's on AVX-512: each adds their memory again, and they speed the "
+             "products 1.2-1.7x where they measure fastest)")
     add("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
         help="CPU: run the model on torch's ops only, without the C kernels built on first use "
              "with gcc/cc or $CC (decode attention over the KV pages in place, fused "

@@ -1,9 +1,11 @@
 """The C kernels of common/model/csrc, compiled on first use for the CPU that runs them.
 
-torch on the CPU lacks four things the model needs: attention that reads the KV pages in
+torch on the CPU lacks five things the model needs: attention that reads the KV pages in
 place (csrc/paged_attention.c for decode, csrc/prefill_attention.c for prefill's spans in
-float32), the per-layer small steps fused into one call each (csrc/fused_ops.c), and
-bfloat16 products at few rows that keep up with memory on AMX (csrc/amx_gemm.c). All are
+float32), the per-layer small steps fused into one call each (csrc/fused_ops.c),
+bfloat16 products at few rows that keep up with memory on AMX (csrc/amx_gemm.c), and
+float32 products on AVX-512 that fetch their next weights while they multiply
+(csrc/f32_gemm.c). All are
 plain C (no Python or torch headers) built into one library
 with the machine's C compiler (-O3 -march=native -fopenmp, about 2 s) into a cache
 directory, keyed by the sources, the flags, the compiler and the CPU, and loaded with
@@ -36,7 +38,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 # 1.0-1.1x in float32 at 32-1024 rows on an AMX Xeon; a no-op without AVX-512).
 SOURCES = (("paged_attention.c", ()), ("prefill_attention.c", ()),
            ("fused_ops.c", ("-ffp-contract=off", "-mprefer-vector-width=512")),
-           ("amx_gemm.c", ()))
+           ("amx_gemm.c", ()), ("f32_gemm.c", ()))
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}

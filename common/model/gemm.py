@@ -6,6 +6,9 @@ The kernels compute the same product:
   packed        oneDNN on W reordered once into its blocked layout (torch.ops.mkldnn)
   amx           bfloat16 on AMX tiles, W reordered once into their layout
                 (common.model.amx_gemm: 1.5-2.2x packed's speed at 1-32 rows where it runs)
+  panels        float32 on AVX-512, W reordered once into column panels, the next panel
+                fetched during the current one's multiply-adds (common.model.f32_gemm:
+                1.2-1.4x packed's speed at 8-128 rows on an AMX Xeon)
 At 1-64 rows which one is fastest depends on the CPU, the dtype and the row count, and
 not monotonically. Measured on an AMX Xeon over 30 layers of SmolLM2's four products,
 ms per pass (row_major / weight_major / packed):
@@ -34,13 +37,15 @@ import torch
 import torch.nn.functional as F
 
 from common.model.amx_gemm import AmxGemm, AmxWeight
+from common.model.f32_gemm import F32Gemm, PanelWeight
 
-ROW_MAJOR, WEIGHT_MAJOR, PACKED, AMX = "row_major", "weight_major", "packed", "amx"
+ROW_MAJOR, WEIGHT_MAJOR, PACKED, AMX, PANELS = (
+    "row_major", "weight_major", "packed", "amx", "panels")
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 BUCKETS = DECODE_BUCKETS + PREFILL_BUCKETS
 # the kernels a prefill bucket may choose: their output rows are contiguous
-PREFILL_KERNELS = (ROW_MAJOR, PACKED)
+PREFILL_KERNELS = (ROW_MAJOR, PACKED, PANELS)
 TRIALS = 5
 # a prefill pass times 120+ products of a millisecond or more: less noisy than decode's
 PREFILL_TRIALS = 3
@@ -68,24 +73,29 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 @dataclass
 class LinearWeight:
-    """A linear layer's weight [out, in] (and bias), with its oneDNN-packed copy and its
-    AMX-packed copy if asked (each as much memory again as the weight)."""
+    """A linear layer's weight [out, in] (and bias), with its oneDNN-packed copy, its
+    AMX-packed copy and its panel copy if asked (each as much memory again as the weight)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None
     amx: AmxWeight | None = None
+    panels: PanelWeight | None = None
 
     @staticmethod
     def of(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           pack: bool = False, amx: AmxGemm | None = None) -> LinearWeight:
+           pack: bool = False, amx: AmxGemm | None = None,
+           panels: F32Gemm | None = None) -> LinearWeight:
         packed = None
         if pack and can_pack(weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
         amx_weight = None
         if amx is not None and amx.packable(weight):
             amx_weight = AmxWeight(amx, amx.pack(weight))
-        return LinearWeight(weight, bias, packed, amx_weight)
+        panel_weight = None
+        if panels is not None and panels.packable(weight):
+            panel_weight = PanelWeight(panels, panels.pack(weight), weight.shape[0])
+        return LinearWeight(weight, bias, packed, amx_weight, panel_weight)
 
     def tensors(self) -> list[torch.Tensor]:
         """The dense tensors a product reads (the packed copy holds the same bytes)."""
@@ -94,12 +104,14 @@ class LinearWeight:
 
 def linear(x: torch.Tensor, w: LinearWeight, kernel: str = ROW_MAJOR,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] @ w.T (+ bias) by `kernel`; packed and amx fall back to row_major
-    without their copy of the weight. `out` (contiguous [rows, out]): where row_major
-    writes, the same BLAS call as F.linear's (bit-equal); the other kernels return a
-    tensor of their own, so use the result."""
+    """x [rows, in] @ w.T (+ bias) by `kernel`; packed, amx and panels fall back to
+    row_major without their copy of the weight. `out` (contiguous [rows, out]): where
+    row_major writes, the same BLAS call as F.linear's (bit-equal), and where panels
+    writes; the other kernels return a tensor of their own, so use the result."""
     if kernel == AMX and w.amx is not None:
         return w.amx(x, w.bias)
+    if kernel == PANELS and w.panels is not None:
+        return w.panels(x, w.bias, out)
     if kernel == WEIGHT_MAJOR:
         out = torch.mm(w.weight, x.t()).t()
         return out if w.bias is None else out + w.bias

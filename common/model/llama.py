@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from common.kv_pool import KVPool
 from common.model.amx_gemm import amx_gemm
+from common.model.f32_gemm import f32_gemm
 from common.model.gemm import (
-    AMX, PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, linear, packs,
+    AMX, PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, linear, packs,
 )
 from common.model.fused_ops import FusedOps, fused_ops
 from common.model.paged_attention import (
@@ -82,25 +83,30 @@ class LlamaModel:
                  device: torch.device, *, pack: bool = False,
                  cpu_kernels: bool = False) -> None:
         """`pack`: keep a oneDNN-packed copy of each matrix (twice the weight memory) for the
-        kernel choice of common.model.gemm; on CUDA every product is F.linear.
+        kernel choice of common.model.gemm (three times in float32 with AVX-512 and
+        `cpu_kernels`: the panel copy too); on CUDA every product is F.linear.
         `cpu_kernels`: the C kernels of common.model.cpu_kernels where they build (the CPU):
         attention over the pages in place (decode; prefill in float32, and in bfloat16 on a
         CPU without AMX, common.model.paged_attention), the fused per-layer steps and, in
         bfloat16 on a CPU with AMX, the AMX product in place of oneDNN's packed one
         (1.5-2.2x faster at decode's rows, common.model.amx_gemm; the weights' second copy
-        is in its layout); otherwise, and always on CUDA, torch's ops
+        is in its layout), and in float32 on AVX-512 the panel product beside oneDNN's
+        (common.model.f32_gemm); otherwise, and always on CUDA, torch's ops
         (attention: SDPA over gathered pages and copies)."""
         self.spec = spec
         self.dtype = dtype
         self.device = device
         # CPU products are timed (they run synchronously) to choose their kernel per row count;
         # the layers' four products and the LM head each get their own choice.
-        amx = None
+        amx = panels = None
         if pack and cpu_kernels and device.type == "cpu" and dtype == torch.bfloat16:
             amx = amx_gemm()
+        if pack and cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+            panels = f32_gemm()
         pack = pack and packs(device, dtype) and amx is None
-        third = (AMX,) if amx is not None else (PACKED,) if pack else ()
-        kernels = (ROW_MAJOR, WEIGHT_MAJOR, *third)
+        more = ((AMX,) if amx is not None else (PACKED,) if pack else ()) + (
+            (PANELS,) if panels is not None else ())
+        kernels = (ROW_MAJOR, WEIGHT_MAJOR, *more)
         self.chooser = KernelChooser(kernels) if device.type == "cpu" else None
         self.head_chooser = KernelChooser(kernels) if device.type == "cpu" else None
         self._gemm_s = 0.0
@@ -112,7 +118,7 @@ class LlamaModel:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
         def lw(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeight:
-            return LinearWeight.of(weight, bias, pack=pack, amx=amx)
+            return LinearWeight.of(weight, bias, pack=pack, amx=amx, panels=panels)
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
@@ -263,7 +269,7 @@ class LlamaModel:
         """A product, its seconds added to this pass's total (CPU ops run synchronously);
         row_major's output in this pass's buffer for `role`, if it has one."""
         buf = None
-        if role is not None and kernel == ROW_MAJOR:
+        if role is not None and kernel in (ROW_MAJOR, PANELS):
             buf = self._out(role, x.shape[0], w.weight.shape[0])
         t = time.perf_counter()
         out = linear(x, w, kernel, buf)

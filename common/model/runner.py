@@ -50,11 +50,12 @@ class ModelRunner:
                  context_length: int | None = None, pack_weights: bool = True,
                  cpu_kernels: bool = True) -> None:
         """`pack_weights`: on the CPU, also keep packed weights (twice the weight memory:
-        oneDNN's layout, or in bfloat16 with AMX and the C kernels the AMX tiles' layout) so
-        decode's products can run on whichever kernel measures fastest.
+        oneDNN's layout, or in bfloat16 with AMX and the C kernels the AMX tiles' layout;
+        three times in float32 with AVX-512 and the C kernels, whose panel layout comes
+        too) so the products can run on whichever kernel measures fastest.
         `cpu_kernels`: on the CPU, the C kernels of common.model.cpu_kernels where they
         build (decode attention over the pages in place, the fused per-layer steps, the
-        AMX product)."""
+        AMX product, the float32 panel product)."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was given but torch sees no CUDA device")

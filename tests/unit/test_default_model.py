@@ -7,7 +7,7 @@ import torch
 
 from common.kv_pool import pages_needed
 from common.model.default_model import default_gguf_path, default_model_dir
-from common.model.gemm import PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
+from common.model.gemm import PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
 from common.model.runner import ExtendRequest, ModelRunner
 from common.model.spec import ModelSpec
 
@@ -69,7 +69,8 @@ def test_greedy_equals_transformers_on_the_gguf(tokenizer):
         assert _greedy(runner, ids, NEW_TOKENS) == expect
     # Whichever product kernel the runner settles on (common.model.gemm), the same tokens:
     # each kernel alone on the chat prompt (the last one).
-    for kernel in (ROW_MAJOR, WEIGHT_MAJOR, PACKED):
+    # (panels: the float32 panel product where the CPU has AVX-512, row_major elsewhere)
+    for kernel in (ROW_MAJOR, WEIGHT_MAJOR, PACKED, PANELS):
         model.chooser, model.head_chooser = KernelChooser((kernel,)), KernelChooser((kernel,))
         assert _greedy(runner, ids, NEW_TOKENS) == expect, kernel
     assert runner.pool.allocator.num_used_pages == 0

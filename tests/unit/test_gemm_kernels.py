@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.model.f32_gemm import f32_gemm
 from common.model.gemm import (
-    AMX, BUCKETS, PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, bucket_of,
-    can_pack, linear,
+    AMX, BUCKETS, PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight,
+    bucket_of, can_pack, linear,
 )
 
 KERNELS = (ROW_MAJOR, WEIGHT_MAJOR, PACKED)
@@ -94,6 +95,9 @@ def test_prefill_buckets_choose_between_row_output_kernels_by_seconds_per_row():
     assert chooser.choices() == {1024: PACKED}
     # decode buckets keep comparing seconds per pass, every kernel
     assert chooser.candidates(64) == KERNELS
+    # the panel product writes whole rows too (common.model.f32_gemm)
+    with_panels = KernelChooser((*KERNELS, PANELS))
+    assert with_panels.candidates(256) == (ROW_MAJOR, PACKED, PANELS)
 
 
 def test_prefill_without_a_row_output_kernel_is_row_major():
@@ -132,9 +136,12 @@ def test_a_runner_without_packed_weights_chooses_between_the_other_two():
     plain = ModelRunner(spec, weights, num_pages=8, pack_weights=False)
     assert plain.model.lm_head.packed is None and plain.model.layers[0].qkv.packed is None
     assert plain.model.chooser is not None and PACKED not in plain.model.chooser.kernels
+    assert PANELS not in plain.model.chooser.kernels and plain.model.lm_head.panels is None
     packed = ModelRunner(spec, weights, num_pages=8)
     down = weights["model.layers.0.mlp.down_proj.weight"]
     assert (packed.model.layers[0].down.packed is not None) == can_pack(down)
+    # the float32 panel copy too, where the CPU has AVX-512 (common.model.f32_gemm)
+    assert (packed.model.layers[0].down.panels is not None) == (f32_gemm() is not None)
 
 
 def test_bfloat16_where_onednn_has_no_bfloat16_runs_without_packed_weights(monkeypatch):

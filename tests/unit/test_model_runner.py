@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.kv_pool import pages_needed
-from common.model.gemm import PACKED, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
+from common.model.gemm import PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
 from common.model.paged_attention import paged_prefill_attention
 from common.model.runner import ExtendRequest, ModelRunner
 from common.model.workspace import WORKSPACE_ROWS, Workspace
@@ -170,7 +170,7 @@ def test_batched_extend_then_decode_of_different_lengths(pair):
     runner.pool.check_integrity()
 
 
-@pytest.mark.parametrize("kernel", [ROW_MAJOR, WEIGHT_MAJOR, PACKED])
+@pytest.mark.parametrize("kernel", [ROW_MAJOR, WEIGHT_MAJOR, PACKED, PANELS])
 def test_decode_matches_reference_on_every_product_kernel(pair, kernel):
     """Each kernel the chooser may settle on gives the reference's logits (qwen2: with biases),
     at decode's rows and at prefill's (weight-major's strided rows are not tried there)."""

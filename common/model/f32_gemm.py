@@ -1,0 +1,95 @@
+"""float32 products on AVX-512 that fetch the next weights while multiplying: csrc/f32_gemm.c.
+
+At decode's rows and short prompts' (1-256) a float32 product waits on its weight: the
+model's weights do not stay in cache between passes, and MKL's and oneDNN's products leave
+the memory idle while they multiply. On a 2-core AMX Xeon (29 GB/s read), SmolLM2's 120
+products of one pass, each layer's own weights (oneDNN packed / F.linear / this kernel):
+  8 rows  24.6 / 34.0 / 17.9 ms     32 rows  40.2 / 44.2 / 29.4 ms
+  128 rows  96-104 / 97-103 / 85-88 ms     256 rows  165 / 168 / 162 ms
+  1024 rows  604-640 / 605-648 / 637-683 ms
+and at 128 rows with one layer's weights hot in cache 81-85 ms for oneDNN as for this
+kernel: the difference is the weights' streaming, overlapped here. At 1024 rows and up
+oneDNN's and MKL's products run a little faster; the model's chooser (common.model.gemm)
+measures all of them per row bucket. The weight is packed once into column panels; where
+the CPU or the compiler has no AVX-512, `f32_gemm()` is None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from common.model.cpu_kernels import load_library
+
+PANEL = 32  # as in the C source: output columns per panel
+
+
+class F32Gemm:
+    """The library's float32 panel product, for weights packed by `pack`."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.f32_gemm
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    @staticmethod
+    def packable(weight: torch.Tensor) -> bool:
+        return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """W [n, k] as [ceil(n / 32), k, 32]: element [p, i, j] is W[32p + j, i], zero past
+        the last column (the kernel stores only columns below n)."""
+        n, k = weight.shape
+        panels = -(-n // PANEL)
+        padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
+        padded[:n] = weight
+        return padded.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, k] float32 @ W.T (+ bias) -> [rows, n] float32, W [n, k] as `pack`
+        gave it; into `out` if given (contiguous [rows, n])."""
+        k = packed.shape[1]
+        if x.stride(1) != 1:
+            x = x.contiguous()  # a weight-major product's transposed output
+        rows = x.shape[0]
+        if x.shape[1] != k or (bias is not None and bias.shape != (n,)):
+            raise ValueError(f"product of {tuple(x.shape)} with a [{n}, {k}] weight")
+        if out is None:
+            out = torch.empty(rows, n, dtype=torch.float32)
+        elif out.shape != (rows, n) or not out.is_contiguous() or out.dtype != torch.float32:
+            raise ValueError(f"out must be contiguous float32 [{rows}, {n}]")
+        if rows == 0:
+            return out
+        rc = self._fn(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), n, k,
+                      None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                      torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError("float32 panel product refused (a bad shape)")
+        return out
+
+
+@dataclass
+class PanelWeight:
+    """A weight packed for the panel product, with the kernel that reads it."""
+
+    kernel: F32Gemm
+    packed: torch.Tensor
+    n: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernel(x, self.packed, self.n, bias, out)
+
+
+@functools.cache
+def f32_gemm() -> F32Gemm | None:
+    """The panel product if this machine can run it (AVX-512F, the library built), else None."""
+    lib = load_library()
+    return F32Gemm(lib) if lib is not None and lib.f32_gemm_ready() == 1 else None
