@@ -121,14 +121,16 @@ def _prefill_seconds(runner: ModelRunner, ids: list[int]) -> float:
 
 
 def settle_prefill_kernel(runner: ModelRunner, ids: list[int], most: int = 12) -> None:
-    """Untimed: prefill passes until the runner's product kernel for len(ids) rows is chosen
-    (common.model.gemm), on the shortest prompt of that row bucket (seconds per row decide)."""
+    """Untimed: prefill passes of `ids` until the runner's product kernel for len(ids) rows
+    is chosen (common.model.gemm). The prompt itself, not a shorter one of the same row
+    bucket: the kernels' order can change within a bucket (on an AMX Xeon the float32 panel
+    product ties oneDNN's at 512 rows and runs 5-10% behind it at 1024)."""
     chooser = runner.model.chooser
     bucket = bucket_of(len(ids))
     for _ in range(most):
         if chooser is None or bucket in chooser.choices():
             return
-        _prefill_seconds(runner, ids[: bucket // 2 + 1])
+        _prefill_seconds(runner, ids)
 
 
 def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths: list[int],
