@@ -59,8 +59,11 @@ class F32Gemm:
         if x.stride(1) != 1:
             x = x.contiguous()  # a weight-major product's transposed output
         rows = x.shape[0]
-        if x.shape[1] != k or (bias is not None and bias.shape != (n,)):
-            raise ValueError(f"product of {tuple(x.shape)} with a [{n}, {k}] weight")
+        if x.dtype != torch.float32 or x.shape[1] != k:
+            raise ValueError(f"product of {x.dtype} {tuple(x.shape)} with a float32 [{n}, {k}] weight")
+        if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"bias must be contiguous float32 [{n}]")
         if out is None:
             out = torch.empty(rows, n, dtype=torch.float32)
         elif out.shape != (rows, n) or not out.is_contiguous() or out.dtype != torch.float32:

@@ -8,7 +8,7 @@ The kernels compute the same product:
                 (common.model.amx_gemm: 1.5-2.2x packed's speed at 1-32 rows where it runs)
   panels        float32 on AVX-512, W reordered once into column panels, the next panel
                 fetched during the current one's multiply-adds (common.model.f32_gemm:
-                1.2-1.4x packed's speed at 8-128 rows on an AMX Xeon)
+                1.1-1.4x packed's speed at 8-128 rows on an AMX Xeon)
 At 1-64 rows which one is fastest depends on the CPU, the dtype and the row count, and
 not monotonically. Measured on an AMX Xeon over 30 layers of SmolLM2's four products,
 ms per pass (row_major / weight_major / packed):

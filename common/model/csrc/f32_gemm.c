@@ -15,9 +15,13 @@
  *
  * Per panel, the rows of x in blocks of MR = 12: a block's 12 x 32 sums stay in 24
  * registers over all of K (two weight vectors and one broadcast x element per multiply-add
- * pair), then go to y with the bias added. The first row block of a panel also prefetches
- * the next panel into L2, two lines per k, so by the next panel its weights are in cache;
- * the later row blocks read this panel from L2. Threads take contiguous ranges of panels.
+ * pair), then go to y with the bias added. While a panel's blocks run they prefetch the
+ * next panel into L2, its lines spread evenly over the blocks (all in the first block
+ * asked more of the memory than it gives: at 128 rows that ran no faster than oneDNN);
+ * the later blocks read their own panel from L2. Rows go in chunks whose x is at most
+ * CHUNK_BYTES, so a chunk's x stays in L2 across the panels. Threads take contiguous
+ * ranges of panels. Tried and no faster on the AMX Xeon: x packed into k-major blocks, K cut
+ * into parts of 64-256 (a panel's part held in L1), blocks of 8 or 14 rows.
  *
  * Sums run in k order per output (one rounding per multiply-add), so results differ from
  * MKL's (which splits K) by float rounding only.
@@ -37,10 +41,10 @@
 
 #if defined(__AVX512F__)
 
-/* rows [0, mr) of x times inputs [0, k) of one panel (w), into y's columns [0, cols) of
- * the panel: y = the sums if `first`, else y + the sums; the bias added if given (the
- * last part of K). `lines` cache lines from `ahead` are prefetched into L2 on the way, one
- * every few steps. mr is a constant in each inlined copy, so the sums stay in registers. */
+/* rows [0, mr) of x times one panel (w, k inputs) into y's columns [0, cols) of the panel,
+ * the bias added if given. `lines` cache lines from `ahead` are prefetched into L2 on the
+ * way, one every few steps. mr is a constant in each inlined copy, so the sums stay in
+ * registers. */
 static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, int mr,
                                                         const float *w, int64_t k,
                                                         const char *ahead, int64_t lines,
