@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from common.model.cpu_kernels import load_library
+from common.model.product_entry import ProductEntry
 
 BLOCK_N, BLOCK_K = 16, 32  # as in the C source: output columns x inputs per weight tile
 
@@ -26,11 +27,7 @@ class AmxGemm:
     """The library's AMX product, for weights `packable` and packed by `pack`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.amx_gemm_bf16
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self._fn = fn
+        self._fn = ProductEntry(lib, "amx_gemm_bf16")
 
     @staticmethod
     def packable(weight: torch.Tensor) -> bool:
@@ -50,14 +47,8 @@ class AmxGemm:
                  bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, k] bfloat16 @ W.T (+ bias) -> [rows, n] bfloat16, W as `pack` gave it."""
         n, k = packed.shape[0] * BLOCK_N, packed.shape[1] * BLOCK_K
-        if x.stride(1) != 1:
-            x = x.contiguous()  # a weight-major product's transposed output
-        rows = x.shape[0]
-        out = torch.empty(rows, n, dtype=torch.bfloat16)
-        rc = self._fn(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), n, k,
-                      None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-                      torch.get_num_threads())
-        if rc != 0:
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        if self._fn(x, packed, n, k, bias, out) != 0:
             raise RuntimeError("AMX product refused (no AMX permission, or a bad shape)")
         return out
 

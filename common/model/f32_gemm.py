@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from common.model.cpu_kernels import load_library
+from common.model.product_entry import ProductEntry
 
 PANEL = 32  # as in the C source: output columns per panel
 
@@ -31,11 +32,7 @@ class F32Gemm:
     """The library's float32 panel product, for weights packed by `pack`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.f32_gemm
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self._fn = fn
+        self._fn = ProductEntry(lib, "f32_gemm")
 
     @staticmethod
     def packable(weight: torch.Tensor) -> bool:
@@ -55,12 +52,10 @@ class F32Gemm:
                  bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, k] float32 @ W.T (+ bias) -> [rows, n] float32, W [n, k] as `pack`
         gave it; into `out` if given (contiguous [rows, n])."""
-        k = packed.shape[1]
-        if x.stride(1) != 1:
-            x = x.contiguous()  # a weight-major product's transposed output
-        rows = x.shape[0]
+        k, rows = packed.shape[1], x.shape[0]
         if x.dtype != torch.float32 or x.shape[1] != k:
-            raise ValueError(f"product of {x.dtype} {tuple(x.shape)} with a float32 [{n}, {k}] weight")
+            raise ValueError(f"product of {x.dtype} {tuple(x.shape)} with a float32 "
+                             f"[{n}, {k}] weight")
         if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32
                                  or not bias.is_contiguous()):
             raise ValueError(f"bias must be contiguous float32 [{n}]")
@@ -70,10 +65,7 @@ class F32Gemm:
             raise ValueError(f"out must be contiguous float32 [{rows}, {n}]")
         if rows == 0:
             return out
-        rc = self._fn(x.data_ptr(), x.stride(0), rows, packed.data_ptr(), n, k,
-                      None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-                      torch.get_num_threads())
-        if rc != 0:
+        if self._fn(x, packed, n, k, bias, out) != 0:
             raise RuntimeError("float32 panel product refused (a bad shape)")
         return out
 

@@ -8,11 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.kv_pool import pages_needed
 from common.model.amx_gemm import AmxGemm, amx_gemm
-from common.model.gemm import AMX, ROW_MAJOR, KernelChooser, LinearWeight, linear
-from common.model.runner import ExtendRequest, ModelRunner
-from common.model.spec import ModelSpec
+from common.model.gemm import AMX, ROW_MAJOR, LinearWeight, linear
+from tiny_products import logits_on, tiny_runner
 
 KERNEL = amx_gemm()
 needs_amx = pytest.mark.skipif(KERNEL is None, reason="no AMX on this machine (or no C compiler)")
@@ -97,54 +95,22 @@ def test_threads_and_strided_inputs(threads):
         torch.set_num_threads(before)
 
 
-def _tiny_bf16_runner() -> ModelRunner:
-    """A 2-layer bfloat16 model whose every matrix packs for AMX (multiples of 16 x 32)."""
-    spec = ModelSpec(architecture="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96,
-                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                     rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=True,
-                     attention_bias=True)
-    g = torch.Generator().manual_seed(3)
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (256, 64),
-                                          "model.norm.weight": (64,)}
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.q_proj.bias": (64,),
-                       p + "self_attn.k_proj.weight": (32, 64), p + "self_attn.k_proj.bias": (32,),
-                       p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.v_proj.bias": (32,),
-                       p + "self_attn.o_proj.weight": (64, 64),
-                       p + "mlp.gate_proj.weight": (96, 64), p + "mlp.up_proj.weight": (96, 64),
-                       p + "mlp.down_proj.weight": (64, 96),
-                       p + "input_layernorm.weight": (64,), p + "post_attention_layernorm.weight": (64,)})
-    weights = {n: torch.randn(*s, generator=g) * (0.3 if len(s) == 2 else 1.0)
-               for n, s in shapes.items()}
-    return ModelRunner(spec, weights, dtype="bfloat16", page_size=4, num_pages=64)
-
-
 @needs_amx
 def test_decode_on_amx_matches_row_major():
     """The bfloat16 model takes the AMX product in place of oneDNN's packed one, and extend
     + decode on it give row_major's logits within bfloat16 rounding (the same tokens fed)."""
-    runner = _tiny_bf16_runner()
+    # every matrix packs for AMX: widths in multiples of 16 x 32
+    runner = tiny_runner("bfloat16", vocab=256, intermediate=96, seed=3)
     model = runner.model
     assert model.chooser is not None and AMX in model.chooser.kernels
     assert model.layers[0].qkv.amx is not None and model.layers[0].qkv.packed is None
     assert model.lm_head.amx is not None
     prompts = [[5, 9, 200, 17, 3], [44, 2, 8], [100, 101, 102, 103, 104, 105, 7]]
-    fed = [[11, 12, 13, 14], [250, 0, 31, 9], [60, 61, 62, 63]]  # per step, per sequence
+    fed = [[11, 12, 13, 14], [250, 0, 31, 9], [60, 61, 62, 63]]  # per sequence, per step
     results = {}
     for kernel in (ROW_MAJOR, AMX):
-        model.chooser = KernelChooser((kernel,), trials=1)
-        model.head_chooser = KernelChooser((kernel,), trials=1)
-        tables = [runner.pool.allocator.allocate(pages_needed(len(p) + 4, 4)) for p in prompts]
-        logits = [runner.extend([ExtendRequest(p, 0, t) for p, t in zip(prompts, tables)]).logits]
-        lens = [len(p) for p in prompts]
-        for step in range(4):
-            lens = [n + 1 for n in lens]
-            logits.append(runner.decode([f[step] for f in fed], lens, tables))
-        for t in tables:
-            runner.pool.allocator.free(t)
+        results[kernel] = logits_on(runner, kernel, prompts, fed)
         assert model.chooser.choices()[4] == kernel  # decode's 3 rows
-        results[kernel] = torch.stack(logits)
     scale = results[ROW_MAJOR].abs().max().item()
     assert (results[AMX] - results[ROW_MAJOR]).abs().max().item() <= 0.05 * scale
     runner.pool.check_integrity()

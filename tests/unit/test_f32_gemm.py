@@ -10,10 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from common.model.f32_gemm import F32Gemm, f32_gemm
-from common.model.gemm import PANELS, PREFILL_KERNELS, ROW_MAJOR, KernelChooser, LinearWeight, linear
-from common.model.runner import ExtendRequest, ModelRunner
-from common.model.spec import ModelSpec
-from common.kv_pool import pages_needed
+from common.model.gemm import PANELS, PREFILL_KERNELS, ROW_MAJOR, LinearWeight, linear
+from tiny_products import logits_on, tiny_runner
 
 KERNEL = f32_gemm()
 needs_avx512 = pytest.mark.skipif(KERNEL is None, reason="no AVX-512 here (or no C compiler)")
@@ -112,55 +110,23 @@ def test_bad_shapes_are_refused():
     assert w.panels(torch.randn(0, 48), None).shape == (0, 40)
 
 
-def _tiny_runner() -> ModelRunner:
-    """A 2-layer float32 model with biases; its widths are not whole panels (vocab 250)."""
-    spec = ModelSpec(architecture="qwen2", vocab_size=250, hidden_size=64, intermediate_size=80,
-                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                     rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
-                     attention_bias=True)
-    g = torch.Generator().manual_seed(5)
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (250, 64),
-                                          "model.norm.weight": (64,)}
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.q_proj.bias": (64,),
-                       p + "self_attn.k_proj.weight": (32, 64), p + "self_attn.k_proj.bias": (32,),
-                       p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.v_proj.bias": (32,),
-                       p + "self_attn.o_proj.weight": (64, 64),
-                       p + "mlp.gate_proj.weight": (80, 64), p + "mlp.up_proj.weight": (80, 64),
-                       p + "mlp.down_proj.weight": (64, 80),
-                       p + "input_layernorm.weight": (64,), p + "post_attention_layernorm.weight": (64,)})
-    weights = {n: torch.randn(*s, generator=g) * (0.3 if len(s) == 2 else 1.0)
-               for n, s in shapes.items()}
-    return ModelRunner(spec, weights, dtype="float32", page_size=4, num_pages=128)
-
-
 @needs_avx512
 def test_extend_and_decode_on_panels_match_row_major():
     """The float32 model offers the panel product beside oneDNN's, and a prefill of 130
     rows (a workspace pass, bucket 256) plus decode on it give row_major's logits within
     float32 rounding (the same tokens fed)."""
-    runner = _tiny_runner()
+    # widths that are not whole panels (vocab 250, intermediate 80)
+    runner = tiny_runner("float32", vocab=250, intermediate=80, seed=5, num_pages=128)
     model = runner.model
     assert model.chooser is not None and PANELS in model.chooser.kernels
     assert model.layers[0].qkv.panels is not None and model.lm_head.panels is not None
     prompts = [[(7 * i) % 250 for i in range(130)], [44, 2, 8], [100, 101, 102, 103, 7]]
-    fed = [[11, 12, 13, 14], [249, 0, 31, 9], [60, 61, 62, 63]]  # per step, per sequence
+    fed = [[11, 12, 13, 14], [249, 0, 31, 9], [60, 61, 62, 63]]  # per sequence, per step
     results = {}
     for kernel in (ROW_MAJOR, PANELS):
-        model.chooser = KernelChooser((kernel,), trials=1, prefill_trials=1)
-        model.head_chooser = KernelChooser((kernel,), trials=1, prefill_trials=1)
-        tables = [runner.pool.allocator.allocate(pages_needed(len(p) + 4, 4)) for p in prompts]
-        logits = [runner.extend([ExtendRequest(p, 0, t) for p, t in zip(prompts, tables)]).logits]
-        lens = [len(p) for p in prompts]
-        for step in range(4):
-            lens = [n + 1 for n in lens]
-            logits.append(runner.decode([f[step] for f in fed], lens, tables))
-        for t in tables:
-            runner.pool.allocator.free(t)
+        results[kernel] = logits_on(runner, kernel, prompts, fed)
         assert model.chooser.choices()[4] == kernel  # decode's 3 rows
         assert model.chooser.choices()[256] == kernel  # the extend's 138 rows
-        results[kernel] = torch.stack(logits)
     scale = results[ROW_MAJOR].abs().max().item()
     assert (results[PANELS] - results[ROW_MAJOR]).abs().max().item() <= 1e-4 * scale
     runner.pool.check_integrity()
