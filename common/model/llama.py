@@ -104,11 +104,15 @@ class LlamaModel:
         if pack and cpu_kernels and device.type == "cpu" and dtype == torch.float32:
             panels = f32_gemm()
         pack = pack and packs(device, dtype) and amx is None
-        more = ((AMX,) if amx is not None else (PACKED,) if pack else ()) + (
-            (PANELS,) if panels is not None else ())
-        kernels = (ROW_MAJOR, WEIGHT_MAJOR, *more)
-        self.chooser = KernelChooser(kernels) if device.type == "cpu" else None
-        self.head_chooser = KernelChooser(kernels) if device.type == "cpu" else None
+        kernels = [ROW_MAJOR, WEIGHT_MAJOR]
+        if amx is not None:
+            kernels.append(AMX)
+        elif pack:
+            kernels.append(PACKED)
+        if panels is not None:
+            kernels.append(PANELS)
+        self.chooser = KernelChooser(tuple(kernels)) if device.type == "cpu" else None
+        self.head_chooser = KernelChooser(tuple(kernels)) if device.type == "cpu" else None
         self._gemm_s = 0.0
         self._ws: Workspace | None = None  # during a CPU prefill pass (common.model.workspace)
 

@@ -117,13 +117,13 @@ static void panels(const float *x, int64_t ldx, int64_t m, const float *packed, 
              * then), its lines spread evenly over this panel's row blocks */
             const int64_t q = p + 1 < p1 ? p + 1 : c0 + chunk < m ? p0 : -1;
             const char *next = (const char *)(packed + q * k * NR);
-            const int64_t ahead = q >= 0 && q != p ? lines : 0;
+            const int64_t to_fetch = q >= 0 && q != p ? lines : 0;
             const int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;
             const float *b = bias != NULL ? bias + p * NR : NULL;
             for (int64_t bi = 0; bi < nb; bi++) {
                 const int64_t r0 = c0 + bi * MR;
                 const int mr = c0 + rows - r0 < MR ? (int)(c0 + rows - r0) : MR;
-                const int64_t first = ahead * bi / nb, last = ahead * (bi + 1) / nb;
+                const int64_t first = to_fetch * bi / nb, last = to_fetch * (bi + 1) / nb;
                 any_block(x + r0 * ldx, ldx, mr, w, k, next + first * 64, last - first, b,
                           y + r0 * ldy + p * NR, ldy, cols);
             }
