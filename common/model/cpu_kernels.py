@@ -4,7 +4,7 @@ torch on the CPU lacks five things the model needs: attention that reads the KV 
 place (csrc/paged_attention.c for decode, csrc/prefill_attention.c for prefill's spans in
 float32), the per-layer small steps fused into one call each (csrc/fused_ops.c),
 bfloat16 products at few rows that keep up with memory on AMX (csrc/amx_gemm.c), and
-float32 products on AVX-512 that fetch their next weights while they multiply
+float32 products on AVX-512 or AVX2 that fetch their next weights while they multiply
 (csrc/f32_gemm.c). All are
 plain C (no Python or torch headers) built into one library
 with the machine's C compiler (-O3 -march=native -fopenmp, about 2 s) into a cache

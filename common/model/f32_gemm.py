@@ -1,4 +1,5 @@
-"""float32 products on AVX-512 that fetch the next weights while multiplying: csrc/f32_gemm.c.
+"""float32 products on AVX-512 or AVX2 that fetch the next weights while multiplying:
+csrc/f32_gemm.c.
 
 At decode's rows and short prompts' (1-256) a float32 product waits on its weight: the
 model's weights do not stay in cache between passes, and MKL's and oneDNN's products leave
@@ -10,8 +11,13 @@ products of one pass, each layer's own weights (oneDNN packed / F.linear / this 
 and at 128 rows with one layer's weights hot in cache 81-85 ms for oneDNN as for this
 kernel: the difference is the weights' streaming, overlapped here. At 1024 rows and up
 oneDNN's and MKL's products run a little faster; the model's chooser (common.model.gemm)
-measures all of them per row bucket. The weight is packed once into column panels; where
-the CPU or the compiler has no AVX-512, `f32_gemm()` is None.
+measures all of them per row bucket. Built for AVX2 (16-column panels, 6-row blocks) and
+run with torch held to AVX2 too (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2,
+MKL_ENABLE_INSTRUCTIONS=AVX2) on the same Xeon, the same passes took (packed / F.linear /
+this kernel): 1 row 22.5 / 15.4 / 16.7, 8 rows 35.2 / 39.3 / 20.1, 32 rows 56.7 / 61.9 /
+37.6, 128 rows 137 / 136 / 129, 512 rows 462 / 474 / 489 ms. The weight is packed once
+into column panels of the build's width (`F32Gemm.panel`); where the CPU or the compiler
+has neither AVX-512F nor AVX2 with FMA, `f32_gemm()` is None.
 """
 
 from __future__ import annotations
@@ -25,34 +31,31 @@ import torch
 from common.model.cpu_kernels import load_library
 from common.model.product_entry import ProductEntry
 
-PANEL = 32  # as in the C source: output columns per panel
-
-
 class F32Gemm:
     """The library's float32 panel product, for weights packed by `pack`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = ProductEntry(lib, "f32_gemm")
+        lib.f32_gemm_panel.argtypes = []
+        lib.f32_gemm_panel.restype = ctypes.c_int
+        self.panel = int(lib.f32_gemm_panel())  # output columns per panel: 32, or 16 on AVX2
 
     @staticmethod
     def packable(weight: torch.Tensor) -> bool:
         return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
-    @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        """W [n, k] as [ceil(n / 32), k, 32]: element [p, i, j] is W[32p + j, i], zero past
-        the last column (the kernel stores only columns below n)."""
-        n, k = weight.shape
-        panels = -(-n // PANEL)
-        padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
-        padded[:n] = weight
-        return padded.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """W [n, k] in this build's panels (`pack_panels` at `self.panel` columns)."""
+        return pack_panels(weight, self.panel)
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                  bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, k] float32 @ W.T (+ bias) -> [rows, n] float32, W [n, k] as `pack`
         gave it; into `out` if given (contiguous [rows, n])."""
         k, rows = packed.shape[1], x.shape[0]
+        if packed.dim() != 3 or packed.shape[2] != self.panel:
+            raise ValueError(f"weight packed as {tuple(packed.shape)}, not in panels of "
+                             f"{self.panel} columns")
         if x.dtype != torch.float32 or x.shape[1] != k:
             raise ValueError(f"product of {x.dtype} {tuple(x.shape)} with a float32 "
                              f"[{n}, {k}] weight")
@@ -70,6 +73,16 @@ class F32Gemm:
         return out
 
 
+def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """W [n, k] as [ceil(n / width), k, width]: element [p, i, j] is W[width p + j, i], zero
+    past the last column (the kernel stores only columns below n)."""
+    n, k = weight.shape
+    panels = -(-n // width)
+    padded = torch.zeros(panels * width, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.reshape(panels, width, k).transpose(1, 2).contiguous()
+
+
 @dataclass
 class PanelWeight:
     """A weight packed for the panel product, with the kernel that reads it."""
@@ -85,6 +98,7 @@ class PanelWeight:
 
 @functools.cache
 def f32_gemm() -> F32Gemm | None:
-    """The panel product if this machine can run it (AVX-512F, the library built), else None."""
+    """The panel product if this machine can run it (AVX-512F, or AVX2 with FMA; the library
+    built), else None."""
     lib = load_library()
     return F32Gemm(lib) if lib is not None and lib.f32_gemm_ready() == 1 else None

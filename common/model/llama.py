@@ -83,14 +83,14 @@ class LlamaModel:
                  device: torch.device, *, pack: bool = False,
                  cpu_kernels: bool = False) -> None:
         """`pack`: keep a oneDNN-packed copy of each matrix (twice the weight memory) for the
-        kernel choice of common.model.gemm (three times in float32 with AVX-512 and
+        kernel choice of common.model.gemm (three times in float32 with AVX-512 or AVX2 and
         `cpu_kernels`: the panel copy too); on CUDA every product is F.linear.
         `cpu_kernels`: the C kernels of common.model.cpu_kernels where they build (the CPU):
         attention over the pages in place (decode; prefill in float32, and in bfloat16 on a
         CPU without AMX, common.model.paged_attention), the fused per-layer steps and, in
         bfloat16 on a CPU with AMX, the AMX product in place of oneDNN's packed one
         (1.5-2.2x faster at decode's rows, common.model.amx_gemm; the weights' second copy
-        is in its layout), and in float32 on AVX-512 the panel product beside oneDNN's
+        is in its layout), and in float32 on AVX-512 or AVX2 the panel product beside oneDNN's
         (common.model.f32_gemm); otherwise, and always on CUDA, torch's ops
         (attention: SDPA over gathered pages and copies)."""
         self.spec = spec

@@ -51,7 +51,7 @@ class ModelRunner:
                  cpu_kernels: bool = True) -> None:
         """`pack_weights`: on the CPU, also keep packed weights (twice the weight memory:
         oneDNN's layout, or in bfloat16 with AMX and the C kernels the AMX tiles' layout;
-        three times in float32 with AVX-512 and the C kernels, whose panel layout comes
+        three times in float32 with AVX-512 or AVX2 and the C kernels, whose panel layout comes
         too) so the products can run on whichever kernel measures fastest.
         `cpu_kernels`: on the CPU, the C kernels of common.model.cpu_kernels where they
         build (decode attention over the pages in place, the fused per-layer steps, the

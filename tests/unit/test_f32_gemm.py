@@ -1,7 +1,9 @@
 """The float32 panel product (common.model.f32_gemm, csrc/f32_gemm.c) on the real kernel:
 products within float32 accumulation error of the exact one at every row count, column
-tail and input length, and the model on it. Skipped where the machine has no AVX-512; the
-fallback is checked everywhere."""
+tail and input length, and the model on it. Run on the build's own vector width (AVX-512
+here, or AVX2 where that is all the CPU has; test_kernels_avx2_build runs them on an AVX2
+build too) and skipped where neither builds; the layout and the fallback are checked
+everywhere."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model.f32_gemm import F32Gemm, f32_gemm
+from common.model.f32_gemm import f32_gemm, pack_panels
 from common.model.gemm import PANELS, PREFILL_KERNELS, ROW_MAJOR, LinearWeight, linear
 from tiny_products import logits_on, tiny_runner
 
 KERNEL = f32_gemm()
-needs_avx512 = pytest.mark.skipif(KERNEL is None, reason="no AVX-512 here (or no C compiler)")
+needs_kernel = pytest.mark.skipif(KERNEL is None,
+                                  reason="neither AVX-512 nor AVX2+FMA here (or no C compiler)")
 
 
 def _check(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -32,13 +35,15 @@ def _check(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     assert bool((err <= tol).all()), (err - tol).max().item()
 
 
-def test_pack_layout():
-    """Panel p holds W[32p + j, i] at [p, i, j], zero past the last column."""
-    w = torch.arange(40 * 3, dtype=torch.float32).reshape(40, 3)
-    packed = F32Gemm.pack(w)
-    assert packed.shape == (2, 3, 32)
-    for p, i, j in [(0, 0, 0), (0, 2, 31), (1, 1, 7), (1, 0, 5)]:
-        assert packed[p, i, j] == w[32 * p + j, i]
+@pytest.mark.parametrize("width", [32, 16])  # the AVX-512 and the AVX2 builds' panels
+def test_pack_layout(width):
+    """Panel p holds W[width p + j, i] at [p, i, j], zero past the last column."""
+    n = width + 8
+    w = torch.arange(n * 3, dtype=torch.float32).reshape(n, 3)
+    packed = pack_panels(w, width)
+    assert packed.shape == (2, 3, width)
+    for p, i, j in [(0, 0, 0), (0, 2, width - 1), (1, 1, 7), (1, 0, 5)]:
+        assert packed[p, i, j] == w[width * p + j, i]
     assert bool((packed[1, :, 8:] == 0).all())
 
 
@@ -52,7 +57,7 @@ def test_panels_without_its_copy_is_row_major():
     assert PANELS in PREFILL_KERNELS  # its output rows are contiguous
 
 
-@needs_avx512
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 24, 25, 64, 131])
 @pytest.mark.parametrize("n", [32, 40, 96, 7])  # whole panels, a tail, three, less than one
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -66,10 +71,10 @@ def test_product_within_rounding(rows, n, with_bias):
     _check(linear(x, w, PANELS), x, weight, bias)
 
 
-@needs_avx512
+@needs_kernel
 def test_rows_in_several_chunks_and_long_inputs():
-    """More rows than one chunk holds (512 KiB of x: 88 rows of 1500 inputs) and k not a
-    multiple of anything: every chunk and every panel of both threads' ranges is written."""
+    """More rows than one chunk holds (a quarter of L2 of x: 84 rows of 1500 inputs with a
+    2 MiB L2, 18 with 512 KiB; 301 rows are 1.8 MB) and k not a multiple of anything: every chunk and every panel of both threads' ranges is written."""
     g = torch.Generator().manual_seed(7)
     weight = torch.randn(200, 1500, generator=g)
     x = torch.randn(301, 1500, generator=g)
@@ -79,7 +84,7 @@ def test_rows_in_several_chunks_and_long_inputs():
     _check(out, x, weight, None)
 
 
-@needs_avx512
+@needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 def test_threads_and_strided_inputs(threads):
     """Rows of a wider tensor and a transposed view (a weight-major product's output) give
@@ -99,7 +104,7 @@ def test_threads_and_strided_inputs(threads):
         torch.set_num_threads(before)
 
 
-@needs_avx512
+@needs_kernel
 def test_bad_shapes_are_refused():
     w = LinearWeight.of(torch.randn(40, 48), panels=KERNEL)
     assert w.panels is not None
@@ -108,9 +113,13 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError):
         w.panels(torch.randn(3, 48), None, torch.empty(3, 41))  # an output of another shape
     assert w.panels(torch.randn(0, 48), None).shape == (0, 40)
+    assert KERNEL is not None
+    other = 32 if KERNEL.panel == 16 else 16  # packed for the other build's width
+    with pytest.raises(ValueError):
+        KERNEL(torch.randn(3, 48), pack_panels(torch.randn(40, 48), other), 40, None)
 
 
-@needs_avx512
+@needs_kernel
 def test_extend_and_decode_on_panels_match_row_major():
     """The float32 model offers the panel product beside oneDNN's, and a prefill of 130
     rows (a workspace pass, bucket 256) plus decode on it give row_major's logits within

@@ -4,8 +4,9 @@ The kernels are compiled with -march=native, so where the CPU has AVX-512 the te
 other modules check only its AVX-512 branches, while an AVX2-only node (an AMD EPYC Zen 3)
 runs the others. Here the kernel tests and the model's run again in a child process whose
 library is built with -march=haswell (AVX2 and FMA, no AVX-512) into its own cache
-directory: attention, the fused steps and the model against their references, and the
-AVX-512 products reduced to their stubs, so the model falls back to the torch kernels."""
+directory: attention, the fused steps, the float32 panel product (its AVX2 shape, 16-column
+panels) and the model against their references, and the AMX product reduced to its stub,
+so in bfloat16 the model falls back to the torch kernels."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from common.model import cpu_kernels as ck
 ck.CFLAGS = tuple("-march=haswell" if f == "-march=native" else f for f in ck.CFLAGS)
 lib = ck.load_library()
 assert lib is not None, "the -march=haswell build failed"
-print("stubs", lib.f32_gemm_ready(), lib.amx_gemm_ready())
+print("ready", lib.f32_gemm_ready(), lib.amx_gemm_ready(), "panel", lib.f32_gemm_panel())
 import pytest
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
 """
@@ -43,7 +44,7 @@ def test_kernels_built_for_avx2_pass_their_tests(tmp_path):
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "stubs 0 0" in out  # no AVX-512 or AMX code in that build
+    assert "ready 1 0 panel 16" in out  # the AVX2 panel product; no AMX code in that build
     assert " passed" in out and " failed" not in out
     built = list((tmp_path / "cache" / "kernels").glob("pdserve-kernels-*.so"))
     assert len(built) == 1  # its own library, beside (not over) the native one
