@@ -103,6 +103,28 @@ def test_silu_mul(dtype, rows, transposed):
     _close(got, expect, 16 if dtype == torch.float32 else 1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [7, 16, 23, 40])  # under one vector, one, and tails
+@pytest.mark.parametrize("transposed", [False, True])
+def test_silu_mul_tails_and_non_finite_values(dtype, inter, transposed):
+    """Rows not a whole number of 16-lane vectors (the tail's zero-padded block) and
+    non-finite gates: NaN where torch has NaN (NaN, -inf), inf where it has inf, and the
+    finite values within the same ulps as test_silu_mul."""
+    g = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(5, 2 * inter, generator=g) * 6
+    gate_up[0, :4] = torch.tensor([float("nan"), float("inf"), float("-inf"), 90.0])
+    gate_up[1, inter - 1] = float("nan")  # the last element: in the tail where there is one
+    gate_up = _maybe_transposed(gate_up.to(dtype), transposed)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expect = F.silu(gate) * up
+    got = _ops(dtype).silu_mul(gate_up)
+    assert torch.equal(got.isnan(), expect.isnan())
+    assert torch.equal(got.isinf(), expect.isinf())
+    finite = expect.isfinite()
+    assert torch.equal(got[~finite & ~expect.isnan()], expect[~finite & ~expect.isnan()])
+    _close(got[finite], expect[finite], 16 if dtype == torch.float32 else 1)
+
+
 def test_not_offered_off_the_cpu_or_for_other_dtypes():
     assert fused_ops(torch.device("cpu"), torch.float16) is None
     assert fused_ops(torch.device("cuda"), torch.float32) is None

@@ -11,7 +11,7 @@
  * dtype where torch rounds it (float32 math inside, as torch's CPU kernels do), and this
  * file is compiled with -ffp-contract=off so no multiply and add are fused where torch
  * rounds between them. Two things differ by float rounding only: the order of the sum in
- * the norm, and exp (a polynomial, relative error < 2e-7, where torch uses Sleef's).
+ * the norm, and exp (a polynomial, relative error < 2e-7, where torch uses Sleef's: exp_poly16).
  */
 #include <math.h>
 #include <omp.h>
@@ -139,15 +139,60 @@ static inline __attribute__((always_inline)) int rope_store(
     return 0;
 }
 
+/* 16 values of the dtype from p[i..] as float; 16 floats stored rounded to it. */
+static inline __attribute__((always_inline)) f32x16 ld16(const void *p, int64_t i, int is_bf16) {
+    if (is_bf16) return load_bf16x16((const bf16 *)p + i);
+    f32x16 v;
+    memcpy(&v, (const float *)p + i, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void st16(void *p, int64_t i, f32x16 x, int is_bf16) {
+    if (is_bf16) {
+        const u16x16 h = to_bf16x16(x);
+        memcpy((bf16 *)p + i, &h, sizeof h);
+    } else {
+        memcpy((float *)p + i, &x, sizeof x);
+    }
+}
+
+/* silu(g) rounded to the dtype, times u (st16 rounds the product) */
+static inline __attribute__((always_inline)) f32x16 silu_times(f32x16 g, f32x16 u, int is_bf16) {
+    f32x16 s = g / (1.0f + exp_poly16(-g));
+    if (is_bf16) {
+        const u16x16 h = to_bf16x16(s);
+        s = load_bf16x16((const bf16 *)&h);
+    }
+    return s * u;
+}
+
+/* n outputs out[o0..] = silu(gu[g0..]) * gu[u0..], each a contiguous run; a tail of under
+ * 16 through a zero-padded block, so every element takes the same arithmetic. */
+static inline __attribute__((always_inline)) void silu_mul_run(const void *gu, int64_t g0,
+                                                               int64_t u0, void *out, int64_t o0,
+                                                               int64_t n, int is_bf16) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        st16(out, o0 + i,
+             silu_times(ld16(gu, g0 + i, is_bf16), ld16(gu, u0 + i, is_bf16), is_bf16), is_bf16);
+    if (i == n) return;
+    float g[16] = {0}, u[16] = {0}, y[16];
+    for (int64_t j = i; j < n; j++) {
+        g[j - i] = ld(gu, g0 + j, is_bf16);
+        u[j - i] = ld(gu, u0 + j, is_bf16);
+    }
+    f32x16 gv, uv;
+    memcpy(&gv, g, sizeof gv);
+    memcpy(&uv, u, sizeof uv);
+    const f32x16 yv = silu_times(gv, uv, is_bf16);
+    memcpy(y, &yv, sizeof y);
+    for (int64_t j = i; j < n; j++) st(out, o0 + j, y[j - i], is_bf16);
+}
+
 static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, int64_t rs,
                                                                void *out, int64_t t,
                                                                int64_t inter, int is_bf16) {
-    for (int64_t i = 0; i < inter; i++) {
-        const float g = ld(gu, t * rs + i, is_bf16);
-        const float u = ld(gu, t * rs + inter + i, is_bf16);
-        const float s = rnd(g / (1.0f + exp_poly(-g)), is_bf16);
-        st(out, t * inter + i, s * u, is_bf16);
-    }
+    silu_mul_run(gu, t * rs, t * rs + inter, out, t * inter, inter, is_bf16);
 }
 
 /* A transposed gate_up (each column's rows adjacent: a weight-major product's output),
@@ -157,11 +202,7 @@ static inline __attribute__((always_inline)) void silu_mul_column(const void *gu
                                                                   void *out, int64_t i,
                                                                   int64_t rows, int64_t inter,
                                                                   int is_bf16) {
-    for (int64_t t = 0; t < rows; t++) {
-        const float g = ld(gu, i * cs + t, is_bf16);
-        const float u = ld(gu, (inter + i) * cs + t, is_bf16);
-        st(out, i * rows + t, rnd(g / (1.0f + exp_poly(-g)), is_bf16) * u, is_bf16);
-    }
+    silu_mul_run(gu, i * cs, (inter + i) * cs, out, i * rows, rows, is_bf16);
 }
 
 /* Row-major in, row-major out; transposed in (rs == 1, cs != 1), transposed out; any

@@ -120,7 +120,8 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, int
             for (int64_t byte = 0; byte < 2 * a->row_elems * elem; byte += 64)
                 __builtin_prefetch(next + byte);
         }
-        const i32x16 valid = lane < (int32_t)n;
+        /* lanes below n: (lane - n)'s sign, spread (a shift, not a comparison: cpu_math.h) */
+        const i32x16 valid = (lane - (int32_t)n) >> 31;
         for (int kvh = 0; kvh < a->kv_heads; kvh++) {
             const int h0 = kvh * groups;
             for (int64_t j = 0; j < BLOCK; j++) {
