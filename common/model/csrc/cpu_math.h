@@ -172,7 +172,6 @@ static inline u16x16 to_bf16x16(f32x16 f) {
         return (VT)(bits & ~low);                                                 \
     }
 
-
 #if defined(__AVX512F__)
 static inline f32x16 exp2_nonpositive16(f32x16 x) {
     const __m512 v = (__m512)x;

@@ -15,9 +15,10 @@
  * blocks that cross the diagonal (blocks above it are never read; on those a tile of rows
  * computes only the scores up to its last row's keys), an online softmax per row (running
  * max and sum, in base 2: exp2_nonpositive; every row's max first, then every row's exps,
- * so one row's latencies do not stall the next) and O = alpha O + P V by the same tile.
- * Both, on the AVX2 build at SmolLM2's shape: 106 -> 126 GFLOP/s at 128 tokens, 180 -> 190
- * at 1024. Work items run heaviest first (the last query blocks see the most keys). The packed K and V
+ * so one row's latencies do not stall the next) and O = alpha O + P V by the same tile
+ * (the skip and the two passes, on the AVX2 build at SmolLM2's shape: 106 -> 126 GFLOP/s at
+ * 128 tokens, 180 -> 190 at 1024). Work items run heaviest first (the last query blocks see
+ * the most keys). The packed K and V
  * of the span are a transient float32 copy, 2 x kv_heads x tokens x head_dim (12 MB at
  * 8k tokens for SmolLM2): every query block reads them, and each is packed once.
  *
@@ -174,8 +175,8 @@ static inline __attribute__((always_inline)) void pack_block(const Args *a, int 
     }
 }
 
-/* The keys of a block (its first k0, n of them exist) that row r sees: up to its token's
- * position, and only those that exist; a padding row (r >= rows) as the last real one. */
+/* How many keys of the block from key k0 (n of them exist) row r sees: those up to its
+ * token's position; a padding row (r >= rows) sees what the last real row sees. */
 static inline int keys_seen(int masked, int64_t first_pos, int r, int rows, int groups,
                             int64_t k0, int n) {
     if (!masked) return n;
