@@ -6,9 +6,10 @@ The kernels compute the same product:
   packed        oneDNN on W reordered once into its blocked layout (torch.ops.mkldnn)
   amx           bfloat16 on AMX tiles, W reordered once into their layout
                 (common.model.amx_gemm: 1.5-2.2x packed's speed at 1-32 rows where it runs)
-  panels        float32 on AVX-512 or AVX2, W reordered once into column panels, the next panel
-                fetched during the current one's multiply-adds (common.model.f32_gemm:
-                1.1-1.4x packed's speed at 8-128 rows on an AMX Xeon)
+  panels        float32 on AVX-512 or AVX2, W reordered once into column panels, the next
+                panel fetched during the current one's multiply-adds (common.model.f32_gemm:
+                1.1-1.4x packed's speed at 8-128 rows on an AMX Xeon; built for AVX2, with
+                torch held to AVX2 there, 1.5-1.75x at 8-32 rows)
 At 1-64 rows which one is fastest depends on the CPU, the dtype and the row count, and
 not monotonically. Measured on an AMX Xeon over 30 layers of SmolLM2's four products,
 ms per pass (row_major / weight_major / packed):
