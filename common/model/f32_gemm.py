@@ -31,6 +31,7 @@ import torch
 from common.model.cpu_kernels import load_library
 from common.model.product_entry import ProductEntry
 
+
 class F32Gemm:
     """The library's float32 panel product, for weights packed by `pack`."""
 
