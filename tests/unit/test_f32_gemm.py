@@ -73,8 +73,10 @@ def test_product_within_rounding(rows, n, with_bias):
 
 @needs_kernel
 def test_rows_in_several_chunks_and_long_inputs():
-    """More rows than one chunk holds (a quarter of L2 of x: 84 rows of 1500 inputs with a
-    2 MiB L2, 18 with 512 KiB; 301 rows are 1.8 MB) and k not a multiple of anything: every chunk and every panel of both threads' ranges is written."""
+    """More rows than one chunk holds (x up to a quarter of L2: 84 rows of 1500 inputs on
+    a 2 MiB L2 in 12-row blocks, 18 on 512 KiB in 6-row blocks; 301 rows are 1.8 MB) and k
+    not a multiple of anything: every chunk and every panel of both threads' ranges is
+    written."""
     g = torch.Generator().manual_seed(7)
     weight = torch.randn(200, 1500, generator=g)
     x = torch.randn(301, 1500, generator=g)
