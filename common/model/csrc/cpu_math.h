@@ -140,6 +140,26 @@ static inline u16x16 to_bf16x16(f32x16 f) {
     return __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & rounded), u16x16);
 }
 
+/* 16 values of the dtype (float32, or bfloat16 with is_bf16) from p[i..] as floats, and
+ * 16 floats stored back rounded to it; `is_bf16` is a constant in each caller. */
+static inline __attribute__((always_inline)) f32x16 load16(const void *p, int64_t i,
+                                                           int is_bf16) {
+    if (is_bf16) return load_bf16x16((const bf16 *)p + i);
+    f32x16 v;
+    memcpy(&v, (const float *)p + i, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void store16(void *p, int64_t i, f32x16 x,
+                                                          int is_bf16) {
+    if (is_bf16) {
+        const u16x16 h = to_bf16x16(x);
+        memcpy((bf16 *)p + i, &h, sizeof h);
+    } else {
+        memcpy((float *)p + i, &x, sizeof x);
+    }
+}
+
 /* 2^x for softmax's x <= 0 (a score minus its row's max, with the scores in base 2), a
  * vector at a time: x = n + f, n an integer, |f| <= 1/2, 2^f by its degree-6 Taylor
  * polynomial in f ln 2 (relative error < 2e-7), scaled by 2^n. Below -125 it gives exactly
@@ -190,8 +210,13 @@ static inline f32x16 exp2_nonpositive16(f32x16 x) {
 }
 #endif
 
-/* The same for one float (x - 0 broadcasts it in one instruction; 0 + x does not fold). */
+/* The same for one float, on one register's lanes (x - 0 broadcasts it in one instruction;
+ * 0 + x does not fold). */
+#if defined(__AVX512F__)
 static inline float exp2_nonpositive(float x) { return exp2_nonpositive16(x - (f32x16){0})[0]; }
+#else
+static inline float exp2_nonpositive(float x) { return exp2_nonpositive8(x - (f32x8){0})[0]; }
+#endif
 
 /* Horizontal sum and max of 16 lanes: their halves folded, then the 8-lane trees. */
 static inline float hsum16(f32x16 v) { return hsum8(lo8(v) + hi8(v)); }

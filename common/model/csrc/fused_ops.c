@@ -139,24 +139,7 @@ static inline __attribute__((always_inline)) int rope_store(
     return 0;
 }
 
-/* 16 values of the dtype from p[i..] as float; 16 floats stored rounded to it. */
-static inline __attribute__((always_inline)) f32x16 ld16(const void *p, int64_t i, int is_bf16) {
-    if (is_bf16) return load_bf16x16((const bf16 *)p + i);
-    f32x16 v;
-    memcpy(&v, (const float *)p + i, sizeof v);
-    return v;
-}
-
-static inline __attribute__((always_inline)) void st16(void *p, int64_t i, f32x16 x, int is_bf16) {
-    if (is_bf16) {
-        const u16x16 h = to_bf16x16(x);
-        memcpy((bf16 *)p + i, &h, sizeof h);
-    } else {
-        memcpy((float *)p + i, &x, sizeof x);
-    }
-}
-
-/* silu(g) rounded to the dtype, times u (st16 rounds the product) */
+/* silu(g) rounded to the dtype, times u (store16 rounds the product) */
 static inline __attribute__((always_inline)) f32x16 silu_times(f32x16 g, f32x16 u, int is_bf16) {
     f32x16 s = g / (1.0f + exp_poly16(-g));
     if (is_bf16) {
@@ -173,8 +156,8 @@ static inline __attribute__((always_inline)) void silu_mul_run(const void *gu, i
                                                                int64_t n, int is_bf16) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
-        st16(out, o0 + i,
-             silu_times(ld16(gu, g0 + i, is_bf16), ld16(gu, u0 + i, is_bf16), is_bf16), is_bf16);
+        store16(out, o0 + i,
+             silu_times(load16(gu, g0 + i, is_bf16), load16(gu, u0 + i, is_bf16), is_bf16), is_bf16);
     if (i == n) return;
     float g[16] = {0}, u[16] = {0}, y[16];
     for (int64_t j = i; j < n; j++) {

@@ -32,12 +32,6 @@
  * ones, four NEON ones. Head dims are multiples of 16 (checked by the caller). */
 typedef f32x16 vf;
 
-static inline vf load_f32(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* Lane j of the result: the sum of d[j]'s lanes, for 16 vectors at once (16 dot products'
  * partial sums). A transposing tree of 15 shuffle pairs and adds, where a horizontal sum
  * per dot product took 7 dependent steps each. */
@@ -62,12 +56,6 @@ static inline vf sum_lanes(const vf d[BLOCK]) {
                                    26, 28, 30) +
            __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
                                    27, 29, 31);
-}
-
-/* Loads 16 values of the pool's dtype as floats; `is_bf16` is a constant in each caller. */
-static inline __attribute__((always_inline)) vf load16(const void *base, int64_t index,
-                                                       int is_bf16) {
-    return is_bf16 ? load_bf16x16((const bf16 *)base + index) : load_f32((const float *)base + index);
 }
 
 typedef struct {

@@ -212,9 +212,11 @@ static inline __attribute__((always_inline)) void item(const Args *a, int h, int
 #define SEEN(r) keys_seen(masked, first_pos, (r), rows, groups, k0, n)
         /* on the diagonal a tile of rows skips the score tiles past its last row's keys (the
          * softmax's mask sets them to -inf) */
-        for (int r = 0; r < padded; r += ROWS)
-            for (int c = 0; c < SEEN(r + ROWS - 1); c += TILE_COLS)
+        for (int r = 0; r < padded; r += ROWS) {
+            const int keys = SEEN(r + ROWS - 1);
+            for (int c = 0; c < keys; c += TILE_COLS)
                 score_tile(w->q + (int64_t)r * d, kt + c, d, w->s + (int64_t)r * BLOCK_K + c);
+        }
         /* softmax in two passes over the rows, so no row's chain of latencies (its max, then
          * the exps that wait on it) holds up the next: each row's new max first (in alpha,
          * for now), then the exps */
