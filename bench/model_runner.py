@@ -21,10 +21,16 @@ transformers' float32: the share matching at the first token and over all tokens
 teacher-forced along float32's greedy path, the share of steps choosing the same token
 and the mean KL divergence from float32's distribution.
 
+--emulate-avx2 runs it all as on an AVX2-only CPU (an AMD EPYC Zen 3), on a CPU with
+AVX-512: the bench runs itself again with torch held to AVX2 (ATEN_CPU_CAPABILITY,
+ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) and our kernels built with -march=haswell, in
+float32 only. Only the instructions are emulated: the caches and the memory are this CPU's,
+so every JSON line says which it was ("isa": "native" or "avx2-emulated").
+
 Prints the CPU, the tables, then one JSON line per (phase, dtype, size).
 Usage: python bench/model_runner.py [--batches 1 8 32] [--new-tokens 32] [--dtypes float32]
        [--prefill-lengths 128 1024 4096 8192] [--skip-decode] [--skip-prefill]
-       [--skip-agreement]
+       [--skip-agreement] [--emulate-avx2]
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,6 +49,7 @@ import torch  # noqa: E402
 
 from common.cpu_features import has_native_bf16  # noqa: E402
 from common.kv_pool import pages_needed  # noqa: E402
+from common.model import cpu_kernels  # noqa: E402
 from common.model.default_model import default_model_dir  # noqa: E402
 from common.model.gemm import (  # noqa: E402
     AMX, PACK_HINT_ROWS, WEIGHT_MAJOR, KernelChooser, bucket_of, can_pack,
@@ -52,6 +60,24 @@ from cpu_info import describe_cpu  # noqa: E402
 from greedy_prompts import (  # noqa: E402
     agreement, chat_ids, forced_agreement, forced_logits, greedy,
 )
+
+
+# What holds torch's CPU kernels to AVX2: ATen's dispatch, oneDNN's and MKL's (read as each
+# first runs, so set before the process starts)
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def emulate_avx2() -> None:
+    """Run this bench again with torch held to AVX2 (AVX2_ENV), unless this is that run;
+    there, build our kernels for AVX2 alone (-march=haswell) and check torch took it."""
+    if any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
+    cpu_kernels.use_march("haswell")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX2":
+        raise SystemExit(f"--emulate-avx2: torch runs {capability} kernels, not AVX2")
 
 
 def gemm_flops_per_s(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
@@ -280,11 +306,20 @@ def main() -> None:
     ap.add_argument("--skip-torch-ops", action="store_true",
                     help="leave out our runs on torch's ops only (decode without the C kernels, "
                     "prefill on torch's flash attention)")
+    ap.add_argument("--emulate-avx2", action="store_true",
+                    help="torch held to AVX2 and our kernels built for it, in float32: an "
+                    "AVX2-only CPU's instructions on this one's caches and memory")
     args = ap.parse_args()
-    print(f"cpu: {describe_cpu()}")
-    dtypes = args.dtypes or (["float32", "bfloat16"] if has_native_bf16() else ["float32"])
-    if "bfloat16" not in dtypes and not has_native_bf16():
-        print("# bfloat16 skipped: this CPU has no native bf16 (avx512_bf16/amx_bf16)")
+    if args.emulate_avx2:
+        emulate_avx2()
+    isa = "avx2-emulated" if args.emulate_avx2 else "native"
+    print(f"cpu: {describe_cpu()}" + (" (emulating AVX2: torch's kernels AVX2, ours "
+                                      "-march=haswell)" if args.emulate_avx2 else ""))
+    bf16 = has_native_bf16() and not args.emulate_avx2
+    dtypes = args.dtypes or (["float32", "bfloat16"] if bf16 else ["float32"])
+    if "bfloat16" not in dtypes and not bf16:
+        print("# bfloat16 skipped: no native bf16 (avx512_bf16/amx_bf16)"
+              + (" in an AVX2 emulation" if args.emulate_avx2 else " on this CPU"))
 
     from transformers import AutoModelForCausalLM
 
@@ -422,7 +457,7 @@ def main() -> None:
                   f"{r[pre + 'all_tokens_match']:6.2f} {r[pre + 'mean_common_prefix']:7.1f} "
                   f"{r[pre + 'forced_argmax_match']:7.3f} {r[pre + 'forced_kl']:8.5f}")
     for r in prefill + rows + agree:
-        print(json.dumps(r))
+        print(json.dumps({**r, "isa": isa}))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC")
+CFLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-fPIC")
 # Per source, flags of its own: the fused ops round where torch rounds, so no multiply and
 # add may become one fused multiply-add there; and GCC vectorizes their loops 256 bits wide
 # on AVX-512 CPUs unless told otherwise (512 bits: bit-equal, 1.2-1.3x in bfloat16 and
@@ -42,6 +42,15 @@ SOURCES = (("paged_attention.c", ()), ("prefill_attention.c", ()),
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def use_march(march: str) -> None:
+    """Build for another CPU target than this one from now on (`haswell`: AVX2 and FMA
+    without AVX-512), into a library of its own name (the flags are in its key): the AVX2
+    code's tests and the bench's AVX2 emulation on an AVX-512 machine. Libraries already
+    loaded stay as they are."""
+    global CFLAGS
+    CFLAGS = tuple(f"-march={march}" if f.startswith("-march=") else f for f in CFLAGS)
 
 
 def _cpu_signature() -> str:

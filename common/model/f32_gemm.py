@@ -15,9 +15,11 @@ measures all of them per row bucket. Built for AVX2 (16-column panels, 6-row blo
 run with torch held to AVX2 too (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2,
 MKL_ENABLE_INSTRUCTIONS=AVX2) on the same Xeon, the same passes took (packed / F.linear /
 this kernel): 1 row 22.5 / 15.4 / 16.7, 8 rows 35.2 / 39.3 / 20.1, 32 rows 56.7 / 61.9 /
-37.6, 128 rows 137 / 136 / 129, 512 rows 462 / 474 / 489 ms. The weight is packed once
-into column panels of the build's width (`F32Gemm.panel`); where the CPU or the compiler
-has neither AVX-512F nor AVX2 with FMA, `f32_gemm()` is None.
+37.6, 128 rows 137 / 136 / 129, 512 rows 462 / 474 / 489 ms; and once a block's k loop ran
+as plain unrolled segments between its prefetches (csrc/f32_gemm.c), 128 rows 137-142 /
+137-139 / 123-128 and 1024 rows 907-931 / 909-942 / 910-922 ms (957-995 before). The
+weight is packed once into column panels of the build's width (`F32Gemm.panel`); where the
+CPU or the compiler has neither AVX-512F nor AVX2 with FMA, `f32_gemm()` is None.
 """
 
 from __future__ import annotations

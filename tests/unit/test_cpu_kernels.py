@@ -55,6 +55,15 @@ def test_the_key_covers_sources_flags_and_compiler(monkeypatch):
     assert ck.library_name("gcc") != name  # one source's own flags
 
 
+def test_another_march_replaces_native_and_names_its_own_library(monkeypatch):
+    monkeypatch.setattr(ck, "CFLAGS", ck.CFLAGS)  # restored after the test
+    name = ck.library_name("gcc")
+    ck.use_march("haswell")
+    assert "-march=haswell" in ck.CFLAGS and "-march=native" not in ck.CFLAGS
+    assert ck.CFLAGS.count("-march=haswell") == 1 and "-O3" in ck.CFLAGS
+    assert ck.library_name("gcc") != name
+
+
 def test_no_compiler_or_a_failed_build_leaves_the_model_on_torch_ops(fresh_build, monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger=ck.__name__)
     monkeypatch.setattr(ck, "_compiler", lambda: None)

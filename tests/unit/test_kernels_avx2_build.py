@@ -26,7 +26,7 @@ MODULES = ["test_prefill_attention.py", "test_paged_attention.py", "test_fused_o
 CHILD = """
 import sys
 from common.model import cpu_kernels as ck
-ck.CFLAGS = tuple("-march=haswell" if f == "-march=native" else f for f in ck.CFLAGS)
+ck.use_march("haswell")
 lib = ck.load_library()
 assert lib is not None, "the -march=haswell build failed"
 print("ready", lib.f32_gemm_ready(), lib.amx_gemm_ready(), "panel", lib.f32_gemm_panel())
