@@ -25,7 +25,8 @@ and the mean KL divergence from float32's distribution.
 AVX-512: the bench runs itself again with torch held to AVX2 (ATEN_CPU_CAPABILITY,
 ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) and our kernels built with -march=haswell, in
 float32 only. Only the instructions are emulated: the caches and the memory are this CPU's,
-so every JSON line says which it was ("isa": "native" or "avx2-emulated").
+so every JSON line says which it was ("isa": "native" or "avx2-emulated", and
+"torch_cpu_capability" as torch reports it).
 
 Prints the CPU, the tables, then one JSON line per (phase, dtype, size).
 Usage: python bench/model_runner.py [--batches 1 8 32] [--new-tokens 32] [--dtypes float32]
@@ -456,8 +457,9 @@ def main() -> None:
             print(f"{r['dtype']:9} {who:13} {r[pre + 'first_token_match']:6.2f} "
                   f"{r[pre + 'all_tokens_match']:6.2f} {r[pre + 'mean_common_prefix']:7.1f} "
                   f"{r[pre + 'forced_argmax_match']:7.3f} {r[pre + 'forced_kl']:8.5f}")
+    capability = torch.backends.cpu.get_cpu_capability()  # ATen's kernels: AVX512, AVX2...
     for r in prefill + rows + agree:
-        print(json.dumps({**r, "isa": isa}))
+        print(json.dumps({**r, "isa": isa, "torch_cpu_capability": capability}))
 
 
 if __name__ == "__main__":
