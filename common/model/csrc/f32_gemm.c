@@ -100,6 +100,15 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
             for (int v = 0; v < NV; v++) acc[r][v] = VFMA(a, wv[v], acc[r][v]);     \
         }                                                                           \
     } while (0)
+    /* the next of the `lines` lines from `ahead` into L2 */
+#define FETCH()                                     \
+    do {                                            \
+        if (lines > 0) {                            \
+            _mm_prefetch(ahead, _MM_HINT_T1);       \
+            ahead += 64;                            \
+            lines--;                                \
+        }                                           \
+    } while (0)
     const int64_t every = lines > 0 ? (k + lines - 1) / lines : k;
     if (every >= SEGMENT_MIN) {
         /* a prefetch, then `every` steps as a plain loop unrolled by 4, so the loop's uops
@@ -107,11 +116,7 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
          * about what the front end issues in the 6 cycles of its multiply-adds, and the
          * countdown's 4 more per step held them back (6% slower at 1024 rows) */
         for (int64_t i0 = 0; i0 < k; i0 += every) {
-            if (lines > 0) {
-                _mm_prefetch(ahead, _MM_HINT_T1);
-                ahead += 64;
-                lines--;
-            }
+            FETCH();
             const int64_t end = i0 + every < k ? i0 + every : k;
 #pragma GCC unroll 4
             for (int64_t i = i0; i < end; i++) STEP(i);
@@ -121,15 +126,14 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
          * countdown in the one loop, which ran faster there than segments of 1-3 steps */
         int64_t countdown = 0;
         for (int64_t i = 0; i < k; i++) {
-            if (--countdown <= 0 && lines > 0) {
-                _mm_prefetch(ahead, _MM_HINT_T1);
-                ahead += 64;
-                lines--;
+            if (--countdown <= 0) {
+                FETCH();
                 countdown = every;
             }
             STEP(i);
         }
     }
+#undef FETCH
 #undef STEP
     vmask m[NV];
     vec b[NV];

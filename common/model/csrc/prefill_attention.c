@@ -32,11 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_math.h"
-
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
+#include "cpu_math.h" /* and immintrin.h, where there is AVX */
 
 /* A register tile is ROWS score rows x NV vectors: ROWS x NV accumulators, NV loaded
  * vectors and a broadcast, within the 32 (AVX-512) or 16 (AVX2) vector registers. */
@@ -69,18 +65,12 @@ static inline void vstore(float *p, vec v) { memcpy(p, &v, sizeof v); }
  * does not fold (-0 + 0 is +0) and costs a scalar add per broadcast. */
 static inline vec splat(float x) { return x - (vec){0}; }
 
-typedef int32_t vmask __attribute__((vector_size(VL * 4)));
-
-/* a > b ? a : b per lane: one MAXPS (the compare-and-blend GCC makes of the generic form is
- * two dependent instructions, 7 cycles a step on a row's chain of maxima) */
+/* a > b ? a : b per lane: one MAXPS (cpu_math.h's max8 on 8 lanes) */
 static inline vec vmax(vec a, vec b) {
 #if VL == 16
     return (vec)_mm512_max_ps((__m512)a, (__m512)b);
-#elif defined(__AVX__)
-    return (vec)_mm256_max_ps((__m256)a, (__m256)b);
 #else
-    const vmask m = a > b;
-    return (vec)(((vmask)a & m) | ((vmask)b & ~m));
+    return max8(a, b);
 #endif
 }
 
