@@ -56,6 +56,10 @@ class Sampler:
                 f"batch of {batch_size} logits rows needs as many params and generators, "
                 f"got {len(params)} and {len(generators)}"
             )
+        for generator in generators:
+            if generator is not None and generator.device != logits.device:
+                raise ValueError(f"a sampling generator on {generator.device} cannot draw for "
+                                 f"logits on {logits.device}")
         logits = logits.float()
         device = logits.device
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]

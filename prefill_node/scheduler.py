@@ -31,6 +31,7 @@ from common.model.runner import ExtendRequest, ModelRunner
 from common.request import TOKEN_BYTES, Req
 from common.sampler import Sampler, make_generator
 from common.sampling_params import SamplingParams
+from common.work_done import WorkDone
 from prefill_node.cache_aware_orders import usable_prefix_len
 from prefill_node.kv_events import KVEventPublisher
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
@@ -267,18 +268,23 @@ class PrefillScheduler:
         self.stats.prefill_tokens(sum(c.extend_len for c in chunks))
         for i, (c, s) in enumerate(zip(chunks, states)):
             try:
-                self._finish_chunk(c, s, out.logits[i : i + 1])
+                self._finish_chunk(c, s, out.logits[i : i + 1], out.done)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 self._isolate(s.req.rid, s.generate.reply_endpoint, "finishing its chunk", exc)
 
-    def _finish_chunk(self, c: PrefillChunk, s: PrefillState, logits: torch.Tensor) -> None:
-        """Cache and send what chunk `c` computed; its last chunk samples the first token."""
+    def _finish_chunk(self, c: PrefillChunk, s: PrefillState, logits: torch.Tensor,
+                      done: WorkDone) -> None:
+        """Cache and send what chunk `c` computed; its last chunk samples the first token.
+        `done` marks the end of the forward that wrote the chunk's KV: the sender posts no
+        write before it has completed (on CUDA the forward only queued its kernels)."""
         s.num_computed = c.end
         self._cache_prefix(s)
         if not c.is_last:
-            s.sender.send(s.pages, c.end)
+            s.sender.send(s.pages, c.end, ready=done)
             return
-        sample = self.sampler.sample(logits, [s.sampling], [make_generator(s.sampling.seed)])
+        # the generator lives where the logits are (torch refuses a CPU one for cuda logits)
+        generator = make_generator(s.sampling.seed, logits.device)
+        sample = self.sampler.sample(logits, [s.sampling], [generator])
         top = sample.top_logprobs[0] if sample.top_logprobs else []
         logprob = sample.logprobs[0] if sample.logprobs else None
         s.marks[stages.PREFILL_COMPUTED] = time.time()
@@ -286,7 +292,8 @@ class PrefillScheduler:
         s.sender.send(s.pages, c.end, AuxData(first_token_id=sample.token_ids[0],
                                               room_echo=s.req.room, first_logprob=logprob,
                                               top_logprobs=list(top), marks=dict(s.marks),
-                                              num_cached_tokens=s.num_cached_tokens))
+                                              num_cached_tokens=s.num_cached_tokens),
+                      ready=done)
         self.inflight_queue.add(s)
 
     def _isolate(self, rid: str, reply_endpoint: str, doing: str, exc: Exception) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.kv_pool import pages_needed
+from common.work_done import COMPLETED, WorkDone
 from transfer.fence import Fence
 from transfer.kv_poll import FailureReason, KVPoll, RoomState
 
@@ -74,6 +75,10 @@ class KVSender:
         self.renew_asked_at = -float("inf")
         self.num_sent_pages = 0
         self.pending_pairs: list[tuple[int, int]] = []  # computed, not posted yet
+        # Per pending pair, the device work that fills its page (common.work_done), and the
+        # last chunk's: nothing is posted before the work that computed it has completed.
+        self.pending_ready: list[WorkDone] = []
+        self.ready: WorkDone = COMPLETED
         self.handles: list[object] = []
         self.posted_dst_pages: list[list[int]] = []  # per handle, the pages it writes
         self.aux: AuxData | None = None
@@ -107,11 +112,15 @@ class KVSender:
         self.status.advance(KVPoll.WaitingForInput, now)
         self.manager.observe_bootstrap(self)
 
-    def send(self, page_ids: list[int], num_computed_tokens: int, aux: AuxData | None = None) -> None:
+    def send(self, page_ids: list[int], num_computed_tokens: int, aux: AuxData | None = None,
+             ready: WorkDone = COMPLETED) -> None:
         """Send the pages of the first `num_computed_tokens` tokens not sent yet.
 
         `page_ids` are this request's local pages in order. With `aux` (the last chunk),
-        everything left goes, partial last page included, then the aux data.
+        everything left goes, partial last page included, then the aux data. `ready` marks
+        the end of the device work that computed them (common.work_done): the writes are
+        posted once it has completed. Work on one stream completes in order, so the latest
+        marker stands for every earlier chunk's pages too.
         """
         if self.status.state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
             return
@@ -132,8 +141,24 @@ class KVSender:
         self.aux = aux
         self.is_last_sent = is_last
         self.pending_pairs += pairs
+        self.pending_ready += [ready] * len(pairs)
+        self.ready = ready
         if pairs or is_last:
             self.manager.flush_writes(self)
+
+    def take_ready_pairs(self) -> list[tuple[int, int]]:
+        """Remove and return the leading pending pairs whose work has completed (work on
+        one stream completes in order, so the first pair still computing ends the run)."""
+        num, last, is_done = 0, None, True
+        for ready in self.pending_ready:
+            if ready is not last:
+                last, is_done = ready, ready.query()
+            if not is_done:
+                break
+            num += 1
+        pairs = self.pending_pairs[:num]
+        del self.pending_pairs[:num], self.pending_ready[:num]
+        return pairs
 
     @property
     def has_unposted_writes(self) -> bool:

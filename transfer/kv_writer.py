@@ -76,8 +76,12 @@ class KVWriter:
             self.fail(sender, FailureReason.PEER_UNREACHABLE,
                       f"no transfer path to {sender.peer_node}", now)
             return
-        pairs, sender.pending_pairs = sender.pending_pairs, []
-        is_last = sender.is_last_sent
+        # Only pages whose kernels have completed (on CUDA a forward returns with them
+        # queued); the rest wait for KVManager.poll's next flush.
+        pairs = sender.take_ready_pairs()
+        is_last = sender.is_last_sent and not sender.pending_pairs and sender.ready.query()
+        if not pairs and not is_last:
+            return
         notification = b""
         # The TransferDone rides on the last write when the backend carries notifications
         # and no earlier write is still in flight; otherwise _finish_notification sends it

@@ -12,6 +12,7 @@ from common.kv_pool import KVLayout, KVPool, pages_needed, torch_dtype
 from common.model.llama import AttentionBatch, LlamaModel
 from common.model.loader import load_spec, load_state_dict, resolve_model_dir
 from common.model.spec import ModelSpec
+from common.work_done import COMPLETED, WorkDone, record_work_done
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ class ExtendResult:
     # per request: logprobs of its targets (None when not asked), and top-k per position
     target_logprobs: list[torch.Tensor | None] = field(default_factory=list)
     top_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+    # the end of the device work that wrote this pass's KV: pages are read (a transfer)
+    # only once it has completed (common.work_done)
+    done: WorkDone = COMPLETED
 
 
 class ModelRunner:
@@ -146,9 +150,10 @@ class ModelRunner:
         hidden = self.model.forward(
             torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device),
             self.pool, batch, None if need_all else torch.tensor(last_rows, device=self.device))
+        done = record_work_done(self.device)  # the KV writes are queued before this point
         if not need_all:
-            return ExtendResult(logits=self.model.logits(hidden))
-        result = ExtendResult(logits=self.model.logits(hidden[last_rows]))
+            return ExtendResult(logits=self.model.logits(hidden), done=done)
+        result = ExtendResult(logits=self.model.logits(hidden[last_rows]), done=done)
         for r, (start, n, _, _) in zip(reqs, spans):
             if r.logprob_targets is None and not r.top_logprobs:
                 result.target_logprobs.append(None)

@@ -297,3 +297,76 @@ def test_queued_tokens_count_what_is_left_to_compute_less_the_cached_prefix(h):
     h.run_until(lambda: len(h.sched.states) == 2)
     h.sched._queued_at = -float("inf")  # no memo: read it now
     assert h.sched.queued_tokens() == (len(hit) - 32) + len(miss)
+
+
+class _Pending:
+    """A forward's completion marker that says "still running" until `finish()`."""
+
+    def __init__(self) -> None:
+        self.is_done = False
+
+    def query(self) -> bool:
+        return self.is_done
+
+    def synchronize(self) -> None:
+        self.is_done = True
+
+
+def test_no_page_is_written_before_the_forward_that_filled_it_completed(model_dir, monkeypatch):
+    """On CUDA extend() returns with its kernels queued: a chunk's pages must not reach the
+    backend until the forward's marker says done (each forward gets its own marker)."""
+    import common.model.runner as runner_module
+
+    markers: list[_Pending] = []
+
+    def pending(device):
+        markers.append(_Pending())
+        return markers[-1]
+
+    monkeypatch.setattr(runner_module, "record_work_done", pending)
+    h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
+    try:
+        written: list[tuple[int, int]] = []
+        write = h.kv.backend.write
+
+        def recording(peer, pairs, notification=b""):
+            written.extend(pairs)
+            return write(peer, pairs, notification)
+
+        monkeypatch.setattr(h.kv.backend, "write", recording)
+        ids = _prompt(21, 9)  # three chunks: 8, 8, 5 tokens
+        h.submit("fenced", 9, ids)
+        receiver, pages = h.receive(9, len(ids))
+        h.run_until(lambda: len(markers) == 1)
+        for _ in range(20):  # the loop goes on (the next chunk runs); nothing is posted
+            h.sched.step()
+        assert written == [] and len(markers) >= 2
+        markers[0].is_done = True
+        h.run_until(lambda: len(written) == 2)  # chunk one's two whole pages, and no more
+        assert [dst for _, dst in written] == pages[:2]
+        for m in markers:
+            m.is_done = True
+        h.run_until(lambda: receiver.poll() is KVPoll.Success)
+        _check_landed(h, receiver, pages, ids)
+    finally:
+        h.close()
+
+
+def test_the_first_token_is_sampled_with_a_generator_on_the_logits_device(h, monkeypatch):
+    """torch refuses a CPU generator for cuda logits: the prefill node made its generator on
+    the CPU whatever the device, so every sampled (temperature > 0) request failed on a GPU."""
+    import prefill_node.scheduler as scheduler_module
+
+    asked: list[object] = []
+    real = scheduler_module.make_generator
+
+    def spy(seed, device=None):
+        asked.append(device)
+        return real(seed, "cpu" if device is None else device)
+
+    monkeypatch.setattr(scheduler_module, "make_generator", spy)
+    ids = _prompt(9, 3)
+    h.submit("sampled", 3, ids, sampling={"max_new_tokens": 4, "temperature": 0.8, "seed": 5})
+    receiver, _ = h.receive(3, len(ids))
+    h.run_until(lambda: receiver.poll() is KVPoll.Success)
+    assert asked and all(torch.device(d) == h.runner.device for d in asked)
