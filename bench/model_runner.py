@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import statistics
@@ -51,6 +52,7 @@ import torch  # noqa: E402
 from common.cpu_features import has_native_bf16  # noqa: E402
 from common.kv_pool import pages_needed  # noqa: E402
 from common.model import cpu_kernels  # noqa: E402
+from common.model.attention import AttentionBackend, TorchAttention  # noqa: E402
 from common.model.default_model import default_model_dir  # noqa: E402
 from common.model.gemm import (  # noqa: E402
     AMX, PACK_HINT_ROWS, WEIGHT_MAJOR, KernelChooser, bucket_of, can_pack,
@@ -167,7 +169,7 @@ def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths:
     2048 / n, if more) each."""
     rows = []
     g = torch.Generator().manual_seed(0)
-    plain_too = torch_ops and runner.model.prefill_attention is not None
+    plain_too = torch_ops and runner.model.attention.prefill_kernel is not None
     for n in lengths:
         ids = torch.randint(0, runner.spec.vocab_size, (n,), generator=g).tolist()
         settle_prefill_kernel(runner, ids)
@@ -181,7 +183,7 @@ def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths:
                 hf(torch.tensor([ids]), use_cache=False, logits_to_keep=1)
                 theirs.append(time.perf_counter() - t)
             if plain_too:
-                with model_swapped(runner, prefill_attention=None):
+                with model_swapped(runner, attention=_without_prefill_kernel(runner)):
                     plain.append(_prefill_seconds(runner, ids))
         t_ours, t_hf = min(ours), min(theirs)
         rows.append({
@@ -193,7 +195,7 @@ def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths:
             "fraction_of_matmul_bound": round(prefill_flops(runner.spec, n) / gemm / t_ours, 3),
             "gemm_kernel": kernel_choice(runner.model.chooser, n),
             # the paged prefill kernel against torch's flash kernel on copies (what ran before)
-            "prefill_attention": runner.model.prefill_attention is not None,
+            "prefill_attention": runner.model.attention.prefill_kernel is not None,
             "ratio_vs_torch_attention": round(min(plain) / t_ours, 3) if plain else None,
         })
     return rows
@@ -237,6 +239,18 @@ def model_swapped(runner: ModelRunner, **attrs):
             setattr(runner.model, name, value)
 
 
+def _without_prefill_kernel(runner: ModelRunner) -> AttentionBackend:
+    """The runner's CPU attention with prefill on torch's flash passes (decode unchanged)."""
+    attention = copy.copy(runner.model.attention)
+    attention.prefill_kernel = None  # type: ignore[attr-defined]
+    return attention
+
+
+def torch_attention(runner: ModelRunner) -> AttentionBackend:
+    """Attention over gathered pages and copies (SDPA), as before the C kernels."""
+    return TorchAttention(runner.spec, runner.model.dtype, runner.device)
+
+
 def fixed_kernel_seconds(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> float:
     """Our decode with every product weight-major, the kernel used before they were chosen."""
     with model_swapped(runner, chooser=KernelChooser((WEIGHT_MAJOR,)),
@@ -251,7 +265,7 @@ def torch_ops_seconds(runner: ModelRunner, prompts: list[list[int]], new_tokens:
     --no-cpu-kernels the runner packs for oneDNN, 1.5-2.2x slower than AMX at these rows)."""
     assert runner.model.chooser is not None  # the CPU
     kernels = tuple(k for k in runner.model.chooser.kernels if k != AMX)
-    with model_swapped(runner, paged_attention=None, fused=None, prefill_attention=None,
+    with model_swapped(runner, attention=torch_attention(runner), fused=None,
                        chooser=KernelChooser(kernels), head_chooser=KernelChooser(kernels)):
         ours_decode_seconds(runner, prompts, new_tokens)  # the fresh choosers measure first
         return ours_decode_seconds(runner, prompts, new_tokens)[0]
@@ -354,7 +368,7 @@ def main() -> None:
             # (common.model.gemm), as a serving node has long done by the time it is busy.
             ours_decode_seconds(runner, prompts, args.new_tokens)
             ours, hf_s, fixed, plain, same = [], [], [], [], True
-            kernels = runner.model.paged_attention is not None or runner.model.fused is not None
+            kernels = runner.model.attention.decode_kernel is not None or runner.model.fused is not None
             for _ in range(args.repeats):
                 t_ours, out_ours = ours_decode_seconds(runner, prompts, args.new_tokens)
                 t_hf, out_hf = hf_decode_seconds(hf, prompts, args.new_tokens)
@@ -392,7 +406,7 @@ def main() -> None:
                 # the chosen kernels against always weight-major (what ran before they were chosen)
                 "ratio_vs_weight_major": round(min(fixed) / min(ours), 3) if fixed else None,
                 # the C kernels against torch's ops alone (what ran before them)
-                "paged_attention": runner.model.paged_attention is not None,
+                "paged_attention": runner.model.attention.decode_kernel is not None,
                 "fused_ops": runner.model.fused is not None,
                 "ratio_vs_torch_ops": round(min(plain) / min(ours), 3) if plain else None,
             })

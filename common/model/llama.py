@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from common.kv_pool import KVPool
 from common.model.amx_gemm import amx_gemm
+from common.model.attention import AttentionBatch, make_attention_backend
 from common.model.f32_gemm import f32_gemm
 from common.model.gemm import (
     AMX, PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, linear, packs,
 )
 from common.model.fused_ops import FusedOps, fused_ops
-from common.model.paged_attention import (
-    PagedDecodeAttention, PagedPrefillAttention, paged_decode_attention, paged_prefill_attention,
-)
 from common.model.spec import ModelSpec, rope_inv_freq
 from common.model.workspace import WORKSPACE_ROWS, Workspace
+
+if TYPE_CHECKING:
+    from common.model.triton_fused import TritonFusedOps
 
 
 @dataclass
@@ -30,29 +32,6 @@ class LayerWeights:
     down: LinearWeight
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
-
-
-@dataclass
-class AttentionBatch:
-    """Where this forward's tokens write their KV and which KV each request attends to.
-
-    write_slots: per new token, its slot in the pool's token view (KVPool.tokens) for layer 0's K;
-    layer l's K slot is that + 2 * l * page_size and its V slot + (2 * l + 1) * page_size.
-    read_rows: per request (extend) or padded per batch (decode), the pool rows of layer 0's K.
-    Layer l's K row is row + 2 * l and its V row is row + 2 * l + 1.
-    """
-
-    write_slots: torch.Tensor
-    read_rows: list[torch.Tensor] | torch.Tensor
-    # extend: per request (first new token index, new tokens, total tokens, cached prefix)
-    spans: list[tuple[int, int, int, int]] | None = None
-    # decode: tokens per sequence [B] (set for decode only), and for SDPA over gathered pages
-    # a [B, 1, 1, T] additive mask (0 on valid key positions, -inf on padding)
-    seq_lens: torch.Tensor | None = None
-    decode_bias: torch.Tensor | None = None
-    gather_out: tuple[torch.Tensor, torch.Tensor] | None = None  # decode: reused gather buffers
-    # extend: per request with a cached prefix, its additive mask, built once for all layers
-    prefix_masks: dict[int, torch.Tensor] | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,7 +60,7 @@ class LlamaModel:
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, *, pack: bool = False,
-                 cpu_kernels: bool = False) -> None:
+                 cpu_kernels: bool = False, attention_backend: str = "auto") -> None:
         """`pack`: keep a oneDNN-packed copy of each matrix (twice the weight memory) for the
         kernel choice of common.model.gemm (three times in float32 with AVX-512 or AVX2 and
         `cpu_kernels`: the panel copy too); on CUDA every product is F.linear.
@@ -158,14 +137,16 @@ class LlamaModel:
         self.num_groups = spec.num_heads // spec.num_kv_heads  # query heads per KV head
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
-        self.paged_attention: PagedDecodeAttention | None = None
-        self.prefill_attention: PagedPrefillAttention | None = None
-        self.fused: FusedOps | None = None
-        if cpu_kernels:
-            self.paged_attention = paged_decode_attention(device, dtype, spec.num_heads,
-                                                          spec.num_kv_heads, spec.head_dim)
-            self.prefill_attention = paged_prefill_attention(device, dtype, spec.num_heads,
-                                                             spec.num_kv_heads, spec.head_dim)
+        self.attention = make_attention_backend(attention_backend, spec, dtype, device,
+                                                cpu_kernels=cpu_kernels)
+        self.fused: FusedOps | TritonFusedOps | None = None
+        if self.attention.name == "triton":
+            # RoPE with the KV store, the residual add with RMSNorm, silu with its product:
+            # one Triton kernel each (three launches a layer instead of about twenty)
+            from common.model.triton_fused import triton_fused_ops
+
+            self.fused = triton_fused_ops(device, dtype, always=device.type != "cuda")
+        elif cpu_kernels:
             self.fused = fused_ops(device, dtype)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
@@ -175,6 +156,7 @@ class LlamaModel:
         The caller (ModelRunner._check_span) keeps positions within the context length and
         the slots within the pool: the CPU kernels index the RoPE table and the pool unchecked.
         """
+        self.attention.prepare(pool, batch)
         x = F.embedding(token_ids, self.embed)
         trig = None if self.fused is not None else (self.cos[positions], self.sin_rot[positions])
         num_tokens = token_ids.shape[0]
@@ -289,119 +271,11 @@ class LlamaModel:
             out += [layer.attn_norm, layer.mlp_norm]
         return out
 
-    def _gather(self, pool: KVPool, rows: torch.Tensor, layer: int,
-                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the pages in `rows` for one layer: each [..., pages * page_size, kv_heads, head_dim].
-
-        `out` buffers reused across layers keep the gathered KV in cache (4x faster than fresh ones).
-        """
-        shape = (*rows.shape[:-1], rows.shape[-1] * pool.page_size, self.spec.num_kv_heads,
-                 self.spec.head_dim)
-        base = rows.reshape(-1) + 2 * layer
-        if out is None:
-            return (pool.rows.index_select(0, base).view(shape),
-                    pool.rows.index_select(0, base + 1).view(shape))
-        torch.index_select(pool.rows, 0, base, out=out[0])
-        torch.index_select(pool.rows, 0, base + 1, out=out[1])
-        return out[0].view(shape), out[1].view(shape)
-
-    @staticmethod
-    def _prefix_mask(batch: AttentionBatch, i: int, prefix: int, total: int,
-                     q: torch.Tensor) -> torch.Tensor:
-        """Causal after a cached prefix (CUDA; the CPU splits the pass, `_after_prefix`):
-        new token j sees keys 0..prefix + j. Additive (0 or -inf) in the model's dtype and
-        built once per forward, not per layer: SDPA turns a bool mask into this on every call
-        (with the comparison, 6% of a chunked 4k prefill on the CPU)."""
-        if batch.prefix_masks is None:
-            batch.prefix_masks = {}
-        if i not in batch.prefix_masks:
-            key_pos = torch.arange(total, device=q.device)
-            query_pos = torch.arange(prefix, total, device=q.device)
-            hidden = key_pos[None, :] > query_pos[:, None]
-            mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
-            batch.prefix_masks[i] = mask.masked_fill_(hidden, float("-inf"))
-        return batch.prefix_masks[i]
-
     def _attention(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool,
                    batch: AttentionBatch, layer: int) -> torch.Tensor:
         """Attention of this layer over the new tokens' k_new [tokens, kv_heads, head_dim] and
         v_new [tokens, kv_size], just written to the pool, and the cached KV."""
-        if batch.seq_lens is not None:
-            assert isinstance(batch.read_rows, torch.Tensor)
-            if self.paged_attention is not None:
-                return self.paged_attention(pool.rows, batch.read_rows, batch.seq_lens, layer, q,
-                                            pool.page_size, self.scale)
-            assert batch.decode_bias is not None
-            if batch.gather_out is None:
-                n = batch.read_rows.numel()
-                batch.gather_out = (pool.rows.new_empty(n, pool.rows.shape[1]),
-                                    pool.rows.new_empty(n, pool.rows.shape[1]))
-            k, v = self._gather(pool, batch.read_rows, layer, batch.gather_out)  # [B, T, kvh, d]
-            # Each KV head's query heads as rows of one query block: [B, kv_heads, groups, d].
-            # Query head h reads KV head h // groups, as in GQA; no KV is repeated, and SDPA
-            # with an additive mask runs 1.3-1.7x faster than with enable_gqa and a bool mask.
-            bsz = q.shape[0]
-            qg = q.reshape(bsz, self.spec.num_kv_heads, self.num_groups, self.spec.head_dim)
-            out = F.scaled_dot_product_attention(
-                qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=batch.decode_bias,
-                scale=self.scale,
-            )  # [B, kv_heads, groups, d]
-            return out.reshape(bsz, self.q_size)
-        assert batch.spans is not None and isinstance(batch.read_rows, list)
-        if self.prefill_attention is not None:
-            # every span's keys from its pages, the new tokens' among them (just written)
-            buf = self._out("attn", q.shape[0], self.q_size)
-            out = q.new_empty(q.shape[0], self.q_size) if buf is None else buf
-            for (start, num_new, _, prefix), rows in zip(batch.spans, batch.read_rows):
-                end = start + num_new
-                self.prefill_attention(pool.rows, rows, layer, q[start:end], prefix,
-                                       out[start:end], pool.page_size, self.scale)
-            return out
-        outs = []
-        for i, ((start, num_new, total, prefix), rows) in enumerate(zip(batch.spans,
-                                                                        batch.read_rows)):
-            # The new tokens' K/V are at hand: only a cached prefix is read from the pages.
-            k = k_new[start : start + num_new]
-            v = v_new[start : start + num_new].reshape(num_new, *k.shape[1:])
-            qr = q[start : start + num_new].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-            if prefix == 0:
-                out = F.scaled_dot_product_attention(qr, self._heads(k), self._heads(v),
-                                                     is_causal=True, scale=self.scale)
-            else:
-                num_pages = -(-prefix // pool.page_size)
-                pk, pv = self._gather(pool, rows[:num_pages], layer)
-                if q.device.type == "cpu":
-                    out = self._after_prefix(qr, k, v, pk[:prefix], pv[:prefix])
-                else:
-                    k, v = torch.cat([pk[:prefix], k]), torch.cat([pv[:prefix], v])
-                    mask = self._prefix_mask(batch, i, prefix, total, q)
-                    out = F.scaled_dot_product_attention(qr, self._heads(k), self._heads(v),
-                                                         attn_mask=mask, scale=self.scale)
-            outs.append(out[0].transpose(0, 1).reshape(num_new, self.q_size))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        """[n, kv_heads, d] -> [1, heads, n, d], each KV head repeated for its query heads.
-        4-D inputs with the KV heads repeated run SDPA's flash kernel on CPU; 3-D or
-        enable_gqa run the math kernel (12x slower at 4096 tokens, quadratic memory)."""
-        return x.transpose(0, 1).repeat_interleave(self.num_groups, dim=0).unsqueeze(0)
-
-    def _after_prefix(self, qr: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      prefix_k: torch.Tensor, prefix_v: torch.Tensor) -> torch.Tensor:
-        """Attention of new tokens after a cached prefix (a later chunk, a cache hit), CPU.
-
-        As two flash passes merged by their log-sum-exps: the prefix's keys, all visible,
-        and the new tokens' own, causal. One masked pass over the concatenated keys reads
-        a [new, total] mask per head and skips no block above the diagonal. Measured on an
-        AMX Xeon, 1k new tokens after 1k-7k cached ones: attention 1.22-1.27x faster, float32
-        and bfloat16, equal to the masked pass within float rounding (3e-7 in float32).
-        """
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        out_new, lse_new = flash(qr, self._heads(k), self._heads(v), 0.0, True, scale=self.scale)
-        out_pre, lse_pre = flash(qr, self._heads(prefix_k), self._heads(prefix_v), 0.0, False,
-                                 scale=self.scale)
-        top = torch.maximum(lse_new, lse_pre)
-        w_new = (lse_new - top).exp_().unsqueeze(-1)
-        w_pre = (lse_pre - top).exp_().unsqueeze(-1)
-        merged = (out_new.float() * w_new + out_pre.float() * w_pre) / (w_new + w_pre)
-        return merged.to(qr.dtype)
+        if batch.is_decode:
+            return self.attention.decode(q, pool, batch, layer)
+        out = self._out("attn", q.shape[0], self.q_size) if self.attention.fills_out else None
+        return self.attention.extend(q, k_new, v_new, pool, batch, layer, out)

@@ -9,7 +9,8 @@ from typing import Sequence
 import torch
 
 from common.kv_pool import KVLayout, KVPool, pages_needed, torch_dtype
-from common.model.llama import AttentionBatch, LlamaModel
+from common.model.attention import AttentionBatch
+from common.model.llama import LlamaModel
 from common.model.loader import load_spec, load_state_dict, resolve_model_dir
 from common.model.spec import ModelSpec
 from common.work_done import COMPLETED, WorkDone, record_work_done
@@ -193,10 +194,6 @@ class ModelRunner:
             read_rows=self._rows(table),
             seq_lens=lens,
         )
-        if self.model.paged_attention is None:  # SDPA over gathered pages masks the padding
-            padding = torch.arange(width * ps, device=self.device)[None, :] >= lens[:, None]
-            bias = torch.zeros(padding.shape, dtype=self.model.dtype, device=self.device)
-            batch.decode_bias = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
         hidden = self.model.forward(torch.tensor(list(token_ids), device=self.device), lens - 1,
                                     self.pool, batch, None)
         return self.model.logits(hidden)

@@ -102,7 +102,7 @@ def test_bfloat16_prefill_on_the_kernel_and_on_torch_near_float32(tmp_path, arch
     expect = _ref_logits(ref, ids)
     bound = 0.03 * expect.abs().max().item()
     for attention in (kernel, None):
-        runner.model.prefill_attention = attention
+        runner.model.attention.prefill_kernel = attention
         pages = runner.pool.allocator.allocate(pages_needed(len(ids), PAGE))
         for start, stop in [(0, 50), (50, 120)]:  # the second chunk reads the first's pages
             logits = runner.extend([ExtendRequest(ids[start:stop], start, pages)]).logits[0]
@@ -118,8 +118,8 @@ def test_three_chunks_read_prefix_from_pages(pair, prefill_kernel):
     torch's flash passes over gathered pages (bfloat16, CUDA, no compiler)."""
     ref, runner = pair
     model = runner.model
-    saved = model.prefill_attention
-    model.prefill_attention = _prefill_kernel(runner) if prefill_kernel else None
+    saved = model.attention.prefill_kernel
+    model.attention.prefill_kernel = _prefill_kernel(runner) if prefill_kernel else None
     try:
         ids = _prompt(30, 2)
         pages = runner.pool.allocator.allocate(pages_needed(len(ids), PAGE))
@@ -130,7 +130,7 @@ def test_three_chunks_read_prefix_from_pages(pair, prefill_kernel):
             torch.testing.assert_close(out.logits[0], expect[stop - 1], atol=ATOL, rtol=0)
         runner.pool.allocator.free(pages)
     finally:
-        model.prefill_attention = saved
+        model.attention.prefill_kernel = saved
 
 
 def _extend_then_decode_match_reference(ref, runner, prompts: list[list[int]], steps: int) -> None:
@@ -157,16 +157,16 @@ def test_batched_extend_then_decode_of_different_lengths(pair):
     ref, runner = pair
     # the C kernels built: attention reads the pages in place, the small steps are fused
     model = runner.model
-    assert model.paged_attention is not None and model.fused is not None
+    assert model.attention.decode_kernel is not None and model.fused is not None
     # prefill's kernel in float32 on every CPU; the batch's four spans go through it
-    assert model.prefill_attention is not None
-    saved = model.prefill_attention
-    model.prefill_attention = _prefill_kernel(runner)
+    assert model.attention.prefill_kernel is not None
+    saved = model.attention.prefill_kernel
+    model.attention.prefill_kernel = _prefill_kernel(runner)
     try:
         _extend_then_decode_match_reference(ref, runner,
                                             [_prompt(n, 10 + n) for n in (5, 17, 11, 1)], steps=9)
     finally:
-        model.prefill_attention = saved
+        model.attention.prefill_kernel = saved
     runner.pool.check_integrity()
 
 
@@ -195,15 +195,15 @@ def test_extend_and_decode_on_torch_ops_match_reference(pair, without):
     torch ops: the model with --no-cpu-kernels or without a C compiler."""
     ref, runner = pair
     model = runner.model
-    saved = model.paged_attention, model.prefill_attention, model.fused
-    model.paged_attention = model.prefill_attention = None
+    saved = model.attention.decode_kernel, model.attention.prefill_kernel, model.fused
+    model.attention.decode_kernel = model.attention.prefill_kernel = None  # type: ignore
     if without == "both":
         model.fused = None
     try:
         _extend_then_decode_match_reference(ref, runner, [_prompt(n, 70 + n) for n in (6, 21, 2)],
                                             steps=3)
     finally:
-        model.paged_attention, model.prefill_attention, model.fused = saved
+        model.attention.decode_kernel, model.attention.prefill_kernel, model.fused = saved
 
 
 def test_page_ids_outside_the_pool_are_refused_before_any_write(pair):
@@ -244,16 +244,16 @@ def test_prefill_of_many_rows_reuses_one_buffer_per_role(pair, monkeypatch, step
         return out
 
     monkeypatch.setattr(Workspace, "take", spy)
-    saved = model.chooser, model.paged_attention, model.prefill_attention, model.fused
+    saved = model.chooser, model.attention.decode_kernel, model.attention.prefill_kernel, model.fused
     model.chooser = KernelChooser((ROW_MAJOR,), trials=1, prefill_trials=1)
     if steps == "torch_ops":
-        model.paged_attention = model.prefill_attention = model.fused = None
+        model.attention.decode_kernel = model.attention.prefill_kernel = model.fused = None
     try:
         prompts = [_prompt(150, 80), _prompt(40, 81)]  # 190 rows
         assert sum(map(len, prompts)) >= WORKSPACE_ROWS
         _extend_then_decode_match_reference(ref, runner, prompts, steps=3)
     finally:
-        model.chooser, model.paged_attention, model.prefill_attention, model.fused = saved
+        model.chooser, model.attention.decode_kernel, model.attention.prefill_kernel, model.fused = saved
     assert model._ws is None  # dropped with its pass
     layers = runner.spec.num_layers
     roles = {"qkv", "o", "gate_up", "down"}
