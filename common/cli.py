@@ -29,7 +29,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                    page_size=cfg.page_size, context_length=cfg.context_length,
                                    max_total_tokens=cfg.max_total_tokens or 8192,
                                    pack_weights=cfg.pack_weights,
-                                   cpu_kernels=cfg.cpu_kernels)
+                                   cpu_kernels=cfg.cpu_kernels,
+                                   attention_backend=cfg.attention_backend,
+                                   cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+                                   disable_cuda_graph=cfg.disable_cuda_graph)
     prompt = " ".join(args.prompt)
     ids = (tokenizer.encode(prompt) if args.raw
            else tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))

@@ -11,6 +11,7 @@ from typing import Any, Self
 from common.cpu_features import has_native_bf16
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")  # common.model.attention
 TRANSFER_BACKENDS = ("nixl", "fake")
 RETRACTION_POLICIES = ("length", "priority")
 # Cache-aware policies other than shortest-prefill-first run as fcfs without the radix cache.
@@ -88,9 +89,24 @@ class ModelConfig:
     # CPU: the C kernels of common.model.cpu_kernels (decode attention over the KV pages in
     # place, the fused per-layer steps), built on first use with the machine's C compiler
     cpu_kernels: bool = True
+    # the pool as a fraction of the device's memory less what is in use after the weights
+    # and a warm-up forward (common.model.memory); None: 0.85 on CUDA, 2 GiB on the CPU
+    mem_fraction_static: float | None = None
+    attention_backend: str = "auto"  # common.model.attention: auto, cpu, triton, torch
+    cuda_graph_max_bs: int = 128  # decode graphs for batch buckets up to this
+    disable_cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         page = self.page_size
+        _check_choice(self.attention_backend, ATTENTION_BACKENDS, "--attention-backend")
+        _check(self.cuda_graph_max_bs >= 1,
+               f"--cuda-graph-max-bs {self.cuda_graph_max_bs} must be at least 1")
+        _check(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static <= 1.0,
+               f"--mem-fraction-static {self.mem_fraction_static} must be in (0, 1]")
+        _check(self.mem_fraction_static is None or (self.max_total_tokens is None
+                                                    and self.kv_cache_memory_gb is None),
+               "--mem-fraction-static sizes the KV pool like --max-total-tokens and "
+               "--kv-cache-memory-gb; pass only one")
         _check_choice(self.dtype, DTYPES, "--dtype")
         is_device = _DEVICE_PATTERN.fullmatch(self.device) is not None
         _check(is_device, f"unknown --device {self.device!r}; use cpu, cuda or cuda:N")
@@ -360,6 +376,15 @@ def add_model_args(parser: Parser) -> None:
         help="CPU: keep no packed copies of the weights (oneDNN's or AMX's, and the float32 "
              "panel product's on AVX-512: each adds their memory again, and they speed the "
              "products 1.2-1.7x where they measure fastest)")
+    add("--mem-fraction-static", type=float,
+        help="KV pool: this fraction of the device's memory less what is in use after the "
+             "weights and a warm-up forward at the largest batch (default on CUDA: 0.85; on "
+             "the CPU, with it, of the machine's memory, else 2 GiB)")
+    add("--attention-backend", help="auto (triton on CUDA, the C kernels on the CPU), cpu, "
+                                    "triton or torch (gathered pages and SDPA)")
+    add("--cuda-graph-max-bs", type=int,
+        help="CUDA: capture decode graphs for batch buckets 1, 2, 4, 8, 16, 32, ... up to this")
+    add("--disable-cuda-graph", action="store_true", help="CUDA: decode without graphs")
     add("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
         help="CPU: run the model on torch's ops only, without the C kernels built on first use "
              "with gcc/cc or $CC (decode attention over the KV pages in place, fused "

@@ -90,7 +90,11 @@ def build_runner(model: ModelConfig, progress: bool = True) -> ModelRunner:
                                    max_total_tokens=model.max_total_tokens,
                                    kv_memory_bytes=budget, context_length=model.context_length,
                                    pack_weights=model.pack_weights,
-                                   cpu_kernels=model.cpu_kernels)
+                                   cpu_kernels=model.cpu_kernels,
+                                   mem_fraction_static=model.mem_fraction_static,
+                                   attention_backend=model.attention_backend,
+                                   cuda_graph_max_bs=model.cuda_graph_max_bs,
+                                   disable_cuda_graph=model.disable_cuda_graph)
     runner.warmup()  # before the node registers: its first request runs at full speed
     return runner
 

@@ -3,6 +3,8 @@
 import os
 import sys
 
+import pytest
+
 # Spinning OpenMP threads of one process starve the others (see common/launcher.py);
 # set before any test module imports torch, inherited by every process a test starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -14,3 +16,20 @@ for sub in ("", "unit", "integration"):
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), sub).rstrip(os.sep)
     if path not in sys.path:
         sys.path.insert(0, path)
+
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    """A torch device the test runs on: cpu always, cuda where torch sees a GPU."""
+    import torch
+
+    if request.param == "cuda" and not _cuda_present():
+        pytest.skip("torch sees no CUDA device")
+    return torch.device(request.param)
+

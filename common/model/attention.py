@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from common.config import ATTENTION_BACKENDS
 from common.kv_pool import KVPool
 from common.model.paged_attention import (
     PagedDecodeAttention, PagedPrefillAttention, paged_decode_attention, paged_prefill_attention,
@@ -30,8 +32,6 @@ from common.model.paged_attention import (
 from common.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
-
-ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 
 
 @dataclass
@@ -51,7 +51,7 @@ class AttentionBatch:
     # decode: tokens per sequence [B] (set for decode only)
     seq_lens: torch.Tensor | None = None
     # what a backend's `prepare` builds once for all layers (masks, padded tables, buffers)
-    meta: dict[str, object] | None = None
+    meta: dict[str, Any] | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -10,12 +10,17 @@ import torch
 
 from common.kv_pool import KVLayout, KVPool, pages_needed, torch_dtype
 from common.model.attention import AttentionBatch
+from common.model.cuda_graph import DecodeGraphs
 from common.model.llama import LlamaModel
 from common.model.loader import load_spec, load_state_dict, resolve_model_dir
+from common.model.memory import DEFAULT_CUDA_FRACTION, device_memory, kv_pool_bytes
 from common.model.spec import ModelSpec
 from common.work_done import COMPLETED, WorkDone, record_work_done
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_GRAPH_MAX_BS = 128  # --cuda-graph-max-bs
+DEFAULT_WARMUP_TOKENS = 8192  # the prefill the pool's sizing leaves activations for
 
 
 @dataclass(frozen=True)
@@ -52,30 +57,83 @@ class ModelRunner:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, dtype: str = "float32",
                  device: str = "cpu", page_size: int = 16, num_pages: int | None = None,
                  max_total_tokens: int | None = None, kv_memory_bytes: int | None = None,
-                 context_length: int | None = None, pack_weights: bool = True,
-                 cpu_kernels: bool = True) -> None:
+                 mem_fraction_static: float | None = None, context_length: int | None = None,
+                 pack_weights: bool = True, cpu_kernels: bool = True,
+                 attention_backend: str = "auto", cuda_graph_max_bs: int = DEFAULT_GRAPH_MAX_BS,
+                 disable_cuda_graph: bool = False,
+                 warmup_tokens: int = DEFAULT_WARMUP_TOKENS) -> None:
         """`pack_weights`: on the CPU, also keep packed weights (twice the weight memory:
         oneDNN's layout, or in bfloat16 with AMX and the C kernels the AMX tiles' layout;
         three times in float32 with AVX-512 or AVX2 and the C kernels, whose panel layout comes
         too) so the products can run on whichever kernel measures fastest.
         `cpu_kernels`: on the CPU, the C kernels of common.model.cpu_kernels where they
         build (decode attention over the pages in place, the fused per-layer steps, the
-        AMX product, the float32 panel product)."""
+        AMX product, the float32 panel product).
+        `attention_backend`: common.model.attention's choice (auto: triton on CUDA, the C
+        kernels on the CPU).
+        The pool: `num_pages`, else `max_total_tokens`, else `kv_memory_bytes`, else
+        `mem_fraction_static` of the device less what is in use after the weights and a
+        warm-up forward at the largest batch (`warmup_tokens` prefill tokens, decode at
+        `cuda_graph_max_bs`) — the default on CUDA, at common.model.memory's fraction; on
+        the CPU without it, 2 GiB.
+        On CUDA decode runs as CUDA graphs, one per batch bucket up to `cuda_graph_max_bs`
+        (common.model.cuda_graph), captured at `warmup()` or the first decode, unless
+        `disable_cuda_graph`; either way a step's inputs go to the device in one copy."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was given but torch sees no CUDA device")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.spec = spec
         self.dtype_name = dtype
         self.context_length = min(context_length or spec.context_length, spec.context_length)
         self.model = LlamaModel(spec, weights, torch_dtype(dtype), self.device, pack=pack_weights,
-                                cpu_kernels=cpu_kernels)
+                                cpu_kernels=cpu_kernels, attention_backend=attention_backend)
         self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype)
+        self.layer_stride = 2 * spec.num_layers  # pool rows per page
+        self.cuda_graph_max_bs = cuda_graph_max_bs
+        self.warmup_tokens = warmup_tokens
+        self.graphs: DecodeGraphs | None = None
         if num_pages is None:
             if max_total_tokens is None and kv_memory_bytes is None:
-                kv_memory_bytes = 2 << 30
+                if mem_fraction_static is not None or self.device.type == "cuda":
+                    kv_memory_bytes = self._bytes_by_fraction(
+                        mem_fraction_static or DEFAULT_CUDA_FRACTION)
+                else:
+                    kv_memory_bytes = 2 << 30
             num_pages = KVPool.num_pages_for(self.layout, max_total_tokens, kv_memory_bytes)
         self.pool = KVPool(self.layout, num_pages, self.device)
-        self._layer_stride = 2 * spec.num_layers  # pool rows per page
+        logger.info("KV pool: %d pages of %d tokens, %.2f GiB on %s", num_pages, page_size,
+                    self.pool.nbytes / (1 << 30), self.device)
+        if self.device.type == "cuda":
+            # graphs or not, a step's inputs travel in one copy from pinned memory
+            self.graphs = DecodeGraphs(self, cuda_graph_max_bs, capture=not disable_cuda_graph)
+
+    def _bytes_by_fraction(self, fraction: float) -> int:
+        """The pool's bytes by --mem-fraction-static, after a warm-up forward at the largest
+        batch on a temporary pool has shown the activations' peak (CUDA)."""
+        activation = 0
+        if self.device.type == "cuda":
+            tokens = max(1, min(self.warmup_tokens, self.context_length - 2))
+            bs = self.cuda_graph_max_bs
+            pages = pages_needed(tokens + 1, self.page_size) + 1
+            self.pool = KVPool(self.layout, pages, self.device)
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            ids = self.pool.allocator.allocate(pages)
+            self.extend([ExtendRequest([0] * tokens, 0, ids[:-1])])
+            self.decode([0] * bs, [1] * bs, [[ids[-1]]] * bs)  # every row on one page
+            torch.cuda.synchronize(self.device)
+            activation = torch.cuda.max_memory_allocated(self.device) - base
+            del self.pool
+            torch.cuda.empty_cache()
+        memory = device_memory(self.device)
+        chosen = kv_pool_bytes(memory, fraction, activation)
+        logger.info("--mem-fraction-static %.2f: %.1f of %.1f GiB in use, forward peak %.2f "
+                    "GiB; KV pool %.2f GiB", fraction, memory.in_use / (1 << 30),
+                    memory.total / (1 << 30), activation / (1 << 30), chosen / (1 << 30))
+        return chosen
 
     @staticmethod
     def from_path(model_path: str | None, *, progress: bool = True, **kwargs) -> ModelRunner:
@@ -95,6 +153,8 @@ class ModelRunner:
             self.decode([0], [n + 1], [pages])
         finally:
             self.pool.allocator.free(pages)
+        if self.graphs is not None:
+            self.graphs.capture()
 
     @property
     def page_size(self) -> int:
@@ -102,11 +162,11 @@ class ModelRunner:
 
     def _rows(self, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
         pages_t = torch.as_tensor(pages, dtype=torch.long)
-        return (pages_t * self._layer_stride).to(self.device)
+        return (pages_t * self.layer_stride).to(self.device)
 
     def _write_slots(self, page_ids: Sequence[int], start: int, stop: int) -> list[int]:
         """Slots in the pool's token view of layer 0's K for positions start..stop-1."""
-        ps, stride = self.page_size, self._layer_stride * self.page_size
+        ps, stride = self.page_size, self.layer_stride * self.page_size
         return [page_ids[p // ps] * stride + p % ps for p in range(start, stop)]
 
     def _check_span(self, prefix_len: int, num_new: int, page_ids: Sequence[int]) -> None:
@@ -179,6 +239,12 @@ class ModelRunner:
         there) and page_tables[i] covers seq_lens[i] tokens. Returns [B, vocab] float32 logits."""
         ps = self.page_size
         bsz = len(token_ids)
+        if self.graphs is not None and self.graphs.fits(bsz, seq_lens):
+            for n, pages in zip(seq_lens, page_tables):
+                self._check_span(n - 1, 1, pages)
+            self.graphs.capture()  # once; a no-op with --disable-cuda-graph
+            # a view of the bucket's static logits: read it before the next step
+            return self.graphs.run(token_ids, seq_lens, page_tables)
         width = max(pages_needed(n, ps) for n in seq_lens)
         table = torch.zeros((bsz, width), dtype=torch.long)
         write_slots = []
