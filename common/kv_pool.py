@@ -180,5 +180,26 @@ class KVPool:
         self.allocator.check_integrity()
 
 
+@dataclass(frozen=True)
+class PageRun:
+    """Pages start .. start + length - 1, at positions offset .. offset + length - 1 of a list."""
+
+    start: int
+    offset: int
+    length: int
+
+
+def page_runs_of(pages: Sequence[int]) -> list[PageRun]:
+    """A list of page ids cut into runs of consecutive ids (each one contiguous copy)."""
+    runs: list[PageRun] = []
+    for i, page in enumerate(pages):
+        last = runs[-1] if runs else None
+        if last is not None and page == last.start + last.length:
+            runs[-1] = PageRun(last.start, last.offset, last.length + 1)
+        else:
+            runs.append(PageRun(page, i, 1))
+    return runs
+
+
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)

@@ -1,56 +1,170 @@
-"""Host-memory KV store for retracted requests: whole pages copied off the device pool and back."""
+"""Host-memory KV store for retracted requests: a preallocated host page pool the device
+pool's pages are copied into and back, on a side stream with events on CUDA.
+
+    offload(rid, pool, pages)   device pages -> host pages (host pool full: a pageable copy)
+    load(rid, pool, pages)      host pages -> fresh device pages; the host pages are freed
+    drop(rid)                   the request was aborted: its host pages are freed
+
+On CUDA the host pool is pinned once at start (a retraction no longer copies to pageable
+memory and pins it again); copies run on a side stream. Ordering is by events, never by a
+host synchronisation: a copy waits for the compute stream (the KV it reads is complete),
+and the compute stream waits for the copy (a freed device page is rewritten only after its
+KV left, and a resumed request decodes only after its KV is back). Host pages are reused
+only by later copies on the same side stream, so they too are ordered.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
-from common.kv_pool import KVPool
+from common.kv_pool import KVPool, PageAllocator, page_runs_of
+
+logger = logging.getLogger(__name__)
+
+HOST_MEMORY_SHARE = 8  # CUDA: the pinned pool takes at most 1/8 of the machine's memory
+
+
+def default_host_pages(pool: KVPool, host_total_bytes: int) -> int:
+    """As many host pages as the device pool has (retracted KV never exceeds it: admission
+    stops while a request waits in host memory), on CUDA at most 1/8 of the machine's
+    memory, since pinned memory is locked."""
+    if pool.device.type != "cuda":
+        return pool.num_pages
+    return max(1, min(pool.num_pages,
+                      host_total_bytes // HOST_MEMORY_SHARE // pool.layout.bytes_per_page))
 
 
 class HostKVStore:
-    """KV of retracted requests by rid, as [pages, *page_shape] tensors in host memory.
+    """KV of retracted requests by rid: pages of a host pool, or a pageable copy when that
+    pool was full. The only owner of host copies."""
 
-    The only owner of host copies: `offload` takes one, `load` puts it back into freshly
-    allocated device pages and drops it, `drop` forgets it (abort).
-    """
-
-    def __init__(self, pin_memory: bool = False) -> None:
-        self._pin_memory = pin_memory
-        self._copies: dict[str, torch.Tensor] = {}
+    def __init__(self, pool: KVPool, num_pages: int) -> None:
+        self.device = pool.device
+        self.is_cuda = self.device.type == "cuda"
+        self.buffer = torch.empty((num_pages, *pool.layout.page_shape), dtype=pool.buffer.dtype,
+                                  pin_memory=self.is_cuda)
+        self.allocator = PageAllocator(num_pages)
+        self._pages: dict[str, list[int]] = {}
+        self._pageable: dict[str, torch.Tensor] = {}  # when the host pool was full
+        self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.num_pageable_copies = 0
 
     def offload(self, rid: str, pool: KVPool, pages: Sequence[int]) -> None:
-        if rid in self._copies:
+        if rid in self:
             raise ValueError(f"request {rid} already has KV in host memory")
-        data = pool.read_pages(pages).to("cpu")
-        if self._pin_memory:
-            data = data.pin_memory()
-        self._copies[rid] = data
+        if not self.allocator.can_allocate(len(pages)):
+            # never lose a request: slower, but its KV is kept
+            self.num_pageable_copies += 1
+            logger.warning("host KV pool full (%d pages free): request %s copied to pageable "
+                           "memory", self.allocator.num_free_pages, rid)
+            self._pageable[rid] = pool.read_pages(pages).to("cpu")
+            return
+        host_pages = self.allocator.allocate(len(pages))
+        index = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+        with self._side() as compute:
+            self._keep(index)
+            staged = pool.buffer.index_select(0, index)  # contiguous, in the copy's order
+            for run in page_runs_of(host_pages):
+                self.buffer[run.start : run.start + run.length].copy_(
+                    staged[run.offset : run.offset + run.length], non_blocking=self.is_cuda)
+            self._done(compute)
+        self._pages[rid] = host_pages
 
     def num_pages_of(self, rid: str) -> int:
-        return int(self._copies[rid].shape[0])
+        if rid in self._pageable:
+            return int(self._pageable[rid].shape[0])
+        return len(self._pages[rid])
 
     def load(self, rid: str, pool: KVPool, pages: Sequence[int]) -> None:
-        data = self._copies[rid]
-        if len(pages) != data.shape[0]:
-            raise ValueError(f"request {rid}: {data.shape[0]} pages in host memory, "
+        if len(pages) != self.num_pages_of(rid):
+            raise ValueError(f"request {rid}: {self.num_pages_of(rid)} pages in host memory, "
                              f"{len(pages)} given")
-        pool.write_pages(pages, data)
-        del self._copies[rid]
+        if rid in self._pageable:
+            pool.write_pages(pages, self._pageable.pop(rid))
+            return
+        host_pages = self._pages.pop(rid)
+        index = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+        with self._side() as compute:
+            self._keep(index)
+            staged = torch.empty((len(pages), *pool.layout.page_shape),
+                                 dtype=pool.buffer.dtype, device=self.device)
+            for run in page_runs_of(host_pages):
+                staged[run.offset : run.offset + run.length].copy_(
+                    self.buffer[run.start : run.start + run.length], non_blocking=self.is_cuda)
+            pool.buffer.index_copy_(0, index, staged)
+            self._done(compute)
+        self.allocator.free(host_pages)
 
     def drop(self, rid: str) -> bool:
-        return self._copies.pop(rid, None) is not None
+        if self._pageable.pop(rid, None) is not None:
+            return True
+        host_pages = self._pages.pop(rid, None)
+        if host_pages is None:
+            return False
+        self.allocator.free(host_pages)  # reused only by later copies on the side stream
+        return True
 
     def __contains__(self, rid: object) -> bool:
-        return rid in self._copies
+        return rid in self._pages or rid in self._pageable
 
     def __len__(self) -> int:
-        return len(self._copies)
+        return len(self._pages) + len(self._pageable)
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._copies.values())
+        """Bytes of KV held (pages in the host pool, and pageable copies)."""
+        page = self.buffer[0].numel() * self.buffer.element_size() if len(self.buffer) else 0
+        pageable = sum(t.numel() * t.element_size() for t in self._pageable.values())
+        return sum(map(len, self._pages.values())) * page + pageable
 
     def rids(self) -> set[str]:
-        return set(self._copies)
+        return set(self._pages) | set(self._pageable)
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+        held = sum(map(len, self._pages.values()))
+        if held != self.allocator.num_used_pages:
+            raise AssertionError(f"{held} host pages held, {self.allocator.num_used_pages} used")
+
+    def _side(self) -> _SideStream:
+        return _SideStream(self._stream, self.device)
+
+    def _keep(self, t: torch.Tensor) -> None:
+        """A tensor made on the compute stream and read on the side stream: its memory is
+        not reused before the side stream is done with it."""
+        if self._stream is not None:
+            t.record_stream(self._stream)
+
+    def _done(self, compute: torch.cuda.Stream | None) -> None:
+        """The compute stream waits for this copy (on the GPU, not the host)."""
+        if self._stream is not None and compute is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            compute.wait_event(event)
+
+
+class _SideStream:
+    """On CUDA: run the block on the side stream after the compute stream's work so far;
+    yields the compute stream. Elsewhere: run it as is, yielding None."""
+
+    def __init__(self, stream: torch.cuda.Stream | None, device: torch.device) -> None:
+        self.stream = stream
+        self.device = device
+        self._ctx: object | None = None
+
+    def __enter__(self) -> torch.cuda.Stream | None:
+        if self.stream is None:
+            return None
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        self._ctx = torch.cuda.stream(self.stream)
+        self._ctx.__enter__()  # type: ignore[attr-defined]
+        return compute
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)  # type: ignore[attr-defined]
+            self._ctx = None

@@ -9,16 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
+
 from common.kv_pool import KVPool, pages_needed
-from decode_node.host_pool import HostKVStore
+from common.model.memory import device_memory
+from decode_node.host_pool import HostKVStore, default_host_pages
 from decode_node.req import DecodeReq, DecodeState
 
 
 class RetractedQueue:
-    def __init__(self, pool: KVPool, *, pin_memory: bool = False) -> None:
+    def __init__(self, pool: KVPool, *, host_pages: int | None = None) -> None:
+        """`host_pages`: the host pool's size (default_host_pages's rule when None)."""
         self.pool = pool
         self.allocator = pool.allocator
-        self.host = HostKVStore(pin_memory=pin_memory)
+        if host_pages is None:
+            host_pages = default_host_pages(pool, device_memory(torch.device("cpu")).total)
+        self.host = HostKVStore(pool, host_pages)
         self.queue: list[DecodeReq] = []
 
     def retract(self, r: DecodeReq) -> None:
@@ -57,6 +63,7 @@ class RetractedQueue:
         return True
 
     def check_integrity(self) -> None:
+        self.host.check_integrity()
         if self.host.rids() != {r.rid for r in self.queue}:
             raise AssertionError("host KV copies and retracted requests disagree")
         for r in self.queue:

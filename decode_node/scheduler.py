@@ -103,7 +103,7 @@ class DecodeScheduler:
             runner, max_running, retraction_policy=config.retraction_policy,
             enable_priority=config.enable_priority_scheduling,
             low_priority_values_first=config.schedule_low_priority_values_first)
-        self.retracted_queue = RetractedQueue(self.pool, pin_memory=runner.device.type == "cuda")
+        self.retracted_queue = RetractedQueue(self.pool)
         self.release_queue = ReleaseQueue(self.allocator)
         self.reqs: dict[str, DecodeReq] = {}  # by rid, every live request this node holds
         self.new_token_ratio = NewTokenRatio(config.schedule_conservativeness)
