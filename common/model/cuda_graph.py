@@ -20,16 +20,14 @@ the scratch page and the page-major table are tested where no GPU is.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from common.kv_pool import pages_needed
+from common.kv_pool import KVPool, pages_needed
 from common.model.attention import AttentionBatch
-
-if TYPE_CHECKING:
-    from common.model.runner import ModelRunner
+from common.model.llama import LlamaModel
 
 _SMALL_BUCKETS = (1, 2, 4, 8)
 # Tokens per sequence a graph's page table holds: its width sets the attention kernel's
@@ -53,10 +51,23 @@ def bucket_for(bs: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= bs), None)
 
 
+class GraphHost(Protocol):
+    """What the graphs read of the ModelRunner that owns them."""
+
+    device: torch.device
+    context_length: int
+    layer_stride: int
+    pool: KVPool
+    model: LlamaModel
+
+    @property
+    def page_size(self) -> int: ...
+
+
 class DecodeGraphs:
     """The decode step's static buffers and, on CUDA, one captured graph per bucket."""
 
-    def __init__(self, runner: ModelRunner, max_bs: int, *, capture: bool) -> None:
+    def __init__(self, runner: GraphHost, max_bs: int, *, capture: bool) -> None:
         self.runner = runner
         self.buckets = graph_buckets(max_bs)
         self.max_bs = n = self.buckets[-1]
