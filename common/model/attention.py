@@ -107,6 +107,9 @@ class TorchAttention(AttentionBackend):
     def prepare(self, pool: KVPool, batch: AttentionBatch) -> None:
         batch.meta = {}
         if batch.seq_lens is None:
+            assert isinstance(batch.read_rows, list)
+            # the spans' page rows (host tensors) on the device, once for all layers
+            batch.meta["rows"] = [r.to(self.device) for r in batch.read_rows]
             return
         assert isinstance(batch.read_rows, torch.Tensor)
         # SDPA over gathered pages masks the padding past each sequence's length
@@ -137,10 +140,10 @@ class TorchAttention(AttentionBackend):
 
     def extend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool,
                batch: AttentionBatch, layer: int, out: torch.Tensor | None) -> torch.Tensor:
-        assert batch.spans is not None and isinstance(batch.read_rows, list)
+        assert batch.spans is not None and batch.meta is not None
         outs = []
         for i, ((start, num_new, total, prefix), rows) in enumerate(zip(batch.spans,
-                                                                        batch.read_rows)):
+                                                                        batch.meta["rows"])):
             outs.append(self._span(q, k_new, v_new, pool, batch, layer, i, start, num_new,
                                    total, prefix, rows))
         result = torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -246,8 +249,8 @@ class CpuKernelAttention(TorchAttention):
         return self.prefill_kernel is not None
 
     def prepare(self, pool: KVPool, batch: AttentionBatch) -> None:
-        if batch.seq_lens is not None and self.decode_kernel is not None:
-            batch.meta = {}
+        if self.decode_kernel is not None if batch.is_decode else self.prefill_kernel is not None:
+            batch.meta = {}  # the kernels read the host-side rows as they are
             return
         super().prepare(pool, batch)
 
@@ -294,7 +297,7 @@ class TritonAttention(AttentionBackend):
         width = max(r.shape[0] for r in batch.read_rows)
         table = torch.zeros((len(batch.spans), width), dtype=torch.long)
         for i, rows in enumerate(batch.read_rows):
-            table[i, : rows.shape[0]] = rows.cpu()
+            table[i, : rows.shape[0]] = rows  # host tensors: no copy back from the device
         spans = torch.tensor([[s[0], s[1], s[3]] for s in batch.spans], dtype=torch.long)
         pin = self.device.type == "cuda"
         if pin:
