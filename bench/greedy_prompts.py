@@ -83,7 +83,8 @@ def forced_logits(runner: Any, prompts: Sequence[Sequence[int]],
         out = [runner.extend([ExtendRequest(list(p), 0, t) for p, t in zip(prompts, tables)]).logits]
         for step in range(steps - 1):
             lens = [len(p) + step + 1 for p in prompts]
-            out.append(runner.decode([c[step] for c in continuations], lens, tables))
+            # a copy: on CUDA decode returns a view of its graph's static logits
+            out.append(runner.decode([c[step] for c in continuations], lens, tables).clone())
         return list(torch.stack(out, dim=1))
     finally:
         for t in tables:
