@@ -19,6 +19,7 @@ the scratch page and the page-major table are tested where no GPU is.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -151,18 +152,22 @@ class DecodeGraphs:
         h[:bs] = token_ids
         h[bs:bucket] = 0
         h[n : n + bucket] = lens
-        pages_used = [pages_needed(int(x), ps) for x in lens]
-        width = max(pages_used)
+        pages_used = (lens + ps - 1) // ps
+        width = int(pages_used.max())
         table = h[3 * n :].reshape(self.width, n)
-        slot_stride = stride * ps
-        for i in range(bs):
-            pages = page_tables[i]
-            used = pages_used[i]
-            table[:used, i] = np.asarray(pages[:used], dtype=np.int64) * stride
-            pos = int(lens[i]) - 1
-            h[2 * n + i] = pages[pos // ps] * slot_stride + pos % ps
+        if bs:
+            # every row's pages at once: (page index, row) coordinates of one flat list
+            used = pages_used[:bs]
+            flat = np.fromiter(itertools.chain.from_iterable(
+                p[:u] for p, u in zip(page_tables, used.tolist())), dtype=np.int64,
+                count=int(used.sum()))
+            first = np.cumsum(used) - used  # each row's first page in `flat`
+            table[np.arange(flat.size) - np.repeat(first, used),
+                  np.repeat(np.arange(bs), used)] = flat * stride
+            last = lens[:bs] - 1  # each row's new token: its page and slot
+            h[2 * n : 2 * n + bs] = flat[first + last // ps] * (stride * ps) + last % ps
         table[:width, bs:bucket] = self._scratch_row
-        h[2 * n + bs : 2 * n + bucket] = self.scratch_page * slot_stride
+        h[2 * n + bs : 2 * n + bucket] = self.scratch_page * stride * ps
         return width
 
     def _forward(self, bs: int) -> torch.Tensor:
