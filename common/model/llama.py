@@ -70,8 +70,9 @@ class LlamaModel:
         bfloat16 on a CPU with AMX, the AMX product in place of oneDNN's packed one
         (1.5-2.2x faster at decode's rows, common.model.amx_gemm; the weights' second copy
         is in its layout), and in float32 on AVX-512 or AVX2 the panel product beside oneDNN's
-        (common.model.f32_gemm); otherwise, and always on CUDA, torch's ops
-        (attention: SDPA over gathered pages and copies)."""
+        (common.model.f32_gemm); otherwise torch's ops.
+        `attention_backend`: common.model.attention's choice (auto: Triton on CUDA, with the
+        per-layer steps as Triton kernels too; the C kernels on the CPU)."""
         self.spec = spec
         self.dtype = dtype
         self.device = device
@@ -134,9 +135,7 @@ class LlamaModel:
         half = sin.shape[-1] // 2
         self.sin_rot = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.q_size = spec.num_heads * spec.head_dim
-        self.num_groups = spec.num_heads // spec.num_kv_heads  # query heads per KV head
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.scale = spec.head_dim**-0.5
         self.attention = make_attention_backend(attention_backend, spec, dtype, device,
                                                 cpu_kernels=cpu_kernels)
         self.fused: FusedOps | TritonFusedOps | None = None

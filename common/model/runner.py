@@ -105,8 +105,9 @@ class ModelRunner:
         self.pool = KVPool(self.layout, num_pages, self.device)
         logger.info("KV pool: %d pages of %d tokens, %.2f GiB on %s", num_pages, page_size,
                     self.pool.nbytes / (1 << 30), self.device)
-        if self.device.type == "cuda":
-            # graphs or not, a step's inputs travel in one copy from pinned memory
+        if self.device.type == "cuda" and self.model.attention.name == "triton":
+            # graphs or not, a step's inputs travel in one copy from pinned memory (the
+            # torch backend gathers every page of the graph's wide table: not with it)
             self.graphs = DecodeGraphs(self, cuda_graph_max_bs, capture=not disable_cuda_graph)
 
     def _bytes_by_fraction(self, fraction: float) -> int:
