@@ -10,18 +10,25 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without a GPU the Triton kernels (the CUDA path) run in Triton's interpreter. Triton reads
+# this once, when it is first imported, and transformers imports it when it is installed: so
+# here, before any test module loads.
+if not _cuda_present():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Test helpers (tests/tolerance.py, tests/unit/test_model_runner.py's tiny checkpoints, tests/integration/kv_node.py)
 # are imported by module name from sibling directories.
 for sub in ("", "unit", "integration"):
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), sub).rstrip(os.sep)
     if path not in sys.path:
         sys.path.insert(0, path)
-
-
-def _cuda_present() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 @pytest.fixture(params=["cpu", "cuda"])

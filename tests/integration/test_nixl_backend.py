@@ -40,10 +40,15 @@ def _page_bytes(pool: KVPool) -> torch.Tensor:
     return pool.buffer.view(pool.num_pages, -1).view(torch.uint8)
 
 
+def _device(layout: dict[str, Any]) -> str:
+    """The pools' device, carried beside the layout ("cpu" unless a test asks for cuda)."""
+    return str(layout.get("device", "cpu"))
+
+
 def _target_main(conn: Connection, name: str, layout: dict[str, Any]) -> None:
     """Target: register a zero pool, hand out metadata, then serve 'wait'/'dump' commands."""
-    backend = NixlBackend(name)
-    pool = KVPool(KVLayout.from_dict(layout), NUM_PAGES)
+    backend = NixlBackend(name, device=_device(layout))
+    pool = KVPool(KVLayout.from_dict(layout), NUM_PAGES, _device(layout))
     backend.register_pool(pool)
     conn.send(backend.local_metadata())
     while True:
@@ -57,7 +62,7 @@ def _target_main(conn: Connection, name: str, layout: dict[str, Any]) -> None:
                 os.sched_yield()
             conn.send(got)
         elif cmd[0] == "dump":
-            conn.send(_page_bytes(pool).numpy().tobytes())
+            conn.send(_page_bytes(pool).cpu().numpy().tobytes())
         else:
             backend.close()
             conn.send("closed")
@@ -67,10 +72,12 @@ def _target_main(conn: Connection, name: str, layout: dict[str, Any]) -> None:
 def _writer_main(conn: Connection, name: str, layout: dict[str, Any]) -> None:
     """Writer: fill a pool with seeded bytes, add the peer it is sent, serve 'write' commands."""
     kv_layout = KVLayout.from_dict(layout)
-    backend = NixlBackend(name)
-    pool = KVPool(kv_layout, NUM_PAGES)
+    backend = NixlBackend(name, device=_device(layout))
+    pool = KVPool(kv_layout, NUM_PAGES, _device(layout))
     backend.register_pool(pool)
     _page_bytes(pool).copy_(_source_bytes(kv_layout, NUM_PAGES))
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize(pool.device)
     peer = backend.add_peer(conn.recv())
     conn.send(peer)
     while True:
@@ -99,10 +106,12 @@ def _writer_main(conn: Connection, name: str, layout: dict[str, Any]) -> None:
 class _Child:
     """A spawned process and our end of its pipe; every reply is awaited with a deadline."""
 
-    def __init__(self, target: Callable[..., None], name: str, layout: KVLayout) -> None:
+    def __init__(self, target: Callable[..., None], name: str, layout: KVLayout,
+                 device: str = "cpu") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=target, args=(child_conn, name, layout.to_dict()))
+        self.process = ctx.Process(target=target, args=(child_conn, name,
+                                                        {**layout.to_dict(), "device": device}))
         self.process.start()
         child_conn.close()
 
@@ -122,7 +131,7 @@ class _Child:
         self.process.join(5)
 
 
-Spawn = Callable[[Callable[..., None], str, KVLayout], _Child]
+Spawn = Callable[..., _Child]
 
 
 @pytest.fixture
@@ -130,8 +139,9 @@ def spawn() -> Iterator[Spawn]:
     """Starts children and kills whichever are still alive when the test ends."""
     children: list[_Child] = []
 
-    def start(target: Callable[..., None], name: str, layout: KVLayout) -> _Child:
-        children.append(_Child(target, name, layout))
+    def start(target: Callable[..., None], name: str, layout: KVLayout,
+              device: str = "cpu") -> _Child:
+        children.append(_Child(target, name, layout, device))
         return children[-1]
 
     yield start
@@ -139,9 +149,10 @@ def spawn() -> Iterator[Spawn]:
         child.kill()
 
 
-def _connect(spawn: Spawn, layout: KVLayout, tag: str) -> tuple[_Child, _Child]:
-    target = spawn(_target_main, f"target-{tag}", layout)
-    writer = spawn(_writer_main, f"writer-{tag}", layout)
+def _connect(spawn: Spawn, layout: KVLayout, tag: str,
+             device: str = "cpu") -> tuple[_Child, _Child]:
+    target = spawn(_target_main, f"target-{tag}", layout, device)
+    writer = spawn(_writer_main, f"writer-{tag}", layout, device)
     writer.conn.send(target.reply())  # the target's metadata
     assert writer.reply() == f"target-{tag}"  # the writer has added the peer
     return target, writer
@@ -156,9 +167,10 @@ WRITES: list[tuple[list[tuple[int, int]], bytes]] = [
 
 
 @pytest.mark.parametrize("layout", [SMALL, SMOLLM2], ids=["small", "smollm2"])
-def test_writes_land_byte_for_byte_with_their_notifications(spawn, layout):
-    tag = str(layout.num_layers)
-    target, writer = _connect(spawn, layout, tag)
+def test_writes_land_byte_for_byte_with_their_notifications(spawn, layout, device):
+    """DRAM to DRAM, and where torch sees a GPU VRAM to VRAM (the CUDA transports)."""
+    tag = f"{layout.num_layers}-{device.type}"
+    target, writer = _connect(spawn, layout, tag, device.type)
     writer_name = f"writer-{tag}"
     for pairs, notif in WRITES:
         # The target polls (as a decode loop does) while the writer writes: without a

@@ -24,6 +24,7 @@ from common.model.triton_attention import (
     triton_available,
 )
 from common.model.triton_fused import TritonFusedOps, triton_fused_ops
+from test_fused_ops import _close, _maybe_transposed  # the C kernels' tests' yardsticks
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LAYERS, LAYER = 2, 1
@@ -250,20 +251,6 @@ def _ops(dtype: torch.dtype) -> TritonFusedOps:
     ops = triton_fused_ops(DEVICE, dtype, always=True)
     assert ops is not None and triton_available()
     return ops
-
-
-def _close(got: torch.Tensor, expect: torch.Tensor, ulps: float) -> None:
-    """Equal up to `ulps` units in the last place of the dtype, relative to each value."""
-    assert got.shape == expect.shape and got.dtype == expect.dtype
-    eps = torch.finfo(expect.dtype).eps
-    diff = (got.double() - expect.double()).abs()
-    allowed = ulps * eps * expect.double().abs().clamp_min(torch.finfo(expect.dtype).tiny)
-    assert bool((diff <= allowed).all()), diff.max().item()
-
-
-def _maybe_transposed(t: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """The same values, as a weight-major product gives them: a transposed view."""
-    return t.t().contiguous().t() if transposed else t
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
