@@ -135,6 +135,40 @@ def run(mode: Mode, sink: Sink, work: Path, deadline: Deadline) -> None:
             free_memory(device)
         del ref32
         free_memory(device)
+    if deadline.left() > 20:
+        try:
+            _pool_sizing(sink, mode, work)
+        except Exception as exc:  # noqa: BLE001
+            sink.emit(kind="pool_sizing", ok=False, error=f"{type(exc).__name__}: {exc}")
+        free_memory(device)
+
+
+def _pool_sizing(sink: Sink, mode: Mode, work: Path) -> None:
+    """The pool as --mem-fraction-static sizes it (the default on CUDA): after the weights and
+    a warm-up forward at the largest batch, the fraction of the device less what is in use.
+    On the CPU a fraction 512 MiB above what is in use now (the rule reads MemAvailable)."""
+    from common.model.memory import device_memory
+
+    name = "tiny-llama" if mode.is_cpu else "smollm2-135m"
+    path = checkpoint(name, work, mode.device)
+    before = device_memory(mode.device)
+    fraction = (min(1.0, (before.in_use + (512 << 20)) / before.total) if mode.is_cpu
+                else 0.5)
+    runner, _ = make_runner(path, dtype="bfloat16", device=str(mode.device), page_size=PAGE,
+                            mem_fraction_static=fraction, graph_max_bs=32)
+    after = device_memory(mode.device)
+    nbytes = runner.pool.nbytes
+    ceiling = int(fraction * before.total) - before.in_use
+    gib = 2**30
+    # the CPU's memory moves with every other process: only the order of magnitude is checked
+    slack = (256 << 20) if mode.is_cpu else 0
+    sink.emit(kind="pool_sizing", model=name, fraction=round(fraction, 4),
+              total_gib=round(before.total / gib, 2),
+              in_use_before_gib=round(before.in_use / gib, 2),
+              pool_gib=round(nbytes / gib, 3), pages=runner.pool.num_pages,
+              in_use_after_gib=round(after.in_use / gib, 2),
+              ok=0 < nbytes <= ceiling + slack and (mode.is_cpu or nbytes > ceiling - 8 * gib))
+    del runner
 
 
 def _one(sink: Sink, name: str, dtype: str, path: Path, device: torch.device, ref32: _Refs,

@@ -128,17 +128,23 @@ class PageAllocator:
 class KVPool:
     """KV storage of shape [num_pages, layers, 2 (K, V), page_size, kv_heads, head_dim]."""
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu"):
+    def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu",
+                 *, spare_pages: int = 0):
+        """`spare_pages` more pages follow the `num_pages` the allocator hands out: ids
+        num_pages, num_pages + 1, ... (`spare_page_ids`), never a request's, never described
+        to peers; decode graphs' padding rows write there."""
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
+        total = num_pages + spare_pages
         self.buffer = torch.zeros(
-            (num_pages, *layout.page_shape), dtype=torch_dtype(layout.dtype), device=self.device
+            (total, *layout.page_shape), dtype=torch_dtype(layout.dtype), device=self.device
         )
         self.allocator = PageAllocator(num_pages)
+        self.spare_page_ids = list(range(num_pages, total))
         # Rows of (page, layer, K|V) blocks of page_size * kv_heads * head_dim elements:
         # gathering KV by row index (2-D index_select) is one memcpy per block.
-        layer_rows = num_pages * layout.num_layers * 2
+        layer_rows = total * layout.num_layers * 2
         self.rows = self.buffer.view(layer_rows, layout.page_size * layout.num_kv_heads * layout.head_dim)
         # One token's K (or V) of one layer per row: the model scatters new KV here by index_copy_.
         self.tokens = self.buffer.view(layer_rows * layout.page_size, layout.num_kv_heads * layout.head_dim)

@@ -80,7 +80,11 @@ class NodeArgs:
         return f"tcp://{self.host}:{port}"
 
 
-def build_runner(model: ModelConfig, progress: bool = True) -> ModelRunner:
+def build_runner(model: ModelConfig, progress: bool = True, *,
+                 decodes: bool = True) -> ModelRunner:
+    """The node's model and pool, warmed up. `decodes`: False on a prefill node, which
+    computes one token per request and never runs decode steps: no decode graphs to capture
+    (their buffers and scratch page) and the pool sized for prefill's warm-up alone."""
     from common.model.runner import ModelRunner
 
     budget = None if model.kv_cache_memory_gb is None else int(model.kv_cache_memory_gb * (1 << 30))
@@ -94,7 +98,8 @@ def build_runner(model: ModelConfig, progress: bool = True) -> ModelRunner:
                                    mem_fraction_static=model.mem_fraction_static,
                                    attention_backend=model.attention_backend,
                                    cuda_graph_max_bs=model.cuda_graph_max_bs,
-                                   disable_cuda_graph=model.disable_cuda_graph)
+                                   disable_cuda_graph=model.disable_cuda_graph,
+                                   decodes=decodes)
     runner.warmup()  # before the node registers: its first request runs at full speed
     return runner
 

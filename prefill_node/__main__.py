@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(ns.log_level, "prefill")
     socket_auth.configure(config.transfer.auth_token)  # before any socket: every zmq socket is CURVE
     node = NodeArgs.from_args("prefill", ns, config.host, config.port)
-    runner = build_runner(config.model)
+    runner = build_runner(config.model, decodes=False)
     backend = make_backend(config.transfer.backend, node.node_id, device=config.model.device)
     kv = KVManager(
         node.node_id,

@@ -85,8 +85,8 @@ class LoopbackBackend(InProcessBackend):
         src_idx = torch.tensor(src, dtype=torch.long, device=self._pool.device)
         dst_idx = torch.tensor(dst, dtype=torch.long, device=dst_pool.device)
         # Byte views, so pools of different dtypes but equal page bytes copy exactly.
-        src_bytes = self._pool.buffer.view(self._pool.num_pages, -1).view(torch.uint8)
-        dst_bytes = dst_pool.buffer.view(dst_pool.num_pages, -1).view(torch.uint8)
+        src_bytes = self._pool.buffer.flatten(1).view(torch.uint8)
+        dst_bytes = dst_pool.buffer.flatten(1).view(torch.uint8)
         dst_bytes.index_copy_(0, dst_idx, src_bytes.index_select(0, src_idx).to(dst_pool.device))
 
     def poll(self, handle: object) -> XferState:

@@ -77,8 +77,11 @@ class DecodeGraphs:
         self.is_captured = False
         self._capture = capture and runner.device.type == "cuda"
         device = runner.device
-        # Padding rows decode one token here: their KV write and read touch no live page.
-        self.scratch_page = runner.pool.allocator.allocate(1)[0]
+        # Padding rows decode one token here: their KV write and read touch no live page
+        # (the pool's spare page, which the allocator never hands out).
+        if not runner.pool.spare_page_ids:
+            raise ValueError("decode graphs need a KV pool with a spare page")
+        self.scratch_page = runner.pool.spare_page_ids[0]
         self._scratch_row = self.scratch_page * runner.layer_stride
         # [tokens | lengths | write slots | page table, page-major] as one flat buffer
         self._size = 3 * n + self.width * n

@@ -60,7 +60,7 @@ class ModelRunner:
                  mem_fraction_static: float | None = None, context_length: int | None = None,
                  pack_weights: bool = True, cpu_kernels: bool = True,
                  attention_backend: str = "auto", cuda_graph_max_bs: int = DEFAULT_GRAPH_MAX_BS,
-                 disable_cuda_graph: bool = False,
+                 disable_cuda_graph: bool = False, decodes: bool = True,
                  warmup_tokens: int = DEFAULT_WARMUP_TOKENS) -> None:
         """`pack_weights`: on the CPU, also keep packed weights (twice the weight memory:
         oneDNN's layout, or in bfloat16 with AMX and the C kernels the AMX tiles' layout;
@@ -78,7 +78,9 @@ class ModelRunner:
         the CPU without it, 2 GiB.
         On CUDA decode runs as CUDA graphs, one per batch bucket up to `cuda_graph_max_bs`
         (common.model.cuda_graph), captured at `warmup()` or the first decode, unless
-        `disable_cuda_graph`; either way a step's inputs go to the device in one copy."""
+        `disable_cuda_graph`; either way a step's inputs go to the device in one copy.
+        `decodes`: False for a runner that never decodes in batches (a prefill node): no
+        graph buffers, and the sizing's warm-up runs no decode step."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was given but torch sees no CUDA device")
@@ -92,6 +94,7 @@ class ModelRunner:
         self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype)
         self.layer_stride = 2 * spec.num_layers  # pool rows per page
         self.cuda_graph_max_bs = cuda_graph_max_bs
+        self.decodes = decodes
         self.warmup_tokens = warmup_tokens
         self.graphs: DecodeGraphs | None = None
         if num_pages is None:
@@ -102,10 +105,12 @@ class ModelRunner:
                 else:
                     kv_memory_bytes = 2 << 30
             num_pages = KVPool.num_pages_for(self.layout, max_total_tokens, kv_memory_bytes)
-        self.pool = KVPool(self.layout, num_pages, self.device)
+        # one spare page: decode graphs' padding rows write their KV there, outside the pages
+        # any request or peer can hold
+        self.pool = KVPool(self.layout, num_pages, self.device, spare_pages=1)
         logger.info("KV pool: %d pages of %d tokens, %.2f GiB on %s", num_pages, page_size,
                     self.pool.nbytes / (1 << 30), self.device)
-        if self.device.type == "cuda" and self.model.attention.name == "triton":
+        if self.device.type == "cuda" and self.model.attention.name == "triton" and decodes:
             # graphs or not, a step's inputs travel in one copy from pinned memory (the
             # torch backend gathers every page of the graph's wide table: not with it)
             self.graphs = DecodeGraphs(self, cuda_graph_max_bs, capture=not disable_cuda_graph)
@@ -124,7 +129,8 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
             ids = self.pool.allocator.allocate(pages)
             self.extend([ExtendRequest([0] * tokens, 0, ids[:-1])])
-            self.decode([0] * bs, [1] * bs, [[ids[-1]]] * bs)  # every row on one page
+            if self.decodes:
+                self.decode([0] * bs, [1] * bs, [[ids[-1]]] * bs)  # every row on one page
             torch.cuda.synchronize(self.device)
             activation = torch.cuda.max_memory_allocated(self.device) - base
             del self.pool

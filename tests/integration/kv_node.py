@@ -61,7 +61,7 @@ def _serve(spec: NodeSpec, conn: Any) -> None:
         "aux": lambda room: (rooms[room].aux.first_token_id, rooms[room].aux.top_logprobs),
         "pages": lambda pages: pool.buffer[pages].numpy().tobytes(),
         "nonzero_pages": lambda: [int(p) for p in torch.nonzero(
-            pool.buffer.reshape(pool.num_pages, -1).abs().sum(1)).flatten()],
+            pool.buffer[: pool.num_pages].reshape(pool.num_pages, -1).abs().sum(1)).flatten()],
         "dropped": lambda: dict(manager.metrics.num_dropped),
     }
     while True:

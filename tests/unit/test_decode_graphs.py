@@ -63,6 +63,9 @@ def test_padded_bucket_steps_match_plain_decode_and_touch_no_live_page(model_dir
         lens = [n + 1 for n in lens]
     live = sorted(set(sum(tables[1], [])))
     assert graphs.scratch_page not in live
+    # the scratch page is the pool's spare: no request can hold it, no page is used for it
+    assert graphs.scratch_page == graphed.pool.num_pages
+    assert graphed.pool.allocator.num_used_pages == len(live)
     for p_plain, p_graph in zip(sum(tables[0], []), sum(tables[1], [])):
         torch.testing.assert_close(graphed.pool.buffer[p_graph], plain.pool.buffer[p_plain],
                                    atol=1e-5, rtol=0)

@@ -102,3 +102,24 @@ def test_sizing_from_tokens_or_memory_budget():
 
 def test_layout_round_trips_through_dict():
     assert KVLayout.from_dict(LAYOUT.to_dict()) == LAYOUT
+
+
+def test_spare_pages_follow_the_allocators_and_copies_between_pools_ignore_them():
+    """A runner's pool has a spare page (decode graphs' scratch): no request gets it, and a
+    page copy between a pool with one and a pool without lands byte for byte."""
+    from transfer.loopback_backend import LoopbackBackend
+
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32")
+    src, dst = KVPool(layout, 6, spare_pages=1), KVPool(layout, 6)
+    assert src.spare_page_ids == [6] and src.buffer.shape[0] == 7
+    assert src.allocator.num_free_pages == 6 and 6 not in src.allocator.allocate(6)
+    assert src.rows.shape[0] == 7 * 2 * 2
+    src.buffer.copy_(torch.randn_like(src.buffer))
+    a, b = LoopbackBackend("spare-a"), LoopbackBackend("spare-b")
+    a.register_pool(src)
+    b.register_pool(dst)
+    peer = a.add_peer(b.local_metadata())
+    a.write(peer, [(5, 0), (1, 3)])
+    assert torch.equal(dst.buffer[0], src.buffer[5]) and torch.equal(dst.buffer[3], src.buffer[1])
+    a.close()
+    b.close()

@@ -85,5 +85,4 @@ def test_a_batch_of_spans_then_batched_decode_match_transformers(pair):
     finally:
         for t in tables:
             runner.pool.allocator.free(t)
-        if runner.graphs is None:
-            runner.pool.allocator.free([graphs.scratch_page])
+        runner.pool.check_integrity()
