@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: serve test bench install clean
+.PHONY: serve test test-fast bench install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,11 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m mypy common transfer prefill_node decode_node colocated_node bootstrap
 	$(BIN)/python -m pytest -q -ra --durations=15
+
+# The edit loop: mypy, then the tests not marked slow (no model load, no processes).
+test-fast: $(STAMP)
+	$(BIN)/python -m mypy common transfer prefill_node decode_node colocated_node bootstrap
+	$(BIN)/python -m pytest -q -x -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python bench/model_runner.py
