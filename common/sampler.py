@@ -77,9 +77,7 @@ class Sampler:
                 [params[i] for i in random_rows],
                 [generators[i] for i in random_rows],
             )
-        chosen = token_ids.tolist()
-        logprobs, top_logprobs = _logprobs(logits, token_ids, params)
-        return SampleOutput(token_ids=chosen, logprobs=logprobs, top_logprobs=top_logprobs)
+        return _logprobs(logits, token_ids, params)
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -134,20 +132,49 @@ def _sample_random(
     return torch.cat(draws)
 
 
-def _logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
-) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+              params: Sequence[SamplingParams]) -> SampleOutput:
+    """The sampled tokens with the logprobs asked for, read back in one copy."""
     max_top = max(p.top_logprobs for p in params)
     if max_top == 0 and not any(p.logprobs for p in params):
-        return None, None
+        (tokens,) = to_host([token_ids])
+        return SampleOutput(token_ids=[int(t) for t in tokens], logprobs=None, top_logprobs=None)
     logprobs = logits.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     if max_top == 0:
-        return chosen, None
+        tokens, chosen_l = to_host([token_ids, chosen])
+        return SampleOutput(token_ids=[int(t) for t in tokens], logprobs=chosen_l,
+                            top_logprobs=None)
     values, indices = logprobs.topk(max_top, dim=-1)
-    values_list, indices_list = values.tolist(), indices.tolist()
+    tokens, chosen_l, values_l, indices_l = to_host([token_ids, chosen, values, indices])
     top = [
-        list(zip(indices_list[row][: p.top_logprobs], values_list[row][: p.top_logprobs]))
+        list(zip((int(i) for i in indices_l[row][: p.top_logprobs]),
+                 values_l[row][: p.top_logprobs]))
         for row, p in enumerate(params)
     ]
-    return chosen, top
+    return SampleOutput(token_ids=[int(t) for t in tokens], logprobs=chosen_l, top_logprobs=top)
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> list[list]:
+    """Tensors (ints up to 2^53, floats) as host lists through one device-to-host copy: on
+    CUDA a non-blocking copy into pinned memory and one event waited on, instead of a
+    blocking `.tolist()` per tensor. Shapes are kept (1-D -> list, 2-D -> list of lists)."""
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+    if flat.is_cuda:
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        flat = host
+    out, start = [], 0
+    values = flat.tolist()
+    for t in tensors:
+        n = t.numel()
+        part = values[start : start + n]
+        start += n
+        if t.dim() == 2:
+            width = t.shape[1]
+            part = [part[r * width : (r + 1) * width] for r in range(t.shape[0])]
+        out.append(part)
+    return out

@@ -303,3 +303,21 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token() -> None:
     got = Sampler().sample(logits, [huge, huge], [make_generator(5), make_generator(5)])
     want = Sampler().sample(logits, [off, off], [make_generator(5), make_generator(5)])
     assert got.token_ids == want.token_ids
+
+
+def test_sample_outputs_come_back_in_one_copy_exactly(device):
+    """Token ids, their logprobs and the top-k lists go to the host through one copy (on
+    CUDA a non-blocking one into pinned memory and an event): values exact, shapes kept."""
+    from common.sampler import to_host
+
+    ids = torch.tensor([0, 49151, 128255, 7], device=device)
+    lp = torch.tensor([-0.1, -1e-8, -30.5, -2.25], device=device)
+    top = torch.tensor([[1.5, 2.5], [3.5, 4.5], [-1.0, -2.0], [0.0, 9.0]], device=device)
+    got_ids, got_lp, got_top = to_host([ids, lp, top])
+    assert got_ids == ids.tolist() and got_lp == lp.tolist() and got_top == top.tolist()
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)).to(device)
+    params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2)] * 3
+    out = Sampler().sample(logits, params, [None] * 3)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert all(isinstance(t, int) for t in out.token_ids)
+    assert out.top_logprobs is not None and [p[0][0] for p in out.top_logprobs] == out.token_ids
