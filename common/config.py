@@ -178,8 +178,8 @@ class PrefillConfig:
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 8192  # SGLang's flag: -1 disables chunking
     prefill_max_requests: int | None = None  # None: unlimited
-    max_running_requests: int | None = None  # None: derived from the pool later
-    max_queued_requests: int | None = None  # None: unlimited
+    max_running_requests: int | None = None  # None: unlimited (prefilling or transferring)
+    max_queued_requests: int | None = None  # None: unlimited (bootstrap + waiting queues)
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False  # ignored without priority scheduling
     abort_on_priority_when_disabled: bool = False
@@ -356,8 +356,12 @@ def _add_node_args(parser: Parser) -> None:
     add = parser.add_argument
     add("--host")
     add("--port", type=int, help="HTTP port for /health and /metrics")
-    add("--max-running-requests", type=int, help="unset: derived from the KV pool size")
-    add("--max-queued-requests", type=int, help="unset: unlimited")
+    add("--max-running-requests", type=int,
+        help="decode: the running batch's cap (unset: derived from the KV pool size); prefill: "
+             "requests prefilling or transferring their KV at once (unset: unlimited)")
+    add("--max-queued-requests", type=int,
+        help="requests waiting to be scheduled past which a new one gets a 503 (unset: "
+             "unlimited)")
     add("--enable-priority-scheduling", action="store_true")
     add("--schedule-low-priority-values-first", action="store_true")
 

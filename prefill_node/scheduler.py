@@ -146,6 +146,8 @@ class PrefillScheduler:
             error = f"prompt of {n} tokens; the context length is {self.runner.context_length}"
         elif pages_needed(n, self.page_size) > self.runner.pool.num_pages:
             error = f"prompt of {n} tokens does not fit this node's KV pool"
+        elif self._is_queue_full():
+            error, status = "the prefill node's queue is full; retry later", 503
         elif (g.priority is not None and not self.config.enable_priority_scheduling
               and self.config.abort_on_priority_when_disabled):
             error = ("priority given but priority scheduling is disabled "
@@ -172,6 +174,12 @@ class PrefillScheduler:
         self.bootstrap_queue.add(state)
         self.stats.prompt_tokens(n)
 
+    def _is_queue_full(self) -> bool:
+        """--max-queued-requests: requests waiting here (for their decode node's pages, or
+        to be scheduled) are at the limit; a new one is refused with 503 (SGLang's meaning)."""
+        limit = self.config.max_queued_requests
+        return limit is not None and len(self.bootstrap_queue) + len(self.waiting_queue) >= limit
+
     # ---- scheduling ----------------------------------------------------------------------------
 
     def _schedule(self) -> list[PrefillChunk]:
@@ -197,6 +205,8 @@ class PrefillScheduler:
             adder.can_start_chunk = self.chunked is None
         if self.chunked is None or limit is not None:
             for req in list(self.waiting_queue):
+                if self._is_running_full(adder):
+                    break
                 match = self.policy.match_prefix_for_req(req)
                 prefix = usable_prefix_len(req, self.page_size) if match is not None else 0
                 node = match.last_node if match is not None and prefix > 0 else None
@@ -212,6 +222,12 @@ class PrefillScheduler:
             if adder.new_chunked_req is not None:
                 self.chunked = self.states[adder.new_chunked_req.rid]
         return [c for c in adder.can_run_list if self._allocate(c)]
+
+    def _is_running_full(self, adder: PrefillAdder) -> bool:
+        """--max-running-requests: requests being prefilled this round or transferring
+        their KV are at the limit; the rest wait in the queue."""
+        limit = self.config.max_running_requests
+        return limit is not None and len(self.inflight_queue) + len(adder.can_run_list) >= limit
 
     def _waits_for_batch_mate(self, req: Req, prefix: int, chunks: list[PrefillChunk]) -> bool:
         """Whether a request already in this round's batch computes the next page of `req`'s

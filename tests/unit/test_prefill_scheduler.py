@@ -370,3 +370,46 @@ def test_the_first_token_is_sampled_with_a_generator_on_the_logits_device(h, mon
     receiver, _ = h.receive(3, len(ids))
     h.run_until(lambda: receiver.poll() is KVPoll.Success)
     assert asked and all(torch.device(d) == h.runner.device for d in asked)
+
+
+def test_a_full_queue_refuses_new_requests_with_503(model_dir):
+    """--max-queued-requests: two requests wait for their decode node's pages; a third is
+    refused (SGLang's meaning), and one admitted frees a place again."""
+    h = Harness(model_dir, max_queued_requests=2)
+    try:
+        for i in range(3):
+            h.submit(f"q{i}", 40 + i, _prompt(9, 40 + i))
+        h.run_until(lambda: any(isinstance(m, msg.ReqFailed) for m in h.replies))
+        [refused] = [m for m in h.replies if isinstance(m, msg.ReqFailed)]
+        assert refused.rid == "q2" and refused.status == 503 and "queue is full" in refused.error
+        assert set(h.sched.states) == {"q0", "q1"}
+        receiver, _ = h.receive(40, 9)
+        h.run_until(lambda: receiver.poll() is KVPoll.Success and "q0" not in h.sched.states)
+        h.submit("q3", 43, _prompt(9, 43))
+        h.run_until(lambda: "q3" in h.sched.states)
+    finally:
+        h.close()
+
+
+def test_running_requests_are_capped(model_dir):
+    """--max-running-requests 1: of two bootstrapped requests one prefills and transfers at
+    a time; the other waits in the queue, then runs; both land."""
+    h = Harness(model_dir, max_running_requests=1)
+    try:
+        ids = {r: _prompt(11, 50 + r) for r in (0, 1)}
+        for r in ids:
+            h.submit(f"r{r}", 50 + r, ids[r])
+        got = {r: h.receive(50 + r, 11) for r in ids}
+        most = 0
+
+        def done() -> bool:
+            nonlocal most
+            most = max(most, len(h.sched.inflight_queue) + (h.sched.chunked is not None))
+            return all(rec.poll() is KVPoll.Success for rec, _ in got.values())
+
+        h.run_until(done)
+        assert most <= 1
+        for r, (rec, pages) in got.items():
+            _check_landed(h, rec, pages, ids[r])
+    finally:
+        h.close()
