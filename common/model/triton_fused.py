@@ -128,9 +128,7 @@ class TritonFusedOps:
 
     def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
                      eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x += y (in place; x contiguous [rows, hidden], y any 2-D view or None), then
-        weight * rms_norm(x): transformers' LlamaRMSNorm of the residual stream, into
-        `out` (contiguous, x's shape) if given."""
+        """As FusedOps.add_rms_norm: x += y in place, then weight * rms_norm(x)."""
         assert x.is_contiguous() and weight.is_contiguous() and x.dim() == 2
         rows, hidden = x.shape
         h = torch.empty_like(x) if out is None else _checked_out(out, x.shape, x.dtype)
@@ -147,10 +145,7 @@ class TritonFusedOps:
                    sin_rot: torch.Tensor, pool_tokens: torch.Tensor, slots: torch.Tensor,
                    k_offset: int, v_offset: int, heads: int, kv_heads: int,
                    head_dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """qkv [rows, (heads + 2 kv_heads) * head_dim] (any 2-D view): returns q and k rotated,
-        [rows, heads + kv_heads, head_dim] (in `out`, contiguous, if given); writes k
-        (rotated) to pool_tokens rows slots + k_offset and v to rows slots + k_offset +
-        v_offset (KVPool.tokens)."""
+        """As FusedOps.rope_store: q and k rotated, k and v written to the pool's slots."""
         assert positions.is_contiguous() and slots.is_contiguous() and pool_tokens.is_contiguous()
         assert cos.is_contiguous() and sin_rot.is_contiguous() and head_dim % 2 == 0
         rows = qkv.shape[0]
