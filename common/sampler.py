@@ -159,16 +159,16 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[list]:
     """Tensors (ints up to 2^53, floats) as host lists through one device-to-host copy: on
     CUDA a non-blocking copy into pinned memory and one event waited on, instead of a
     blocking `.tolist()` per tensor. Shapes are kept (1-D -> list, 2-D -> list of lists)."""
+    if not tensors[0].is_cuda:
+        return [t.tolist() for t in tensors]  # already on the host: nothing to copy
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-    if flat.is_cuda:
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-        flat = host
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
     out, start = [], 0
-    values = flat.tolist()
+    values = host.tolist()
     for t in tensors:
         n = t.numel()
         part = values[start : start + n]

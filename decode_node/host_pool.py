@@ -49,6 +49,7 @@ class HostKVStore:
         self.allocator = PageAllocator(num_pages)
         self._pages: dict[str, list[int]] = {}
         self._pageable: dict[str, torch.Tensor] = {}  # when the host pool was full
+        self._page_bytes = pool.layout.bytes_per_page
         self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.num_pageable_copies = 0
 
@@ -116,9 +117,8 @@ class HostKVStore:
     @property
     def num_bytes(self) -> int:
         """Bytes of KV held (pages in the host pool, and pageable copies)."""
-        page = self.buffer[0].numel() * self.buffer.element_size() if len(self.buffer) else 0
         pageable = sum(t.numel() * t.element_size() for t in self._pageable.values())
-        return sum(map(len, self._pages.values())) * page + pageable
+        return sum(map(len, self._pages.values())) * self._page_bytes + pageable
 
     def rids(self) -> set[str]:
         return set(self._pages) | set(self._pageable)

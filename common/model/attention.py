@@ -249,7 +249,8 @@ class CpuKernelAttention(TorchAttention):
         return self.prefill_kernel is not None
 
     def prepare(self, pool: KVPool, batch: AttentionBatch) -> None:
-        if self.decode_kernel is not None if batch.is_decode else self.prefill_kernel is not None:
+        kernel = self.decode_kernel if batch.is_decode else self.prefill_kernel
+        if kernel is not None:
             batch.meta = {}  # the kernels read the host-side rows as they are
             return
         super().prepare(pool, batch)
@@ -325,13 +326,12 @@ class TritonAttention(AttentionBackend):
             max_new, layer, q, pool.page_size, self.scale, self.spec.num_kv_heads, out=out)
 
 
-def triton_usable(device: torch.device) -> bool:
-    """Whether the Triton kernels can run here (Triton imports; CUDA, or its interpreter)."""
-    try:
-        from common.model.triton_attention import triton_available
-    except ImportError:
-        return False
-    return triton_available() and (device.type == "cuda" or device.type == "cpu")
+def triton_usable() -> bool:
+    """Whether the Triton kernels can run here: Triton imports, and there is CUDA or its
+    interpreter (imported only when asked: the CPU backends never load Triton)."""
+    from common.model.triton_attention import triton_available
+
+    return triton_available()
 
 
 def make_attention_backend(name: str, spec: ModelSpec, dtype: torch.dtype,
@@ -345,7 +345,7 @@ def make_attention_backend(name: str, spec: ModelSpec, dtype: torch.dtype,
                          f"{list(ATTENTION_BACKENDS)}")
     if name == "auto":
         if device.type == "cuda":
-            if triton_usable(device):
+            if triton_usable():
                 name = "triton"
             else:
                 logger.warning("Triton is not importable: attention on CUDA runs on gathered "
@@ -354,7 +354,7 @@ def make_attention_backend(name: str, spec: ModelSpec, dtype: torch.dtype,
         else:
             name = "cpu" if cpu_kernels else "torch"
     if name == "triton":
-        if not triton_usable(device):
+        if not triton_usable():
             raise ValueError("--attention-backend triton needs Triton (and CUDA, or "
                              "TRITON_INTERPRET=1 for tests)")
         return TritonAttention(spec, dtype, device)

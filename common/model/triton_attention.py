@@ -233,6 +233,19 @@ def _checked_out(out: torch.Tensor | None, rows: int, width: int,
     return out
 
 
+def _checked_groups(pool_rows: torch.Tensor, q: torch.Tensor, page_size: int,
+                    num_kv_heads: int) -> int:
+    """Query heads per KV head, after checking that Triton runs here and that the pool's
+    rows, q [.., heads, head_dim] and the page size fit each other."""
+    _require_triton()
+    heads, head_dim = q.shape[1:]
+    groups = heads // num_kv_heads
+    assert groups * num_kv_heads == heads and pool_rows.is_contiguous()
+    assert pool_rows.shape[1] == page_size * num_kv_heads * head_dim
+    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+    return groups
+
+
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     """t with a unit last stride (a copy only if it has none: a shape decision, capturable)."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -249,12 +262,8 @@ def paged_decode_attention(pool_rows: torch.Tensor, read_rows: torch.Tensor,
     least 1; q [B, heads, head_dim] (rows of any stride). Returns [B, heads * head_dim] in
     q's dtype (into `out` if given: that shape, unit column stride). `num_splits` overrides
     the split rule (decode_splits). No host synchronisation: capturable in a CUDA graph."""
-    _require_triton()
     bsz, heads, head_dim = q.shape
-    groups = heads // num_kv_heads
-    assert groups * num_kv_heads == heads and pool_rows.is_contiguous()
-    assert pool_rows.shape[1] == page_size * num_kv_heads * head_dim
-    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+    groups = _checked_groups(pool_rows, q, page_size, num_kv_heads)
     q = _unit_last(q)
     out = _checked_out(out, bsz, heads * head_dim, q)  # read_rows: any strides
     if bsz == 0:
@@ -347,12 +356,8 @@ def paged_extend_attention(pool_rows: torch.Tensor, read_rows: torch.Tensor,
     q_starts, num_new, prefixes: [S] int (any stride); max_new: the largest num_new, known
     to the host. Returns [T, heads * head_dim] in q's dtype (into `out` if given); rows of
     q that belong to no span are left unwritten."""
-    _require_triton()
     tokens, heads, head_dim = q.shape
-    groups = heads // num_kv_heads
-    assert groups * num_kv_heads == heads and pool_rows.is_contiguous()
-    assert pool_rows.shape[1] == page_size * num_kv_heads * head_dim
-    assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+    groups = _checked_groups(pool_rows, q, page_size, num_kv_heads)
     q = _unit_last(q)
     read_rows = _unit_last(read_rows)
     out = _checked_out(out, tokens, heads * head_dim, q)
