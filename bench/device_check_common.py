@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tolerance_module() -> Any:
-    """tests/tolerance.py by path: a wheel's stray top-level `tests` package cannot shadow it."""
+    """tests/support/tolerance.py by path: a wheel's stray top-level `tests` package cannot shadow it."""
     spec = importlib.util.spec_from_file_location("pdserve_tolerance",
-                                                  ROOT / "tests" / "tolerance.py")
+                                                  ROOT / "tests" / "support" / "tolerance.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -143,7 +143,7 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 
 # name: (architecture, config, random norms and biases, bfloat16 on disk)
 SHAPES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
-    # tests/unit/test_model_runner.py's _save_tiny
+    # tests/unit/common/model/test_model_runner.py's _save_tiny
     "tiny-llama": ("llama", dict(**_TINY, tie_word_embeddings=False, rope_theta=500000.0,
                                  rope_scaling=_LLAMA3_ROPE), True, False),
     "tiny-qwen2": ("qwen2", dict(**_TINY, tie_word_embeddings=True, rope_theta=10000.0),

@@ -5,7 +5,7 @@ position), the same prompt in 3 chunks through `extend` with prefix_len (off pag
 boundaries), and batched decode (4 sequences of different lengths after one batched
 extend, then teacher-forced steps with the same random ids on both sides). The error is
 max |ours - reference| / max(1, max |reference|) over every compared logit vector.
-float32: against transformers' float32 eager attention, within tests/tolerance.py's
+float32: against transformers' float32 eager attention, within tests/support/tolerance.py's
 FLOAT32_REL. bfloat16: against the same float32 reference, within max(BF16_REL, twice
 transformers' own bfloat16 error on the same ids); the greedy agreement is stated.
 """

@@ -52,7 +52,7 @@ def stand_in(role: str, registry_urls: list[str], node_id: str, base: float) -> 
     from common import messages as msg
     from common import socket_auth
     from common.ipc import PushPool, bind_pull, recv_messages
-    from common.registry_set import RegistrySet
+    from common.node.registry_set import RegistrySet
 
     socket_auth.configure(TOKEN)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()

@@ -1,7 +1,7 @@
 """The model benchmark's prompts, greedy decoding over our runner, and how two dtypes agree.
 
 Used by bench/model_runner.py (bfloat16 vs transformers' float32) and by
-tests/unit/test_bf16_agreement.py, which asserts the agreement over these prompts.
+tests/unit/common/model/test_bf16_agreement.py, which asserts the agreement over these prompts.
 """
 
 from __future__ import annotations

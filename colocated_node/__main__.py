@@ -36,7 +36,7 @@ from common.config import (
     add_prefill_args,
 )
 from common.model.loader import resolve_model_dir
-from common.node_process import (
+from common.node.process import (
     NodeArgs,
     NodeProcess,
     add_node_args,
@@ -45,7 +45,7 @@ from common.node_process import (
     build_runner,
     setup_logging,
 )
-from common.registry_set import RegistrySet
+from common.node.registry_set import RegistrySet
 from common.tokenizer import Tokenizer
 from decode_node.scheduler import DecodeScheduler
 from prefill_node.kv_events import KVEventPublisher

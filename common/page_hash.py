@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from common.request import salt_key
+from common.token_keys import salt_key
 
 HashArray = npt.NDArray[np.uint64]
 
@@ -76,7 +76,7 @@ _TABLES = _Tables()
 
 
 def root_hash(namespace: bytes | None) -> int:
-    """h_0 of a radix-cache namespace (``common.request.salt_key``; None: no salt)."""
+    """h_0 of a radix-cache namespace (``common.token_keys.salt_key``; None: no salt)."""
     digest = hashlib.blake2b(_ROOT_LABEL + (namespace or b""), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 

@@ -9,8 +9,8 @@ from common import messages as msg
 from common import socket_auth
 from common.config import ConfigError, DecodeConfig, add_decode_args
 from common.model.loader import resolve_model_dir
-from common.registry_set import RegistrySet
-from common.node_process import (
+from common.node.registry_set import RegistrySet
+from common.node.process import (
     NodeArgs,
     NodeProcess,
     add_node_args,

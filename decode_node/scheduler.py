@@ -27,7 +27,7 @@ import zmq
 from common import messages as msg
 from common import stages
 from common.config import DecodeConfig
-from common.gateway_watch import GatewayWatch
+from common.node.gateway_watch import GatewayWatch
 from common.ipc import PushPool, recv_messages
 from common.kv_pool import pages_needed
 from common.model.runner import ModelRunner

@@ -8,7 +8,7 @@ import sys
 from common import messages as msg
 from common import socket_auth
 from common.config import ConfigError, PrefillConfig, add_prefill_args
-from common.node_process import (
+from common.node.process import (
     NodeArgs,
     NodeProcess,
     add_node_args,

@@ -22,7 +22,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from common.request import TOKEN_BYTES, Req
+from common.token_keys import TOKEN_BYTES
+from prefill_node.request import Req
 from prefill_node.radix_cache import RadixCache
 from prefill_node.radix_node import TreeNode
 

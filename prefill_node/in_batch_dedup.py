@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from itertools import compress
 
-from common.request import TOKEN_BYTES, Req
+from common.token_keys import TOKEN_BYTES
+from prefill_node.request import Req
 
 GroupKey = tuple[bytes | None, bytes]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from common.request import Req
+from prefill_node.request import Req
 from prefill_node.radix_node import TreeNode
 
 CLIP_MAX_NEW_TOKENS = 4096

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common import messages as msg
-from common.request import Req
+from prefill_node.request import Req
 from common.sampling_params import SamplingParams
 from prefill_node.radix_node import TreeNode
 from transfer.kv_poll import KVPoll

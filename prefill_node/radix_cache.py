@@ -1,6 +1,6 @@
 """Radix tree over token ids at page granularity; its values are KV page ids (RadixAttention).
 
-Keys are packed token ids (``common.request.token_key``): a node's key covers whole pages
+Keys are packed token ids (``prefill_node.request.token_key``): a node's key covers whole pages
 and its value holds one page id per page_size tokens. Children are keyed by their first
 page's bytes, so a lookup is one slice + dict get and a node comparison one memcmp.
 
@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from common import page_hash
-from common.request import TOKEN_BYTES, token_key
+from common.token_keys import TOKEN_BYTES, token_key
 from prefill_node.radix_node import (
     EV_ADD,
     EV_EVICT,

@@ -34,7 +34,7 @@ from typing import Any
 
 from common import metrics
 from common.config import PrefillConfig
-from common.request import Req
+from prefill_node.request import Req
 from prefill_node.cache_aware_orders import (
     CacheAwareOrder,
     DfsWeightOrder,

@@ -24,11 +24,12 @@ import zmq
 from common import messages as msg
 from common import stages
 from common.config import PrefillConfig
-from common.gateway_watch import GatewayWatch
+from common.node.gateway_watch import GatewayWatch
 from common.ipc import PushPool, recv_messages
 from common.kv_pool import pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
-from common.request import TOKEN_BYTES, Req
+from common.token_keys import TOKEN_BYTES
+from prefill_node.request import Req
 from common.sampler import Sampler, make_generator
 from common.sampling_params import SamplingParams
 from common.work_done import WorkDone

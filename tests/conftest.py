@@ -1,11 +1,10 @@
 """Test-wide setup: the tests run several torch processes side by side on few cores."""
 
 import os
-import sys
 
 import pytest
 
-# Spinning OpenMP threads of one process starve the others (see common/launcher.py);
+# Spinning OpenMP threads of one process starve the others (see common/launch/launcher.py);
 # set before any test module imports torch, inherited by every process a test starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,14 +21,6 @@ def _cuda_present() -> bool:
 # here, before any test module loads.
 if not _cuda_present():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# Test helpers (tests/tolerance.py, tests/unit/test_model_runner.py's tiny checkpoints, tests/integration/kv_node.py)
-# are imported by module name from sibling directories.
-for sub in ("", "unit", "integration"):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), sub).rstrip(os.sep)
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
 
 @pytest.fixture(params=["cpu", "cuda"])
 def device(request):

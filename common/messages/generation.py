@@ -23,7 +23,7 @@ class GenerateReq(Message):
     arrival_time: float
     return_logprob: bool
     # The instance id of the gateway that owns the request: nodes abort it when that
-    # gateway is gone (common/gateway_watch.py).
+    # gateway is gone (common/node/gateway_watch.py).
     gateway_id: str = ""
     # Prefix-cache isolation: cached pages are shared only among requests of one salt.
     cache_salt: str | None = None

@@ -39,7 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     F.rms_norm computes x * rsqrt(mean(x^2) + eps) as one op, bit-equal to the four it
     replaces; given bfloat16 it computes in float32 and rounds once, bit-equal to casting
-    around it as transformers does (tests/unit/test_rms_norm.py), two copies fewer per norm.
+    around it as transformers does (tests/unit/common/model/test_rms_norm.py), two copies fewer per norm.
     """
     return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 

@@ -6,9 +6,10 @@ import time
 from collections.abc import Callable
 
 from bootstrap.router import HashRing, affinity_key
-import report
-from harness import OUTCOME_BOUND_S, Cluster, wait_for
-from streams import Outcome, Stream, run
+from tests.faults import report
+from tests.faults.harness import OUTCOME_BOUND_S, Cluster
+from tests.support.waits import wait_for
+from tests.faults.streams import Outcome, Stream, run
 
 SHORT_PROMPT = "The capital of France is"
 # Longest wait for a stage of a request (a chunk computed, a queue entered) on this machine.

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 
 import pytest
 
-# tests/conftest.py puts tests/ and tests/integration on sys.path; this folder's helpers too.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _path in (_HERE, os.path.join(os.path.dirname(_HERE), "integration")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from harness import CHUNK, Cluster  # noqa: E402
+from tests.faults.harness import CHUNK, Cluster
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +29,7 @@ def cluster(shared_cluster: Cluster) -> Cluster:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The fault matrix: per case, the client's outcome and the seconds after the fault."""
-    import report
-
+    from tests.faults import report
     rows = report.lines()
     if len(rows) > 1:
         terminalreporter.section("fault matrix (seconds after the fault)")

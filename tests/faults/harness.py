@@ -10,9 +10,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import report
-from cluster import Proc, http, metric, start, wait_ready
-from ports import free_port
+from tests.faults import report
+from tests.support.cluster import Proc, http, metric, start, wait_ready
+from tests.support.ports import free_port
+from tests.support.waits import wait_for
 
 TOKEN = "faults-token"  # the cluster secret (registry, zmq CURVE keys)
 API_KEY = "faults-api-key"  # what clients send
@@ -29,17 +30,6 @@ HEALTHY_TIMEOUT_S = 60.0
 HEAL_CHECK_S = 15.0  # a live node not healthy by then is restarted before the next case
 HOST = "127.0.0.1"
 CHUNK = 256  # --chunked-prefill-size of the prefill nodes: a ~2000-token prompt takes 8 chunks
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str,
-             interval_s: float = 0.05) -> float:
-    """Poll `cond` until true; the seconds it took. Raises AssertionError naming `what`."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
-    return time.monotonic() - t0
 
 
 def healthy_ids(status: int, body: Any) -> set[str]:

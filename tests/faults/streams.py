@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-from harness import API_KEY
+from tests.faults.harness import API_KEY
 
 # No single read may wait longer than this; a request as a whole gives up after TOTAL_S.
 READ_TIMEOUT_S = 30.0

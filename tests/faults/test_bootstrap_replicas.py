@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import pytest
 
-from cluster import Proc, http, metric, start, wait_ready
-from harness import API_KEY, LEASE_S, PAGES_BOUND_S, START_TIMEOUT_S, TOKEN, wait_for
-from ports import free_port
-from streams import Stream
+from tests.support.cluster import Proc, http, metric, start, wait_ready
+from tests.faults.harness import API_KEY, LEASE_S, PAGES_BOUND_S, START_TIMEOUT_S, TOKEN
+from tests.support.waits import wait_for
+from tests.support.ports import free_port
+from tests.faults.streams import Stream
 
 HOST = "127.0.0.1"
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from checks import (
+from tests.faults.checks import (
     assert_ended_well,
     assert_fresh_request_succeeds,
     assert_gateway_idle,
@@ -16,8 +16,9 @@ from checks import (
     wait_all,
     wait_metric,
 )
-from harness import CHUNK, LEASE_S, SLACK_S, Cluster, wait_for
-from streams import Stream
+from tests.faults.harness import CHUNK, LEASE_S, SLACK_S, Cluster
+from tests.support.waits import wait_for
+from tests.faults.streams import Stream
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")

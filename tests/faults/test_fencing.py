@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from checks import (
+from tests.faults.checks import (
     assert_ended_well,
     assert_fresh_request_succeeds,
     assert_no_pages_held,
@@ -17,9 +17,10 @@ from checks import (
     wait_all,
     wait_metric,
 )
-from harness import CHUNK, LEASE_S, Cluster, wait_for
-from streams import Outcome, Stream, run
-from tolerance import FLOAT32_REL, assert_close_scaled
+from tests.faults.harness import CHUNK, LEASE_S, Cluster
+from tests.support.waits import wait_for
+from tests.faults.streams import Outcome, Stream, run
+from tests.support.tolerance import FLOAT32_REL, assert_close_scaled
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")

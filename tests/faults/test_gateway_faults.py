@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from checks import (
+from tests.faults.checks import (
     assert_fresh_request_succeeds,
     assert_gateway_idle,
     assert_no_pages_held,
@@ -13,8 +13,9 @@ from checks import (
     wait_all,
     wait_metric,
 )
-from harness import CHUNK, OUTCOME_BOUND_S, Cluster, wait_for
-from streams import Stream
+from tests.faults.harness import CHUNK, OUTCOME_BOUND_S, Cluster
+from tests.support.waits import wait_for
+from tests.faults.streams import Stream
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")

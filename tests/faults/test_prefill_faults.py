@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from checks import (
+from tests.faults.checks import (
     assert_ended_well,
     assert_fresh_request_succeeds,
     assert_no_pages_held,
@@ -16,9 +16,10 @@ from checks import (
     wait_all,
     wait_metric,
 )
-from cluster import http
-from harness import API_KEY, CHUNK, TOKEN, Cluster, wait_for
-from streams import Stream
+from tests.support.cluster import http
+from tests.faults.harness import API_KEY, CHUNK, TOKEN, Cluster
+from tests.support.waits import wait_for
+from tests.faults.streams import Stream
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")

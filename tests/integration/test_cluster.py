@@ -13,9 +13,10 @@ import urllib.request
 
 import pytest
 
-from cluster import Proc, http, metric, start, wait_ready
+from tests.support.cluster import Proc, http, metric, start, wait_ready
 from common import stages
-from ports import free_port
+from tests.support.ports import free_port
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -82,7 +83,7 @@ def test_chat_and_completions_streaming_and_not_with_the_official_client(cluster
 def test_greedy_output_equals_the_single_process_runner(cluster):
     from common.model.default_model import default_model_dir
     from common.model.runner import ModelRunner
-    from common.offline import OfflineResult, generate_stream
+    from common.launch.offline import OfflineResult, generate_stream
     from common.sampling_params import SamplingParams
     from common.tokenizer import Tokenizer
 
@@ -308,8 +309,7 @@ def test_hostile_api_bodies_never_5xx_and_leave_nothing_held(cluster):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    import hostile
-
+    from tests.support import hostile
     before = _greedy(cluster)
     seen: dict[int, int] = {}
     conn_box: list[http_client.HTTPConnection] = []
@@ -354,7 +354,7 @@ def test_hostile_api_bodies_never_5xx_and_leave_nothing_held(cluster):
 def test_internal_sockets_survive_bad_and_unauthenticated_frames(cluster):
     import zmq
 
-    import hostile
+    from tests.support import hostile
     from common.socket_auth import ClusterKeys, SocketSecurity
 
     _, body = http("GET", cluster["api"] + "/nodes", token=API_KEY)
@@ -434,18 +434,22 @@ def test_killing_a_decode_node_mid_stream_fails_its_requests_and_the_rest_go_on(
     cl = client(cluster)
     outcomes: dict[int, str] = {}
 
+    chunks = [0] * 6
+
     def one(i: int) -> None:
         try:
-            n = sum(1 for _ in cl.completions.create(model="default", prompt=f"Story {i}:",
-                                                      max_tokens=200, temperature=0, stream=True))
-            outcomes[i] = f"ok {n}"
+            for _ in cl.completions.create(model="default", prompt=f"Story {i}:",
+                                           max_tokens=200, temperature=0, stream=True):
+                chunks[i] += 1
+            outcomes[i] = f"ok {chunks[i]}"
         except Exception as exc:  # noqa: BLE001
             outcomes[i] = f"error {type(exc).__name__}"
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
-    time.sleep(4)
+    # Every stream is decoding (a token each) before the victim dies.
+    wait_for(lambda: all(chunks), 120, "a first token on every stream")
     victim: Proc = cluster["nodes"]["decode-1"]
     victim.kill()
     for t in threads:

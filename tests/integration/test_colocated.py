@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from cluster import http, metric, start, wait_ready
-from ports import free_port
+from tests.support.cluster import http, metric, start, wait_ready
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -56,7 +56,7 @@ def test_it_registers_a_prefill_and_a_decode_half_that_name_each_other(colocated
 def test_greedy_output_equals_the_single_process_runner(colocated):
     from common.model.default_model import default_model_dir
     from common.model.runner import ModelRunner
-    from common.offline import OfflineResult, generate_stream
+    from common.launch.offline import OfflineResult, generate_stream
     from common.sampling_params import SamplingParams
     from common.tokenizer import Tokenizer
 

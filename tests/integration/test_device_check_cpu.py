@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tolerance import FLOAT32_REL
+from tests.support.tolerance import FLOAT32_REL
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from kv_node import NodeProcess, NodeSpec
+from tests.support.kv_node import NodeProcess, NodeSpec
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
 

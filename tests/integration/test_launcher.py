@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from launched import Launch, get_json, stop
+from tests.support.launched import Launch, get_json, stop
 
 from common import messages as msg
 
@@ -142,7 +142,7 @@ def test_a_killed_gateway_is_restarted_and_the_nodes_join_it(launch: Launch) -> 
 def test_gpus_fewer_than_nodes_stop_launch_with_exit_2_before_any_process() -> None:
     # Two nodes, one GPU: refused at once, nothing started (no model load, no ports bound).
     done = subprocess.run(
-        [sys.executable, "-m", "common.cli", "launch", "--gpus", "0", "--num-decode", "1"],
+        [sys.executable, "-m", "common.launch.cli", "launch", "--gpus", "0", "--num-decode", "1"],
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 2, done.stderr

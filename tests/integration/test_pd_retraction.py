@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from cluster import http, metric, start, wait_ready
-from ports import free_port
+from tests.support.cluster import http, metric, start, wait_ready
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -50,7 +50,7 @@ def pd():
 def reference_outputs(prompts: list[str]) -> list[str]:
     from common.model.default_model import default_model_dir
     from common.model.runner import ModelRunner
-    from common.offline import generate_stream
+    from common.launch.offline import generate_stream
     from common.sampling_params import SamplingParams
     from common.tokenizer import Tokenizer
 

@@ -18,8 +18,8 @@ from common import messages as msg
 from common.ipc import bind_pull, recv_messages
 from common.kv_pool import pages_needed
 from common.ready import parse_ready
-from kv_node import NodeProcess, NodeSpec
-from tolerance import assert_close_scaled
+from tests.support.kv_node import NodeProcess, NodeSpec
+from tests.support.tolerance import assert_close_scaled
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")

@@ -1,0 +1,80 @@
+"""Priority on the decode node: preemption of less urgent running requests (retracted to host
+memory, resumed unchanged) and --schedule-conservativeness; the loopback P/D harness of
+test_decode_scheduler.py."""
+
+from __future__ import annotations
+
+import pytest
+from tests.unit.decode_node import test_decode_scheduler as harness
+from tests.unit.decode_node.test_decode_scheduler import PD, _assert_all_free, greedy, prompt
+
+from common import messages as msg
+from decode_node.req import DecodeState
+from transfer.kv_poll import KVPoll
+
+# The harness's module fixtures, used here by name.
+model_dir = harness.model_dir
+ref = harness.ref
+
+
+def test_schedule_conservativeness_scales_the_new_token_ratio(model_dir):
+    # SGLang's flag on the decode node: init = min(0.7 * conservativeness, 1), reported in
+    # the node's load.
+    for conservativeness, init in ((1.0, 0.7), (0.5, 0.35), (2.0, 1.0)):
+        h = PD(model_dir, schedule_conservativeness=conservativeness)
+        try:
+            assert h.decode.new_token_ratio.init == pytest.approx(init)
+            assert h.decode.load()["new_token_ratio"] == pytest.approx(init)
+        finally:
+            h.close()
+
+
+def _fill_with_low_priority(h, ref_runner):
+    """Two priority-0 requests that fill the 16-page pool when done; both decoding."""
+    lows = {"low1": prompt(17, 61), "low2": prompt(17, 62)}
+    for i, (rid, ids) in enumerate(lows.items()):
+        h.submit(rid, 300 + i, ids, priority=0, max_new_tokens=12)
+    h.run_until(lambda: all(len(h.tokens(r)) >= 4 for r in lows))
+    return lows
+
+
+def test_a_high_priority_request_preempts_low_ones_and_they_resume_unchanged(model_dir, ref):
+    h = PD(model_dir, decode_pages=16, num_reserved_decode_tokens=4,
+           enable_priority_scheduling=True)
+    try:
+        lows = _fill_with_low_priority(h, ref)
+        high = prompt(17, 63)
+        h.submit("high", 310, high, priority=100, max_new_tokens=8)
+        waited_ready = 0
+        while h.state("high") in (None, DecodeState.PREALLOC):
+            r = h.decode.reqs.get("high")
+            is_ready = r is not None and r.receiver is not None and (
+                r.receiver.poll() is KVPoll.WaitingForInput)
+            h.step()
+            if is_ready:
+                waited_ready += 1
+        assert waited_ready <= 1  # admitted in the step that saw it ready for pages
+        assert h.decode.stats.num_preemptions >= 1
+        h.run_until(lambda: h.done("high", *lows))
+        assert h.tokens("high") == greedy(ref, high, 8)
+        for rid, ids in lows.items():  # back from host memory, output as if never preempted
+            assert h.tokens(rid) == greedy(ref, ids, 12), rid
+            assert isinstance(h.result(rid), msg.ReqFinished)
+        _assert_all_free(h)
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("extra", [{"disable_priority_preemption": True},
+                                   {"priority_scheduling_preemption_threshold": 100}])
+def test_no_preemption_when_disabled_or_below_the_threshold(model_dir, ref, extra):
+    h = PD(model_dir, decode_pages=16, num_reserved_decode_tokens=4,
+           enable_priority_scheduling=True, **extra)
+    try:
+        lows = _fill_with_low_priority(h, ref)
+        h.submit("high", 310, prompt(17, 63), priority=100, max_new_tokens=8)
+        h.run_until(lambda: h.done("high", *lows))
+        assert h.decode.stats.num_preemptions == 0
+        _assert_all_free(h)
+    finally:
+        h.close()

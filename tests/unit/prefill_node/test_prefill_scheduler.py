@@ -1,0 +1,415 @@
+"""The prefill loop in one process: tiny Llama, real zmq sockets, loopback KV transfer to a test receiver."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+import zmq
+
+from common import messages as msg
+from common.config import ModelConfig, PrefillConfig
+from common.ipc import bind_pull, recv_messages
+from common.kv_pool import KVPool, pages_needed
+from common.model.runner import ExtendRequest, ModelRunner
+from prefill_node.scheduler import PrefillScheduler
+from tests.support.tolerance import assert_close_scaled
+from transfer.kv_manager import KVManager
+from transfer.kv_poll import KVPoll
+from transfer.loopback_backend import LoopbackBackend
+
+PAGE = 4
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.unit.common.model.test_model_runner import _save_tiny
+
+    path = tmp_path_factory.mktemp("tiny")
+    _save_tiny(path, "llama")
+    return path
+
+
+class Harness:
+    def __init__(self, model_dir, num_pages=64, **cfg):
+        n = next(_ids)
+        cfg.setdefault("chunked_prefill_size", 64)
+        cfg.setdefault("max_prefill_tokens", 256)
+        self.config = PrefillConfig(model=ModelConfig(page_size=PAGE), **cfg)
+        self.runner = ModelRunner.from_path(str(model_dir), progress=False, page_size=PAGE,
+                                            num_pages=num_pages)
+        self.ref = ModelRunner.from_path(str(model_dir), progress=False, page_size=PAGE,
+                                         num_pages=num_pages)
+        ctx = zmq.Context.instance()
+        self.kv = KVManager(f"p{n}", "prefill", LoopbackBackend(f"p{n}"), self.runner.pool,
+                            backend_kind="loopback", lease_s=5)
+        self.dpool = KVPool(self.runner.layout, num_pages)
+        self.decode = KVManager(f"d{n}", "decode", LoopbackBackend(f"d{n}"), self.dpool,
+                                backend_kind="loopback", lease_s=5)
+        self.req_sock, self.req_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
+        self.reply_sock, self.reply_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
+        self.sched = PrefillScheduler(self.config, self.runner, self.kv, self.req_sock)
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.connect(self.req_endpoint)
+        self.replies: list = []
+
+    def submit(self, rid, room, ids, **kw):
+        sampling = {"max_new_tokens": 8, "temperature": 0.0}
+        self.push.send(msg.encode(msg.GenerateReq(
+            rid=rid, room=room, input_ids=ids, sampling=kw.pop("sampling", sampling),
+            priority=kw.pop("priority", None), routing_key=None, prefill_node_id="p",
+            decode_node_id="d", reply_endpoint=self.reply_endpoint, arrival_time=time.time(),
+            return_logprob=False, cache_salt=kw.pop("cache_salt", None))))
+
+    def receive(self, room, num_tokens):
+        r = self.decode.create_receiver(room, self.kv.control_endpoint)
+        self.run_until(lambda: r.poll() is KVPoll.WaitingForInput)
+        pages = self.dpool.allocator.allocate(pages_needed(num_tokens, PAGE))
+        r.send_metadata(pages)
+        return r, pages
+
+    def run_until(self, cond, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            self.sched.step()
+            self.decode.poll()
+            self.replies += recv_messages(self.reply_sock)
+            assert time.monotonic() < deadline, "condition not reached"
+
+    def reference(self, ids):
+        pages = self.ref.pool.allocator.allocate(pages_needed(len(ids), PAGE))
+        out = self.ref.extend([ExtendRequest(ids, 0, pages)])
+        kv = self.ref.pool.buffer[pages].clone()
+        self.ref.pool.allocator.free(pages)
+        return kv, int(out.logits[0].argmax())
+
+    def close(self):
+        self.push.close(0)
+        self.kv.close()
+        self.decode.close()
+
+
+@pytest.fixture
+def h(model_dir):
+    harness = Harness(model_dir)
+    yield harness
+    harness.close()
+
+
+def _prompt(n, seed):
+    return torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _check_landed(h, receiver, pages, ids):
+    kv, first = h.reference(ids)
+    assert receiver.aux.first_token_id == first and receiver.aux.room_echo == receiver.room
+    lay = h.runner.layout
+
+    def tokens(pages_kv):  # [pages, L, 2, ps, kvh, hd] -> [L, 2, tokens, kvh * hd]
+        flat = pages_kv.permute(1, 2, 0, 3, 4, 5).reshape(lay.num_layers, 2, -1,
+                                                          lay.num_kv_heads * lay.head_dim)
+        return flat[:, :, : len(ids)]  # the tail of the last page holds no token
+
+    assert_close_scaled(tokens(h.dpool.buffer[pages]), tokens(kv))
+
+
+def test_prompt_kv_and_first_token_arrive_at_the_decode_side(h):
+    ids = _prompt(23, 1)
+    h.submit("a", 1, ids)
+    receiver, pages = h.receive(1, len(ids))
+    h.run_until(lambda: receiver.poll() is KVPoll.Success and not h.sched.states)
+    _check_landed(h, receiver, pages, ids)
+    assert h.sched.stats.num_held_pages() == 0
+    # The prompt's whole pages stay cached; nothing else is used.
+    assert h.runner.pool.allocator.num_used_pages == h.sched.tree.total_size() // PAGE == 5
+    h.sched.check_integrity()
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_still_lands_exactly(model_dir):
+    h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
+    try:
+        ids = _prompt(37, 2)
+        h.submit("long", 2, ids)
+        receiver, pages = h.receive(2, len(ids))
+        rounds = []
+        h.run_until(lambda: (rounds.append(1) if h.sched.chunked else None)
+                    or receiver.poll() is KVPoll.Success)
+        assert len(rounds) >= 4  # 37 tokens in chunks of 8
+        _check_landed(h, receiver, pages, ids)
+    finally:
+        h.close()
+
+
+def test_shared_prefix_is_served_from_the_radix_cache(h):
+    base = _prompt(32, 3)
+    first, second = base + _prompt(5, 4), base + _prompt(9, 5)
+    h.submit("one", 11, first)
+    r1, p1 = h.receive(11, len(first))
+    h.run_until(lambda: r1.poll() is KVPoll.Success and not h.sched.states)
+    computed_before = h.sched.processed_tokens
+    h.submit("two", 12, second)
+    r2, p2 = h.receive(12, len(second))
+    h.run_until(lambda: r2.poll() is KVPoll.Success and not h.sched.states)
+    assert h.sched.processed_tokens - computed_before == len(second) - 32
+    _check_landed(h, r2, p2, second)
+    h.sched.check_integrity()
+
+
+def test_abort_in_bootstrap_or_mid_chunk_or_from_decode_frees_everything(model_dir):
+    h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
+    try:
+        h.submit("x", 21, _prompt(12, 6))
+        h.run_until(lambda: "x" in h.sched.states)
+        h.sched.abort("x", None, "client went away")  # still in the bootstrap queue
+        assert not h.sched.states and len(h.sched.bootstrap_queue) == 0
+        ids = _prompt(37, 7)
+        h.submit("y", 22, ids)
+        r, _ = h.receive(22, len(ids))
+        h.run_until(lambda: h.sched.chunked is not None)  # mid-prompt, holding pages
+        assert h.runner.pool.allocator.num_used_pages > 0
+        h.sched.abort("y", None, "client went away")
+        h.run_until(lambda: r.poll() is KVPoll.Failed)
+        h.submit("z", 23, _prompt(20, 8))
+        rz, _ = h.receive(23, 20)
+        rz.abort()  # the decode side gives up before prefill ran
+        h.run_until(lambda: not h.sched.states)
+        assert h.sched.stats.num_held_pages() == 0
+        # Only what the radix cache keeps (the chunks computed before the abort) is used.
+        assert h.runner.pool.allocator.num_used_pages == h.sched.tree.total_size() // PAGE
+        assert h.sched.tree.protected_size() == 0
+        h.sched.check_integrity()
+    finally:
+        h.close()
+
+
+def test_a_prefix_is_shared_as_soon_as_it_is_computed_not_after_its_transfer(model_dir):
+    h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
+    try:
+        base = _prompt(32, 9)
+        first, second = base + _prompt(5, 10), base + _prompt(9, 11)
+        h.submit("first", 41, first)
+        h.submit("second", 42, second)
+        r1, _ = h.receive(41, len(first))
+        r2, p2 = h.receive(42, len(second))
+        h.run_until(lambda: r1.poll() is KVPoll.Success and r2.poll() is KVPoll.Success
+                    and not h.sched.states)
+        # "second" ran while "first" was still in flight, and reused its 32 cached tokens.
+        assert h.sched.processed_tokens == len(first) + len(second) - 32
+        _check_landed(h, r2, p2, second)
+        h.sched.check_integrity()
+    finally:
+        h.close()
+
+
+def test_prompt_longer_than_the_context_is_refused_with_400(h):
+    h.submit("big", 31, [1] * 300)
+    h.run_until(lambda: any(isinstance(m, msg.ReqFailed) for m in h.replies))
+    failed = next(m for m in h.replies if isinstance(m, msg.ReqFailed))
+    assert failed.rid == "big" and failed.status == 400 and "context length" in failed.error
+    assert not h.sched.states
+
+
+def test_a_priority_while_priority_scheduling_is_off_is_refused_when_asked(model_dir):
+    h = Harness(model_dir, abort_on_priority_when_disabled=True)
+    try:
+        h.submit("p", 1, _prompt(9, 1), priority=3)
+        h.run_until(lambda: any(isinstance(m, msg.ReqFailed) for m in h.replies))
+        [failed] = [m for m in h.replies if isinstance(m, msg.ReqFailed)]
+        # The seeds: SGLang rejects it with 503.
+        assert failed.rid == "p" and failed.status == 503 and "priority" in failed.error
+        assert not h.sched.states
+    finally:
+        h.close()
+
+
+def test_shortest_prefill_first_admits_short_requests_beside_the_capped_chunk(model_dir):
+    # The seeds' chunk limit reserves budget beside a long chunked request for shorter
+    # waiting ones: they must be admitted in that same round (they used to wait for the
+    # long one to finish, so the reservation was never used).
+    h = Harness(model_dir, num_pages=512, chunked_prefill_size=16, max_prefill_tokens=256,
+                schedule_policy="shortest-prefill-first")
+    batches: list[list[str]] = []
+    schedule = h.sched._schedule
+
+    def recording():
+        chunks = schedule()
+        if chunks:
+            batches.append([c.req.rid for c in chunks])
+        return chunks
+
+    h.sched._schedule = recording
+    try:
+        long_ids = _prompt(h.runner.context_length - 1, 7)  # many rounds of 16
+        h.submit("long", 31, long_ids)
+        r_long, p_long = h.receive(31, len(long_ids))
+        h.run_until(lambda: h.sched.chunked is not None)
+        shorts = {"s1": (32, _prompt(6, 8)), "s2": (33, _prompt(7, 9))}
+        receivers = {}
+        for rid, (room, ids) in shorts.items():
+            h.submit(rid, room, ids)
+            receivers[rid] = h.receive(room, len(ids))
+        h.run_until(lambda: all(r.poll() is KVPoll.Success for r, _ in receivers.values()))
+        assert h.sched.chunked is not None, "the long request finished first: test too short"
+        beside = [b for b in batches if "long" in b and len(b) > 1]
+        assert beside, batches
+        assert set(beside[0]) <= {"long", "s1", "s2"}
+        h.run_until(lambda: r_long.poll() is KVPoll.Success and not h.sched.states)
+        for rid, (room, ids) in shorts.items():
+            _check_landed(h, *receivers[rid], ids)
+        _check_landed(h, r_long, p_long, long_ids)
+        h.sched.check_integrity()
+    finally:
+        h.close()
+
+
+def test_requests_of_different_cache_salts_share_no_cached_page(h):
+    ids = _prompt(33, 21)
+
+    def computed(rid, room, salt):
+        before = h.sched.processed_tokens
+        h.submit(rid, room, ids, cache_salt=salt)
+        r, pages = h.receive(room, len(ids))
+        h.run_until(lambda: r.poll() is KVPoll.Success and not h.sched.states)
+        _check_landed(h, r, pages, ids)
+        return h.sched.processed_tokens - before
+
+    assert computed("a1", 41, "tenant-a") == 33
+    assert computed("b1", 42, "tenant-b") == 33  # identical prompt, another salt: no reuse
+    assert computed("n1", 43, None) == 33  # unsalted: no reuse of either
+    assert computed("a2", 44, "tenant-a") == 33 - 32  # its own salt: 8 cached pages of 4
+    h.sched.check_integrity()
+
+
+def test_queued_tokens_count_what_is_left_to_compute_less_the_cached_prefix(h):
+    base = _prompt(32, 21)
+    h.submit("warm", 31, base + [7])
+    r, _ = h.receive(31, 33)
+    h.run_until(lambda: r.poll() is KVPoll.Success and not h.sched.states)
+    assert h.sched.queued_tokens() == 0
+    # Two requests wait in the bootstrap queue (no decode side has asked for them yet):
+    # one shares the cached 32 tokens, one shares nothing.
+    hit, miss = base + _prompt(9, 22), _prompt(20, 23)
+    h.submit("hit", 32, hit)
+    h.submit("miss", 33, miss)
+    h.run_until(lambda: len(h.sched.states) == 2)
+    h.sched._queued_at = -float("inf")  # no memo: read it now
+    assert h.sched.queued_tokens() == (len(hit) - 32) + len(miss)
+
+
+class _Pending:
+    """A forward's completion marker that says "still running" until `finish()`."""
+
+    def __init__(self) -> None:
+        self.is_done = False
+
+    def query(self) -> bool:
+        return self.is_done
+
+    def synchronize(self) -> None:
+        self.is_done = True
+
+
+def test_no_page_is_written_before_the_forward_that_filled_it_completed(model_dir, monkeypatch):
+    """On CUDA extend() returns with its kernels queued: a chunk's pages must not reach the
+    backend until the forward's marker says done (each forward gets its own marker)."""
+    import common.model.runner as runner_module
+
+    markers: list[_Pending] = []
+
+    def pending(device):
+        markers.append(_Pending())
+        return markers[-1]
+
+    monkeypatch.setattr(runner_module, "record_work_done", pending)
+    h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
+    try:
+        written: list[tuple[int, int]] = []
+        write = h.kv.backend.write
+
+        def recording(peer, pairs, notification=b""):
+            written.extend(pairs)
+            return write(peer, pairs, notification)
+
+        monkeypatch.setattr(h.kv.backend, "write", recording)
+        ids = _prompt(21, 9)  # three chunks: 8, 8, 5 tokens
+        h.submit("fenced", 9, ids)
+        receiver, pages = h.receive(9, len(ids))
+        h.run_until(lambda: len(markers) == 1)
+        for _ in range(20):  # the loop goes on (the next chunk runs); nothing is posted
+            h.sched.step()
+        assert written == [] and len(markers) >= 2
+        markers[0].is_done = True
+        h.run_until(lambda: len(written) == 2)  # chunk one's two whole pages, and no more
+        assert [dst for _, dst in written] == pages[:2]
+        for m in markers:
+            m.is_done = True
+        h.run_until(lambda: receiver.poll() is KVPoll.Success)
+        _check_landed(h, receiver, pages, ids)
+    finally:
+        h.close()
+
+
+def test_the_first_token_is_sampled_with_a_generator_on_the_logits_device(h, monkeypatch):
+    """torch refuses a CPU generator for cuda logits: the prefill node made its generator on
+    the CPU whatever the device, so every sampled (temperature > 0) request failed on a GPU."""
+    import prefill_node.scheduler as scheduler_module
+
+    asked: list[object] = []
+    real = scheduler_module.make_generator
+
+    def spy(seed, device=None):
+        asked.append(device)
+        return real(seed, "cpu" if device is None else device)
+
+    monkeypatch.setattr(scheduler_module, "make_generator", spy)
+    ids = _prompt(9, 3)
+    h.submit("sampled", 3, ids, sampling={"max_new_tokens": 4, "temperature": 0.8, "seed": 5})
+    receiver, _ = h.receive(3, len(ids))
+    h.run_until(lambda: receiver.poll() is KVPoll.Success)
+    assert asked and all(torch.device(d) == h.runner.device for d in asked)
+
+
+def test_a_full_queue_refuses_new_requests_with_503(model_dir):
+    """--max-queued-requests: two requests wait for their decode node's pages; a third is
+    refused (SGLang's meaning), and one admitted frees a place again."""
+    h = Harness(model_dir, max_queued_requests=2)
+    try:
+        for i in range(3):
+            h.submit(f"q{i}", 40 + i, _prompt(9, 40 + i))
+        h.run_until(lambda: any(isinstance(m, msg.ReqFailed) for m in h.replies))
+        [refused] = [m for m in h.replies if isinstance(m, msg.ReqFailed)]
+        assert refused.rid == "q2" and refused.status == 503 and "queue is full" in refused.error
+        assert set(h.sched.states) == {"q0", "q1"}
+        receiver, _ = h.receive(40, 9)
+        h.run_until(lambda: receiver.poll() is KVPoll.Success and "q0" not in h.sched.states)
+        h.submit("q3", 43, _prompt(9, 43))
+        h.run_until(lambda: "q3" in h.sched.states)
+    finally:
+        h.close()
+
+
+def test_running_requests_are_capped(model_dir):
+    """--max-running-requests 1: of two bootstrapped requests one prefills and transfers at
+    a time; the other waits in the queue, then runs; both land."""
+    h = Harness(model_dir, max_running_requests=1)
+    try:
+        ids = {r: _prompt(11, 50 + r) for r in (0, 1)}
+        for r in ids:
+            h.submit(f"r{r}", 50 + r, ids[r])
+        got = {r: h.receive(50 + r, 11) for r in ids}
+        most = 0
+
+        def done() -> bool:
+            nonlocal most
+            most = max(most, len(h.sched.inflight_queue) + (h.sched.chunked is not None))
+            return all(rec.poll() is KVPoll.Success for rec, _ in got.values())
+
+        h.run_until(done)
+        assert most <= 1
+        for r, (rec, pages) in got.items():
+            _check_landed(h, rec, pages, ids[r])
+    finally:
+        h.close()
