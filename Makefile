@@ -10,10 +10,12 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Order matters: the CPU torch wheel first, so nothing pulls a CUDA build;
+# Order matters: the CPU torch wheel first, so nothing pulls a CUDA build; the package's
+# install compiles the CPU kernels (setup.py: one library per instruction set, into
+# common/model/cpu/lib/), again whenever their C changes;
 # NIXL and the default model without their dependencies (see README). The NIXL wheel
 # follows torch's CUDA major (transfer/nixl_wheel.py: nixl-cu12 for a CPU torch).
-$(STAMP): $(BIN)/python pyproject.toml Makefile
+$(STAMP): $(BIN)/python pyproject.toml setup.py Makefile $(wildcard common/model/cpu/csrc/*) common/model/cpu/build.py
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	req=$$($(BIN)/python -m transfer.nixl_wheel) && \
@@ -39,4 +41,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/model_runner.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info common/model/cpu/lib

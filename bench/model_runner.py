@@ -6,12 +6,12 @@ best of --repeats (of 2048 / tokens at least, for short prompts); tokens/s, the 
 and the fraction of the matmul bound (linear
 layers' and attention's FLOPs / this machine's measured GEMM FLOP/s); side by side, ours
 with torch's flash attention on copies in place of the paged prefill kernel (vs torch).
-Untimed prefill passes first let the runner choose that row bucket's product kernel
-(common.model.gemm; the kernel column), as decode's warm-up does for its batch.
+The product kernels are chosen first, as a node's warm-up chooses them (common.model.cpu.gemm;
+the kernel column); bench/kernel_tables.py times each kernel per row count.
 Decode: for each dtype (float32; bfloat16 where the CPU has native bf16) and batch size
 (1, 8, 32): prefill the same prompts in both, then time only the decode steps; side by side,
 also our decode on always weight-major products (vs wm) and on torch's ops without the C
-kernels of common.model.cpu_kernels (vs torch), each as a ratio of their time to ours. The bound
+kernels of common.model.cpu.library (vs torch), each as a ratio of their time to ours. The bound
 step time is the larger of compute (model FLOPs per step / measured GEMM FLOP/s) and memory
 (weight and KV bytes one step reads / measured read bandwidth): decode at small batches
 streams every weight once per step.
@@ -23,7 +23,7 @@ and the mean KL divergence from float32's distribution.
 
 --emulate-avx2 runs it all as on an AVX2-only CPU (an AMD EPYC Zen 3), on a CPU with
 AVX-512: the bench runs itself again with torch held to AVX2 (ATEN_CPU_CAPABILITY,
-ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) and our kernels built with -march=haswell, in
+ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) and our kernels' avx2 variant (x86-64-v3), in
 float32 only. Only the instructions are emulated: the caches and the memory are this CPU's,
 so every JSON line says which it was ("isa": "native" or "avx2-emulated", and
 "torch_cpu_capability" as torch reports it).
@@ -51,11 +51,11 @@ import torch  # noqa: E402
 
 from common.cpu_features import has_native_bf16  # noqa: E402
 from common.kv_pool import pages_needed  # noqa: E402
-from common.model import cpu_kernels  # noqa: E402
+from common.model.cpu import library as cpu_kernels  # noqa: E402
 from common.model.attention import AttentionBackend, TorchAttention  # noqa: E402
 from common.model.default_model import default_model_dir  # noqa: E402
-from common.model.gemm import (  # noqa: E402
-    AMX, PACK_HINT_ROWS, WEIGHT_MAJOR, KernelChooser, bucket_of, can_pack,
+from common.model.cpu.gemm import (  # noqa: E402
+    HAND_WRITTEN, PACK_HINT_ROWS, WEIGHT_MAJOR, KernelChooser, bucket_of, can_pack,
 )
 from common.model.runner import ExtendRequest, ModelRunner  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
@@ -73,11 +73,11 @@ AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
 
 def emulate_avx2() -> None:
     """Run this bench again with torch held to AVX2 (AVX2_ENV), unless this is that run;
-    there, build our kernels for AVX2 alone (-march=haswell) and check torch took it."""
+    there, load our kernels' AVX2 variant and check torch took it."""
     if any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
-    cpu_kernels.use_march("haswell")
+    cpu_kernels.use_variant("avx2")
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2":
         raise SystemExit(f"--emulate-avx2: torch runs {capability} kernels, not AVX2")
@@ -126,7 +126,7 @@ def kv_bytes(runner: ModelRunner, tokens: int) -> int:
 
 
 def kernel_choice(chooser, rows: int) -> str:
-    """The product kernel the runner settled on for `rows` (see common.model.gemm)."""
+    """The product kernel the runner settled on for `rows` (see common.model.cpu.gemm)."""
     if chooser is None:
         return "row_major"
     return chooser.choices().get(bucket_of(rows), "exploring")
@@ -149,19 +149,6 @@ def _prefill_seconds(runner: ModelRunner, ids: list[int]) -> float:
         runner.pool.allocator.free(pages)
 
 
-def settle_prefill_kernel(runner: ModelRunner, ids: list[int], most: int = 12) -> None:
-    """Untimed: prefill passes of `ids` until the runner's product kernel for len(ids) rows
-    is chosen (common.model.gemm). The prompt itself, not a shorter one of the same row
-    bucket: the kernels' order can change within a bucket (on an AMX Xeon the float32 panel
-    product ties oneDNN's at 512 rows and runs 5-10% behind it at 1024)."""
-    chooser = runner.model.chooser
-    bucket = bucket_of(len(ids))
-    for _ in range(most):
-        if chooser is None or bucket in chooser.choices():
-            return
-        _prefill_seconds(runner, ids)
-
-
 def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths: list[int],
                  repeats: int, torch_ops: bool) -> list[dict]:
     """Per length: ours, transformers' and (if `torch_ops` and the runner has the paged
@@ -172,7 +159,7 @@ def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths:
     plain_too = torch_ops and runner.model.attention.prefill_kernel is not None
     for n in lengths:
         ids = torch.randint(0, runner.spec.vocab_size, (n,), generator=g).tolist()
-        settle_prefill_kernel(runner, ids)
+        _prefill_seconds(runner, ids)  # untimed: first-call costs
         ours, theirs, plain = [], [], []
         # short prompts take tenths of a second, where the machine's noise is as large as
         # the difference: more runs of both, interleaved, keep the best of each steady
@@ -259,12 +246,12 @@ def fixed_kernel_seconds(runner: ModelRunner, prompts: list[list[int]], new_toke
 
 
 def torch_ops_seconds(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> float:
-    """Our decode on torch's ops only, as before the C kernels (common.model.cpu_kernels):
-    attention over gathered pages, the small steps unfused, no AMX product. Where the AMX
-    product replaced oneDNN's packed weights the choice is row- or weight-major only (with
-    --no-cpu-kernels the runner packs for oneDNN, 1.5-2.2x slower than AMX at these rows)."""
+    """Our decode on torch's ops only, as before the C kernels (common.model.cpu.library):
+    attention over gathered pages, the small steps unfused, neither hand-written product.
+    Where the AMX product replaced oneDNN's packed weights the choice is row- or
+    weight-major only (with --no-cpu-kernels the runner packs for oneDNN instead)."""
     assert runner.model.chooser is not None  # the CPU
-    kernels = tuple(k for k in runner.model.chooser.kernels if k != AMX)
+    kernels = tuple(k for k in runner.model.chooser.kernels if k not in HAND_WRITTEN)
     with model_swapped(runner, attention=torch_attention(runner), fused=None,
                        chooser=KernelChooser(kernels), head_chooser=KernelChooser(kernels)):
         ours_decode_seconds(runner, prompts, new_tokens)  # the fresh choosers measure first
@@ -328,8 +315,8 @@ def main() -> None:
     if args.emulate_avx2:
         emulate_avx2()
     isa = "avx2-emulated" if args.emulate_avx2 else "native"
-    print(f"cpu: {describe_cpu()}" + (" (emulating AVX2: torch's kernels AVX2, ours "
-                                      "-march=haswell)" if args.emulate_avx2 else ""))
+    print(f"cpu: {describe_cpu()}; CPU kernels: {cpu_kernels.loaded_variant()} variant" + (" (emulating AVX2: torch's kernels AVX2, ours "
+                                      "x86-64-v3)" if args.emulate_avx2 else ""))
     bf16 = has_native_bf16() and not args.emulate_avx2
     dtypes = args.dtypes or (["float32", "bfloat16"] if bf16 else ["float32"])
     if "bfloat16" not in dtypes and not bf16:
@@ -355,6 +342,11 @@ def main() -> None:
         longest = max(args.prefill_lengths) if not args.skip_prefill else 0
         runner = ModelRunner.from_path(None, progress=False, dtype=dtype_name,
                                        max_total_tokens=max(max_batch * 256, longest + 16))
+        t = time.perf_counter()
+        # As a node's warm-up: every bucket chosen, then fixed; the weights' other copies
+        # kept for the side-by-side runs on torch's ops.
+        runner.model.choose_kernels(keep_all_copies=True)
+        print(f"# {dtype_name}: kernels chosen at warm-up in {time.perf_counter() - t:.1f} s")
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
         hf.eval()
         hf.generation_config.eos_token_id = None  # exactly new_tokens tokens on both sides
@@ -364,9 +356,7 @@ def main() -> None:
                                     args.repeats, not args.skip_torch_ops)
         for batch in ([] if args.skip_decode else args.batches):
             prompts = prompt_batch(tokenizer, batch)
-            # Untimed: the runner measures its product kernels for this batch size first
-            # (common.model.gemm), as a serving node has long done by the time it is busy.
-            ours_decode_seconds(runner, prompts, args.new_tokens)
+            ours_decode_seconds(runner, prompts, args.new_tokens)  # untimed: first-call costs
             ours, hf_s, fixed, plain, same = [], [], [], [], True
             kernels = runner.model.attention.decode_kernel is not None or runner.model.fused is not None
             for _ in range(args.repeats):

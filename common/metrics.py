@@ -137,6 +137,14 @@ PREEMPTIONS: Final = _counter(
     "in pdserve_retractions_total).",
 )
 
+# --- the model's CPU kernels -------------------------------------------------------------
+CPU_KERNELS_INFO: Final = _gauge(
+    "pdserve_cpu_kernels_info",
+    "1 for the CPU kernel library variant the model runs (amx, avx512, avx2, portable), or "
+    "none: torch's ops only (slower; the node logs why).",
+    "variant",
+)
+
 # --- requests as the client saw them (gateway) -------------------------------------------
 TIME_TO_FIRST_TOKEN_SECONDS: Final = _histogram(
     "pdserve_time_to_first_token_seconds",

@@ -1,6 +1,6 @@
 """Attention over the paged KV pool behind one interface, one backend chosen at start-up.
 
-    cpu     the C kernels (common.model.paged_attention): decode and prefill read the pages
+    cpu     the C kernels (common.model.cpu.paged_attention): decode and prefill read the pages
             in place; a kernel that did not build, or does not take this shape or dtype,
             leaves its half to the torch backend
     triton  CUDA (or Triton's interpreter, for tests): decode and extend read K/V in place
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from common.config import ATTENTION_BACKENDS
 from common.kv_pool import KVPool
-from common.model.paged_attention import (
+from common.model.cpu.paged_attention import (
     PagedDecodeAttention, PagedPrefillAttention, paged_decode_attention, paged_prefill_attention,
 )
 from common.model.spec import ModelSpec
@@ -218,9 +218,8 @@ class TorchAttention(AttentionBackend):
 
         As two flash passes merged by their log-sum-exps: the prefix's keys, all visible,
         and the new tokens' own, causal. One masked pass over the concatenated keys reads
-        a [new, total] mask per head and skips no block above the diagonal. Measured on an
-        AMX Xeon, 1k new tokens after 1k-7k cached ones: attention 1.22-1.27x faster, float32
-        and bfloat16, equal to the masked pass within float rounding (3e-7 in float32).
+        a [new, total] mask per head and skips no block above the diagonal, so is slower;
+        the two agree within float rounding (test_model_runner.py: three chunks against one pass).
         """
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         out_new, lse_new = flash(qr, self._heads(k), self._heads(v), 0.0, True, scale=self.scale)

@@ -10,13 +10,23 @@ import torch
 import torch.nn.functional as F
 
 from common.kv_pool import KVPool
-from common.model.amx_gemm import amx_gemm
 from common.model.attention import AttentionBatch, make_attention_backend
-from common.model.f32_gemm import f32_gemm
-from common.model.gemm import (
-    AMX, PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight, linear, packs,
+from common.model.cpu.amx_gemm import amx_gemm
+from common.model.cpu.f32_gemm import f32_gemm
+from common.model.cpu.fused_ops import FusedOps, fused_ops
+from common.model.cpu.gemm import (
+    AMX,
+    PACKED,
+    PANELS,
+    ROW_MAJOR,
+    WEIGHT_MAJOR,
+    PREFILL_LAYERS,
+    KernelChooser,
+    LinearWeight,
+    linear,
+    measure,
+    packs,
 )
-from common.model.fused_ops import FusedOps, fused_ops
 from common.model.spec import ModelSpec, rope_inv_freq
 from common.model.workspace import WORKSPACE_ROWS, Workspace
 
@@ -62,15 +72,16 @@ class LlamaModel:
                  device: torch.device, *, pack: bool = False,
                  cpu_kernels: bool = False, attention_backend: str = "auto") -> None:
         """`pack`: keep a oneDNN-packed copy of each matrix (twice the weight memory) for the
-        kernel choice of common.model.gemm (three times in float32 with AVX-512 or AVX2 and
-        `cpu_kernels`: the panel copy too); on CUDA every product is F.linear.
-        `cpu_kernels`: the C kernels of common.model.cpu_kernels where they build (the CPU):
+        kernel choice of common.model.cpu.gemm (three times in float32 with AVX-512 or AVX2 and
+        `cpu_kernels`: the panel copy too; warm-up's choice drops the copies no row count
+        chose); on CUDA every product is F.linear.
+        `cpu_kernels`: the C kernels of common.model.cpu.library where they load (the CPU):
         attention over the pages in place (decode; prefill in float32, and in bfloat16 on a
-        CPU without AMX, common.model.paged_attention), the fused per-layer steps and, in
+        CPU without AMX, common.model.cpu.paged_attention), the fused per-layer steps and, in
         bfloat16 on a CPU with AMX, the AMX product in place of oneDNN's packed one
-        (1.5-2.2x faster at decode's rows, common.model.amx_gemm; the weights' second copy
-        is in its layout), and in float32 on AVX-512 or AVX2 the panel product beside oneDNN's
-        (common.model.f32_gemm); otherwise torch's ops.
+        (common.model.cpu.amx_gemm; the weights' second copy is in its layout), and in
+        float32 on AVX-512 or AVX2 the panel product beside oneDNN's
+        (common.model.cpu.f32_gemm); otherwise torch's ops.
         `attention_backend`: common.model.attention's choice (auto: Triton on CUDA, with the
         per-layer steps as Triton kernels too; the C kernels on the CPU)."""
         self.spec = spec
@@ -260,6 +271,27 @@ class LlamaModel:
         out = linear(x, w, kernel, buf)
         self._gemm_s += time.perf_counter() - t
         return out
+
+    def choose_kernels(self, *, keep_all_copies: bool = False) -> None:
+        """Warm-up's product kernel choice (common.model.cpu.gemm.measure): every row bucket
+        measured or ruled, then fixed for this model's life, and the weights' copies no
+        bucket chose dropped (kept with `keep_all_copies`, for benches). The CPU only."""
+        if self.chooser is None or self.head_chooser is None:
+            return
+        products = self.layer_products()
+        per_layer = len(products) // len(self.layers)
+        measure(self.chooser, products, self.dtype,
+                prefill_products=products[:per_layer * PREFILL_LAYERS],
+                keep_all_copies=keep_all_copies)
+        measure(self.head_chooser, [(self.lm_head, self.spec.hidden_size)], self.dtype,
+                keep_all_copies=keep_all_copies)
+
+    def layer_products(self) -> list[tuple[LinearWeight, int]]:
+        """One pass's products in the layers, each with its input width."""
+        hidden, inter = self.spec.hidden_size, self.layers[0].down.weight.shape[1]
+        return [p for layer in self.layers
+                for p in ((layer.qkv, hidden), (layer.o, self.q_size),
+                          (layer.gate_up, hidden), (layer.down, inter))]
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The matrices and vectors one forward reads (the LM head's once, tied or not)."""

@@ -10,6 +10,7 @@ import torch
 
 from common.kv_pool import KVLayout, KVPool, pages_needed, torch_dtype
 from common.model.attention import AttentionBatch
+from common.model.cpu.library import report_variant
 from common.model.cuda_graph import DecodeGraphs
 from common.model.llama import LlamaModel
 from common.model.loader import load_spec, load_state_dict, resolve_model_dir
@@ -66,7 +67,7 @@ class ModelRunner:
         oneDNN's layout, or in bfloat16 with AMX and the C kernels the AMX tiles' layout;
         three times in float32 with AVX-512 or AVX2 and the C kernels, whose panel layout comes
         too) so the products can run on whichever kernel measures fastest.
-        `cpu_kernels`: on the CPU, the C kernels of common.model.cpu_kernels where they
+        `cpu_kernels`: on the CPU, the C kernels of common.model.cpu.library where they
         build (decode attention over the pages in place, the fused per-layer steps, the
         AMX product, the float32 panel product).
         `attention_backend`: common.model.attention's choice (auto: triton on CUDA, the C
@@ -91,6 +92,8 @@ class ModelRunner:
         self.context_length = min(context_length or spec.context_length, spec.context_length)
         self.model = LlamaModel(spec, weights, torch_dtype(dtype), self.device, pack=pack_weights,
                                 cpu_kernels=cpu_kernels, attention_backend=attention_backend)
+        if self.device.type == "cpu":
+            report_variant(cpu_kernels)
         self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype)
         self.layer_stride = 2 * spec.num_layers  # pool rows per page
         self.cuda_graph_max_bs = cuda_graph_max_bs
@@ -151,7 +154,10 @@ class ModelRunner:
 
     def warmup(self, num_tokens: int = 64) -> None:
         """One small extend and decode step, so a node's first request does not pay torch's
-        first-call costs (measured: a 0.2 s prefill took 0.64 s as a process's first)."""
+        first-call costs (a process's first prefill takes about three times as long); on
+        the CPU, first the product kernels are chosen for every row bucket and fixed
+        (LlamaModel.choose_kernels), so a node's numerics never change once it serves."""
+        self.model.choose_kernels()
         n = max(1, min(num_tokens, self.context_length - 2,
                        (self.pool.num_pages - 1) * self.page_size))
         pages = self.pool.allocator.allocate(pages_needed(n + 1, self.page_size))

@@ -1,6 +1,6 @@
 """The forward pass's small per-layer steps as Triton kernels for CUDA, one launch each.
 
-The same three steps as common.model.fused_ops (the CPU's C kernels), with the same
+The same three steps as common.model.cpu.fused_ops (the CPU's C kernels), with the same
 signatures: the residual add with RMSNorm, RoPE with the KV store, silu with its product.
 Each rounds where the torch ops it replaces round: arithmetic in float32, the result of each
 torch op rounded to the model's dtype (in bfloat16, weight * rms_norm(x) rounds the
@@ -118,7 +118,7 @@ def _checked_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) 
 
 
 class TritonFusedOps:
-    """One dtype's fused steps, as common.model.fused_ops.FusedOps: every tensor on one
+    """One dtype's fused steps, as common.model.cpu.fused_ops.FusedOps: every tensor on one
     device in that dtype (positions and slots int), outputs new tensors, contiguous unless
     said otherwise."""
 

@@ -4,9 +4,8 @@ the fused steps' outputs, attention's output).
 Without them every layer allocates its intermediates afresh. glibc serves allocations over
 32 MB with a new mmap and unmaps them when freed, so each such tensor is page-faulted in and
 zeroed by the kernel once per layer: at 4k tokens SmolLM2's gate_up output (50 MB) and at 8k
-also silu's (50 MB). Measured on an AMX Xeon, float32: silu_mul at 8k rows took 16.7 ms into
-a fresh output and 6.4 ms with the faults gone; the whole 4k prefill 5.45 s against 5.13 s
-with malloc kept off mmap (MALLOC_MMAP_MAX_=0). A pass's workspace is dropped with it, so
+also silu's (50 MB); a long prefill pays those faults in every layer (bench/model_runner.py
+times whole prefill passes). A pass's workspace is dropped with it, so
 nothing outlives the forward that made it; decode passes (a few rows) do not take one.
 """
 
@@ -16,7 +15,7 @@ import math
 
 import torch
 
-# From this many rows a pass takes a workspace: prefill row buckets (common.model.gemm);
+# From this many rows a pass takes a workspace: prefill row buckets (common.model.cpu.gemm);
 # decode's tensors are small and malloc's free lists already reuse them.
 WORKSPACE_ROWS = 128
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from common.kv_pool import pages_needed
-from common.model.gemm import KernelChooser
+from common.model.cpu.gemm import KernelChooser
 from common.model.runner import ExtendRequest, ModelRunner
 from common.model.spec import ModelSpec
 

@@ -1,4 +1,4 @@
-"""The AMX product (common.model.amx_gemm, csrc/amx_gemm.c) on the real kernel: products within
+"""The AMX product (common.model.cpu.amx_gemm, csrc/amx_gemm.c) on the real kernel: products within
 bfloat16 rounding of the exact one, every row count and tail, and the model's decode on it.
 Skipped where the machine cannot run AMX; the fallback is checked everywhere."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model.amx_gemm import AmxGemm, amx_gemm
-from common.model.gemm import AMX, ROW_MAJOR, LinearWeight, linear
+from common.model.cpu.amx_gemm import AmxGemm, amx_gemm
+from common.model.cpu.gemm import AMX, ROW_MAJOR, LinearWeight, linear
 from tests.support.tiny_products import logits_on, tiny_runner
 
 KERNEL = amx_gemm()

@@ -7,7 +7,7 @@ import torch
 
 from common.kv_pool import pages_needed
 from common.model.default_model import default_gguf_path, default_model_dir
-from common.model.gemm import PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
+from common.model.cpu.gemm import PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
 from common.model.runner import ExtendRequest, ModelRunner
 from common.model.spec import ModelSpec
 
@@ -67,7 +67,7 @@ def test_greedy_equals_transformers_on_the_gguf(tokenizer):
                                   pad_token_id=2)[0, len(ids):].tolist()
         assert len(expect) == NEW_TOKENS
         assert _greedy(runner, ids, NEW_TOKENS) == expect
-    # Whichever product kernel the runner settles on (common.model.gemm), the same tokens:
+    # Whichever product kernel the runner settles on (common.model.cpu.gemm), the same tokens:
     # each kernel alone on the chat prompt (the last one).
     # (panels: the float32 panel product where the CPU has AVX-512, row_major elsewhere)
     for kernel in (ROW_MAJOR, WEIGHT_MAJOR, PACKED, PANELS):

@@ -1,4 +1,4 @@
-"""The float32 panel product (common.model.f32_gemm, csrc/f32_gemm.c) on the real kernel:
+"""The float32 panel product (common.model.cpu.f32_gemm, csrc/f32_gemm.c) on the real kernel:
 products within float32 accumulation error of the exact one at every row count, column
 tail and input length, and the model on it. Run on the build's own vector width (AVX-512
 here, or AVX2 where that is all the CPU has; test_kernels_avx2_build runs them on an AVX2
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model.f32_gemm import f32_gemm, pack_panels
-from common.model.gemm import PANELS, PREFILL_KERNELS, ROW_MAJOR, LinearWeight, linear
+from common.model.cpu.f32_gemm import f32_gemm, pack_panels
+from common.model.cpu.gemm import PANELS, PREFILL_KERNELS, ROW_MAJOR, LinearWeight, linear
 from tests.support.tiny_products import logits_on, tiny_runner
 
 KERNEL = f32_gemm()

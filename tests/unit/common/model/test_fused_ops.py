@@ -1,4 +1,4 @@
-"""The fused per-layer steps (common.model.fused_ops) against the torch ops they replace."""
+"""The fused per-layer steps (common.model.cpu.fused_ops) against the torch ops they replace."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model.fused_ops import FusedOps, fused_ops
+from common.model.cpu.fused_ops import FusedOps, fused_ops
 from common.model.llama import apply_rope, rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16]

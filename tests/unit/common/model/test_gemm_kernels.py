@@ -1,14 +1,23 @@
-"""The product kernels (common.model.gemm): equal products, and the choice by measurement."""
+"""The product kernels (common.model.cpu.gemm): equal products, and the choice by measurement."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from common.model.f32_gemm import f32_gemm
-from common.model.gemm import (
-    AMX, BUCKETS, PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser, LinearWeight,
-    bucket_of, can_pack, linear,
+from common.model.cpu.f32_gemm import f32_gemm
+from common.model.cpu.gemm import (
+    AMX,
+    BUCKETS,
+    PACKED,
+    PANELS,
+    ROW_MAJOR,
+    WEIGHT_MAJOR,
+    KernelChooser,
+    LinearWeight,
+    bucket_of,
+    can_pack,
+    linear,
 )
 
 KERNELS = (ROW_MAJOR, WEIGHT_MAJOR, PACKED)
@@ -51,7 +60,7 @@ def test_buckets():
 
 
 def test_chooser_explores_each_kernel_then_keeps_the_fastest_median():
-    chooser = KernelChooser(KERNELS, trials=3, recheck_uses=1000)
+    chooser = KernelChooser(KERNELS, trials=3)
     seconds = {ROW_MAJOR: [5.0, 1.0, 5.0], WEIGHT_MAJOR: [2.0, 2.0, 9.0], PACKED: [3.0, 3.0, 3.0]}
     tried = []
     for _ in range(9):
@@ -67,17 +76,144 @@ def test_chooser_explores_each_kernel_then_keeps_the_fastest_median():
     assert chooser.pick(1) == ROW_MAJOR and 1 not in chooser.choices()
 
 
-def test_chooser_explores_again_after_recheck_uses():
-    chooser = KernelChooser((ROW_MAJOR, PACKED), trials=1, recheck_uses=3)
+def test_a_choice_is_never_revisited_whatever_later_passes_measure():
+    """The kernels round differently: once a bucket has chosen, no timing changes it (a
+    node's greedy output must not change in the middle of its life)."""
+    chooser = KernelChooser((ROW_MAJOR, PACKED), trials=1)
     chooser.record(32, ROW_MAJOR, 1.0)
     chooser.record(32, PACKED, 2.0)
     assert chooser.choices() == {32: ROW_MAJOR}
-    for _ in range(3):
-        chooser.record(32, chooser.pick(32), 1.0)
-    assert chooser.choices() == {}  # the machine may have changed: measure again
-    chooser.record(32, chooser.pick(32), 3.0)  # row_major is slow now
-    chooser.record(32, chooser.pick(32), 2.0)
-    assert chooser.pick(32) == PACKED
+    for _ in range(10_000):  # packed 100x faster from now on
+        kernel = chooser.pick(32)
+        chooser.record(32, kernel, 1.0)
+        chooser.record(32, PACKED, 0.01)
+    assert chooser.pick(32) == ROW_MAJOR and chooser.choices() == {32: ROW_MAJOR}
+
+
+def _fake_clock(monkeypatch, fast):
+    """gemm.time_products timed by a table: `fast(rows)` is the kernel that wins there."""
+    from common.model.cpu import gemm
+
+    calls = []
+
+    def timed(products, rows, kernel, dtype):
+        calls.append((rows, kernel))
+        return rows * (1.0 if kernel == fast(rows) else 2.0)
+
+    monkeypatch.setattr(gemm, "time_products", timed)
+    return calls
+
+
+def test_warm_up_measures_then_fixes_every_bucket(monkeypatch):
+    from common.model.cpu.gemm import MEASURED_PREFILL_ROWS, PREFILL_BUCKETS, measure
+
+    calls = _fake_clock(monkeypatch, lambda rows: PACKED if rows in (8, 512) else ROW_MAJOR)
+    chooser = KernelChooser(KERNELS, trials=3, prefill_trials=2)
+    measure(chooser, [], torch.float32)
+    assert chooser.is_frozen and set(chooser.choices()) == set(BUCKETS)
+    expect = {b: PACKED if b in (8, 512) else ROW_MAJOR for b in BUCKETS if b <= 1024}
+    # buckets warm-up did not reach take the nearest measured one below: 1024's choice
+    expect |= {b: expect[MEASURED_PREFILL_ROWS] for b in PREFILL_BUCKETS
+               if b > MEASURED_PREFILL_ROWS}
+    assert chooser.choices() == expect
+    assert max(rows for rows, _ in calls) == MEASURED_PREFILL_ROWS
+    # from here on, timings favouring another kernel change nothing, over many passes
+    for _ in range(3000):
+        for rows in (1, 8, 40, 512, 3000):
+            chooser.record(rows, WEIGHT_MAJOR, 1e-9)
+            chooser.record(rows, chooser.pick(rows), 100.0)
+    assert chooser.choices() == expect
+    calls.clear()
+    measure(chooser, [], torch.float32)  # a second warm-up measures nothing
+    assert not calls and chooser.choices() == expect
+
+
+def test_a_hand_written_kernel_is_chosen_only_where_it_beats_the_libraries_by_ten_percent():
+    from common.model.cpu.gemm import choose
+
+    # 9% faster than the best library kernel: the library kernel is kept
+    assert choose({ROW_MAJOR: 1.0, PACKED: 1.2, PANELS: 0.91}) == ROW_MAJOR
+    # 10% or more: the hand-written one, the fastest of them
+    assert choose({ROW_MAJOR: 1.0, PACKED: 1.2, PANELS: 0.9}) == PANELS
+    assert choose({ROW_MAJOR: 1.0, WEIGHT_MAJOR: 0.95, AMX: 0.5}) == AMX
+    # among library kernels, plainly the fastest
+    assert choose({ROW_MAJOR: 1.0, WEIGHT_MAJOR: 0.99, PACKED: 1.5}) == WEIGHT_MAJOR
+    # through the chooser's medians
+    chooser = KernelChooser((ROW_MAJOR, PACKED, PANELS), trials=3)
+    for row_major, packed, panels in ((1.0, 1.1, 0.95), (1.0, 1.1, 0.5), (1.0, 1.1, 0.93)):
+        chooser.record(4, ROW_MAJOR, row_major)
+        chooser.record(4, PACKED, packed)
+        chooser.record(4, PANELS, panels)
+    assert chooser.choices() == {4: ROW_MAJOR}  # panels' median 0.93: under 10% better
+
+
+def test_warm_up_drops_the_weight_copies_no_bucket_chose(monkeypatch):
+    from common.model.cpu import gemm
+
+    w = LinearWeight.of(torch.randn(16, 8), pack=True)
+    other = LinearWeight.of(torch.randn(16, 8), pack=True)
+    if w.packed is None:
+        pytest.skip("oneDNN does not pack here")
+    _fake_clock(monkeypatch, lambda rows: ROW_MAJOR)
+    chooser = KernelChooser(KERNELS, trials=1, prefill_trials=1)
+    gemm.measure(chooser, [(w, 8), (other, 8)], torch.float32)
+    assert chooser.chosen_kernels() == {ROW_MAJOR}
+    assert w.packed is None and other.packed is None  # no bucket reads oneDNN's copy
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(linear(x, w, chooser.pick(3)), x @ w.weight.t())
+    # a copy some bucket chose stays
+    kept = LinearWeight.of(torch.randn(16, 8), pack=True)
+    _fake_clock(monkeypatch, lambda rows: PACKED if rows == 1 else ROW_MAJOR)
+    chooser = KernelChooser(KERNELS, trials=1, prefill_trials=1)
+    gemm.measure(chooser, [(kept, 8)], torch.float32)
+    assert chooser.chosen_kernels() == {PACKED, ROW_MAJOR} and kept.packed is not None
+
+
+def test_prefill_buckets_are_timed_over_their_own_products(monkeypatch):
+    from common.model.cpu import gemm
+
+    seen: dict[str, set[int]] = {"decode": set(), "prefill": set()}
+
+    def timed(products, rows, kernel, dtype):
+        seen["prefill" if gemm.is_prefill_bucket(rows) else "decode"].add(len(products))
+        return 1.0
+
+    monkeypatch.setattr(gemm, "time_products", timed)
+    weights = [(LinearWeight.of(torch.randn(4, 4)), 4) for _ in range(12)]
+    gemm.measure(KernelChooser(KERNELS, trials=1, prefill_trials=1), weights, torch.float32,
+                 prefill_products=weights[:4])
+    assert seen == {"decode": {12}, "prefill": {4}}
+
+
+def test_freeze_rule_for_buckets_never_measured():
+    chooser = KernelChooser(KERNELS, trials=1, prefill_trials=1)
+    for kernel, seconds in ((ROW_MAJOR, 2.0), (WEIGHT_MAJOR, 1.0), (PACKED, 3.0)):
+        chooser.record(4, kernel, seconds)
+    chooser.record(16, ROW_MAJOR, 5.0)  # half measured: ruled like the unmeasured
+    chooser.freeze()
+    got = chooser.choices()
+    assert got[4] == WEIGHT_MAJOR
+    assert got[1] == got[2] == WEIGHT_MAJOR  # none below: the nearest above
+    assert got[8] == got[16] == got[64] == WEIGHT_MAJOR  # the nearest below
+    # no prefill bucket measured: the first candidate (weight_major cannot run prefill)
+    assert {got[b] for b in BUCKETS if b > 64} == {ROW_MAJOR}
+
+
+def test_a_runner_chooses_at_warm_up_and_keeps_its_choices(monkeypatch):
+    from common.kv_pool import pages_needed
+    from common.model.runner import ExtendRequest, ModelRunner
+
+    spec, weights = _tiny_runner_inputs()
+    runner = ModelRunner(spec, weights, num_pages=8)
+    runner.warmup(num_tokens=8)
+    model = runner.model
+    assert model.chooser is not None and model.head_chooser is not None
+    assert model.chooser.is_frozen and set(model.chooser.choices()) == set(BUCKETS)
+    before = (model.chooser.choices(), model.head_chooser.choices())
+    pages = runner.pool.allocator.allocate(pages_needed(6, runner.page_size))
+    for _ in range(300):
+        runner.extend([ExtendRequest([1, 2, 3, 4, 5], 0, pages)])
+    assert (model.chooser.choices(), model.head_chooser.choices()) == before
 
 
 def test_prefill_buckets_choose_between_row_output_kernels_by_seconds_per_row():
@@ -95,7 +231,7 @@ def test_prefill_buckets_choose_between_row_output_kernels_by_seconds_per_row():
     assert chooser.choices() == {1024: PACKED}
     # decode buckets keep comparing seconds per pass, every kernel
     assert chooser.candidates(64) == KERNELS
-    # the panel product writes whole rows too (common.model.f32_gemm)
+    # the panel product writes whole rows too (common.model.cpu.f32_gemm)
     with_panels = KernelChooser((*KERNELS, PANELS))
     assert with_panels.candidates(256) == (ROW_MAJOR, PACKED, PANELS)
 
@@ -140,7 +276,7 @@ def test_a_runner_without_packed_weights_chooses_between_the_other_two():
     packed = ModelRunner(spec, weights, num_pages=8)
     down = weights["model.layers.0.mlp.down_proj.weight"]
     assert (packed.model.layers[0].down.packed is not None) == can_pack(down)
-    # the float32 panel copy too, where the CPU has AVX-512 (common.model.f32_gemm)
+    # the float32 panel copy too, where the CPU has AVX-512 (common.model.cpu.f32_gemm)
     assert (packed.model.layers[0].down.panels is not None) == (f32_gemm() is not None)
 
 
@@ -148,8 +284,8 @@ def test_bfloat16_where_onednn_has_no_bfloat16_runs_without_packed_weights(monke
     """oneDNN's bfloat16 reorder raises on a CPU without AVX-512 BW/VL/DQ (an AVX2 AMD EPYC):
     there a bfloat16 runner keeps no packed copy, chooses between the other two kernels, and
     runs (a bfloat16 model failed to load there before)."""
-    from common.model import gemm
     from common.kv_pool import pages_needed
+    from common.model.cpu import gemm
     from common.model.runner import ExtendRequest, ModelRunner
 
     monkeypatch.setattr(gemm, "mkldnn_bf16", lambda: False)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from common.kv_pool import pages_needed
-from common.model.gemm import PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
-from common.model.paged_attention import paged_prefill_attention
+from common.model.cpu.gemm import PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
+from common.model.cpu.paged_attention import paged_prefill_attention
 from common.model.runner import ExtendRequest, ModelRunner
 from common.model.workspace import WORKSPACE_ROWS, Workspace
 

@@ -1,4 +1,4 @@
-"""Decode attention read from the pages in place (common.model.paged_attention): the same
+"""Decode attention read from the pages in place (common.model.cpu.paged_attention): the same
 attention as over gathered pages, and nothing read past a sequence's length."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model.paged_attention import PagedDecodeAttention, paged_decode_attention, splits_for
+from common.model.cpu.paged_attention import PagedDecodeAttention, paged_decode_attention, splits_for
 
 CPU = torch.device("cpu")
 

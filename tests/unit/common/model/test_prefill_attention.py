@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model import paged_attention
-from common.model.paged_attention import PagedPrefillAttention, paged_prefill_attention
+from common.model.cpu import paged_attention
+from common.model.cpu.paged_attention import PagedPrefillAttention, paged_prefill_attention
 
 CPU = torch.device("cpu")
 LAYERS, LAYER = 3, 1

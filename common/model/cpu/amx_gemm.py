@@ -1,12 +1,12 @@
 """bfloat16 products at decode's row counts on AMX tiles: csrc/amx_gemm.c.
 
-At 1-64 rows a product's time is its weight's bytes over the memory bandwidth. On a
-2-core AMX Xeon (22 GB/s read), SmolLM2's 30 layers of products (212 MB in bfloat16) took
-13-36 ms through oneDNN's packed weights (the fastest of the three torch kernels,
-common.model.gemm) and 9-19 ms through this kernel at 1-32 rows, interleaved runs giving
-1.5-2.2x (1.0-1.3x at 64 rows). The weight is packed once into the tiles' layout; where
-the CPU, the compiler or the kernel does not allow AMX, `amx_gemm()` is None and the
-torch kernels are all there is.
+At 1-64 rows a product's time is its weight's bytes over the memory bandwidth, and oneDNN's
+bfloat16 product leaves part of it unused; this kernel streams the weight through the
+tiles, each tile loaded ahead of its use. The weight is packed once into the tiles' layout.
+Whether it runs at a row count is the model's measured choice (common.model.cpu.gemm;
+bench/model_runner.py --kernel-tables prints the table). Where the CPU, the loaded variant
+(amx only) or the kernel does not allow AMX, `amx_gemm()` is None and the torch kernels are
+all there is.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.cpu_kernels import load_library
-from common.model.product_entry import ProductEntry
+from common.model.cpu.library import load_library
+from common.model.cpu.product_entry import ProductEntry
 
 BLOCK_N, BLOCK_K = 16, 32  # as in the C source: output columns x inputs per weight tile
 

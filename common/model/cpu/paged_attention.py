@@ -1,20 +1,16 @@
 """Attention read from the KV pool's pages in place: decode (csrc/paged_attention.c) and
 prefill's causal spans (csrc/prefill_attention.c).
 
-torch on the CPU has no paged attention, so decode used to gather every sequence's pages
-into one tensor per layer (index_select) and run SDPA's flash kernel on the copy; at batch
-32 the two took 28% of a bfloat16 step. The C kernel scores each key where its page lies.
-Prefill ran SDPA's flash kernel on copies of the new tokens' K and V with each KV head
-repeated for its query heads, and after a cached prefix on the pages gathered too (two
-passes merged). The prefill kernel reads the span's pages, packs each key block once for
-all query blocks and heads that use it, and runs register-tiled flash attention: on an AMX
-Xeon 1.15-1.6x torch's flash kernel in float32 (SmolLM2's 9 heads over 3 KV heads, 1k-4k
-tokens). In bfloat16 it computes in float32 too: on an AVX-512 AMD EPYC without AMX, torch's
-flash kernel ran bfloat16 no faster than float32 (130 ms per layer at 4k tokens, causal,
-either dtype), so this kernel serves bfloat16 there as well; with AMX torch's kernel runs
-bfloat16 on the tiles, about 2x this one, and is kept. Both are built with the other CPU
-kernels (common.model.cpu_kernels); without them attention runs on gathered pages and
-copies as before.
+torch on the CPU has no paged attention: without these kernels decode gathers every
+sequence's pages into one tensor per layer (index_select) and runs SDPA's flash kernel on
+the copy, and prefill runs it on copies of the new tokens' K and V with each KV head
+repeated for its query heads (after a cached prefix on the pages gathered too, two passes
+merged). The decode kernel scores each key where its page lies. The prefill kernel reads
+the span's pages, packs each key block once for all query blocks and heads that use it, and
+runs register-tiled flash attention, in float32 for bfloat16 too. With AMX, torch's flash
+kernel runs bfloat16 on the tiles and is faster, so it is kept there
+(`paged_prefill_attention`). bench/model_runner.py times whole passes with and without
+them.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ import ctypes
 import torch
 
 from common.cpu_features import cpu_flags, has_amx_bf16
-from common.model.cpu_kernels import load_library
+from common.model.cpu.library import load_library
 
 MAX_GROUPS, MAX_HEADS, MAX_HEAD_DIM = 16, 128, 256  # as in the C sources
 _SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
@@ -130,9 +126,7 @@ def paged_prefill_attention(device: torch.device, dtype: torch.dtype, heads: int
                             head_dim: int, *, always: bool = False) -> PagedPrefillAttention | None:
     """The prefill kernel for this model, or None: not the CPU, an unsupported shape, no
     build, or bfloat16 on a CPU with AMX, where torch's flash kernel runs on the tiles and
-    measured about 2x this one. With AVX-512 or AVX2 alone this one measured faster (on an
-    AVX2 AMD EPYC 1.2-1.5x in float32, 128 to 4k tokens). `always` takes it in that case
-    too, for its tests."""
+    is the faster one. `always` takes it in that case too, for its tests."""
     if not PagedPrefillAttention.supports(device, dtype, heads, kv_heads, head_dim):
         return None
     lib = load_library()

@@ -18,8 +18,8 @@
  * float32 in the tile unit's order; the result is rounded to bfloat16 once, as torch rounds
  * its product's float32 sum. Threads take contiguous ranges of column pairs.
  *
- * Compiled to a stub (amx_gemm_ready() == 0) where the compiler has no AMX (-march=native
- * on a CPU without it).
+ * Compiled to a stub (amx_gemm_ready() == 0) in every variant but amx (common/model/cpu/
+ * build.py), whose flags enable AMX.
  */
 #include <stdint.h>
 #include <string.h>

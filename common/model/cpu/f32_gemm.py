@@ -1,25 +1,15 @@
 """float32 products on AVX-512 or AVX2 that fetch the next weights while multiplying:
 csrc/f32_gemm.c.
 
-At decode's rows and short prompts' (1-256) a float32 product waits on its weight: the
-model's weights do not stay in cache between passes, and MKL's and oneDNN's products leave
-the memory idle while they multiply. On a 2-core AMX Xeon (29 GB/s read), SmolLM2's 120
-products of one pass, each layer's own weights (oneDNN packed / F.linear / this kernel):
-  8 rows  24.6 / 34.0 / 17.9 ms     32 rows  40.2 / 44.2 / 29.4 ms
-  128 rows  96-104 / 97-103 / 85-88 ms     256 rows  165 / 168 / 162 ms
-  1024 rows  604-640 / 605-648 / 637-683 ms
-and at 128 rows with one layer's weights hot in cache 81-85 ms for oneDNN as for this
-kernel: the difference is the weights' streaming, overlapped here. At 1024 rows and up
-oneDNN's and MKL's products run a little faster; the model's chooser (common.model.gemm)
-measures all of them per row bucket. Built for AVX2 (16-column panels, 6-row blocks) and
-run with torch held to AVX2 too (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2,
-MKL_ENABLE_INSTRUCTIONS=AVX2) on the same Xeon, the same passes took (packed / F.linear /
-this kernel): 1 row 22.5 / 15.4 / 16.7, 8 rows 35.2 / 39.3 / 20.1, 32 rows 56.7 / 61.9 /
-37.6, 128 rows 137 / 136 / 129, 512 rows 462 / 474 / 489 ms; and once a block's k loop ran
-as plain unrolled segments between its prefetches (csrc/f32_gemm.c), 128 rows 137-142 /
-137-139 / 123-128 and 1024 rows 907-931 / 909-942 / 910-922 ms (957-995 before). The
-weight is packed once into column panels of the build's width (`F32Gemm.panel`); where the
-CPU or the compiler has neither AVX-512F nor AVX2 with FMA, `f32_gemm()` is None.
+At decode's rows and short prompts' a float32 product waits on its weight: the model's
+weights do not stay in cache between passes, and MKL's and oneDNN's products leave the
+memory idle while they multiply. This kernel overlaps the two: the weight is packed once
+into column panels of the build's width (`F32Gemm.panel`: 32 columns for AVX-512, 16 for
+AVX2) and the next panel is prefetched during the current one's multiply-adds. At long
+prompts' rows the libraries' products are compute-bound and at least as fast. Which runs at
+a row count is the model's measured choice (common.model.cpu.gemm; bench/model_runner.py
+--kernel-tables prints the table). Where the loaded variant has neither AVX-512F nor AVX2
+with FMA (portable), `f32_gemm()` is None.
 """
 
 from __future__ import annotations
@@ -30,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.model.cpu_kernels import load_library
-from common.model.product_entry import ProductEntry
+from common.model.cpu.library import load_library
+from common.model.cpu.product_entry import ProductEntry
 
 
 class F32Gemm:

@@ -11,8 +11,8 @@
  * Softmax is online, per block of a page (16 keys, their scores one vector, in base 2):
  * running max, running sum, rescaled accumulator, all in float32. Ranges are merged by
  * their maxima at the end, as flash-decoding does.
- * Built by common/model/cpu_kernels.py with -O3 -march=native -fopenmp on the machine
- * that runs it. No -ffast-math: sums are in the order written, rounding is IEEE's, apart
+ * Built at install time by common/model/cpu/build.py (-O3 -fopenmp, once per instruction
+ * set; the loader picks the variant the CPU runs). No -ffast-math: sums are in the order written, rounding is IEEE's, apart
  * from exp (cpu_math.h).
  */
 #include <math.h>

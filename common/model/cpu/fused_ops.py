@@ -4,7 +4,7 @@ Per layer the torch path runs about twenty ops besides the four products and att
 casts, a residual add and an RMSNorm twice, RoPE (a cat, two products, an add), two KV
 index copies, silu and a product. At decode's row counts each costs its dispatch and often
 a thread wake-up more than its arithmetic; these three calls replace them. Built with the
-other CPU kernels (common.model.cpu_kernels); without them the model runs the torch ops.
+other CPU kernels (common.model.cpu.library); without them the model runs the torch ops.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from common.model.cpu_kernels import load_library
+from common.model.cpu.library import load_library
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
