@@ -22,6 +22,7 @@ from enum import Enum
 import torch
 
 from common import messages as msg
+from common.node.scheduling import check_transition
 from common.sampling_params import SamplingParams
 from common.stop import StopChecker
 from common.tokenizer import IncrementalDetokenizer
@@ -53,10 +54,6 @@ _TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
     DecodeState.FINISHED: frozenset(),
     DecodeState.FAILED: frozenset(),
 }
-
-
-class IllegalTransition(RuntimeError):
-    """A state change the lifecycle above does not allow (a scheduler bug)."""
 
 
 @dataclass(eq=False)
@@ -120,7 +117,6 @@ class DecodeReq:
         return self.num_input_tokens + len(self.output_ids)
 
     def advance(self, new: DecodeState) -> None:
-        """The one place a request changes state; illegal moves raise."""
-        if new not in _TRANSITIONS[self.state]:
-            raise IllegalTransition(f"request {self.rid}: {self.state.name} -> {new.name}")
+        """The one place a request changes state; illegal moves raise IllegalTransition."""
+        check_transition(_TRANSITIONS, self.rid, self.state, new)
         self.state = new

@@ -27,10 +27,11 @@ import zmq
 from common import messages as msg
 from common import stages
 from common.config import DecodeConfig
-from common.node.gateway_watch import GatewayWatch
-from common.ipc import PushPool, recv_messages
+from common.ipc import PushPool
 from common.kv_pool import pages_needed
 from common.model.runner import ModelRunner
+from common.node.gateway_watch import GatewayWatch
+from common.node.scheduling import RequestFailures
 from common.sampling_params import SamplingParams
 from common.stop import FinishReason
 from common.tokenizer import Tokenizer
@@ -110,21 +111,17 @@ class DecodeScheduler:
         self.push = PushPool(zmq.Context.instance())
         self.stats = DecodeStats(self)
         self.gateway_watch = GatewayWatch()
+        self.failures = RequestFailures(self.reqs, self._end, self.push, self.stats,
+                                        self.gateway_watch, notify_aborts=True)
         kv.on_late_write = self._on_late_write
 
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self) -> bool:
         """One iteration; returns whether a decode step ran (callers sleep briefly if not)."""
-        for m in recv_messages(self.request_socket, socket_name="decode_requests", max_frames=512):
-            if isinstance(m, msg.GenerateReq):
-                try:
-                    self._add_request(m, time.time())
-                except Exception as exc:  # noqa: BLE001 - one request never stops the node
-                    self._isolate(m.rid, m.reply_endpoint, "accepting it", exc)
-            elif isinstance(m, msg.AbortReq):
-                self.abort(m.rid, m.room, m.reason)
-        self._abort_orphans()
+        self.failures.drain(self.request_socket, "decode_requests",
+                            lambda g: self._add_request(g, time.time()))
+        self.failures.abort_orphans(self.clock())
         self._warm_peers()
         self._process_prealloc()
         self.kv.poll()
@@ -303,7 +300,7 @@ class DecodeScheduler:
             batch, out = self.running.step(self.allocator)
         except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the node goes on
             for r in list(self.running):
-                self._isolate(r.rid, r.generate.reply_endpoint, "decoding it", exc)
+                self.failures.isolate(r.rid, r.generate.reply_endpoint, "decoding it", exc)
             return False
         for i, r in enumerate(batch):
             try:
@@ -313,7 +310,8 @@ class DecodeScheduler:
                     self.running.remove(r)
                     self._finish(r, finish)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-                self._isolate(r.rid, r.generate.reply_endpoint, "emitting its token", exc)
+                self.failures.isolate(r.rid, r.generate.reply_endpoint, "emitting its token",
+                                      exc)
         self.stats.decode_step(self.clock(), len(batch))
         return True
 
@@ -366,12 +364,6 @@ class DecodeScheduler:
 
     # ---- abort and failure ---------------------------------------------------------------------
 
-    def _abort_orphans(self) -> None:
-        """Requests whose gateway is gone (killed, or restarted as another instance) end here."""
-        for r in self.gateway_watch.orphans(self.reqs.values(), lambda x: x.generate.gateway_id,
-                                              self.clock()):
-            self._fail(r, 499, "aborted: its gateway is gone")
-
     def _on_late_write(self, room: int, pages: list[int]) -> None:
         """A paused prefill node's write into `room` may have landed after its fence: any
         other request now holding one of those pages has wrong KV, so it fails (500)
@@ -384,33 +376,20 @@ class DecodeScheduler:
 
     def fail_all(self, status: int, error: str) -> None:
         """Fail every request this node holds (the drain timeout passed); the gateway hears."""
-        for r in list(self.reqs.values()):
-            self._fail(r, status, error)
-
-    def _isolate(self, rid: str, reply_endpoint: str, doing: str, exc: Exception) -> None:
-        """An exception while handling one request: that request fails (500), nothing else."""
-        logger.exception("request %s: %s while %s; failing it", rid, type(exc).__name__, doing)
-        error = f"internal error while {doing}: {type(exc).__name__}"
-        r = self.reqs.get(rid)
-        if r is not None:
-            try:
-                self._fail(r, 500, error)
-                return
-            except Exception:  # noqa: BLE001 - its state is beyond repair: forget it
-                logger.exception("request %s: could not fail it cleanly", rid)
-                self.reqs.pop(rid, None)
-        self.push.send(reply_endpoint, msg.ReqFailed(rid=rid, status=500, error=error))
-        self.stats.finished("error")
+        self.failures.fail_all(status, error)
 
     def abort(self, rid: str | None, room: int | None, reason: str) -> None:
         """Abort a request by rid or room wherever it is; the gateway gets ReqFailed 499."""
-        r = self.reqs.get(rid or "") or next(
-            (x for x in self.reqs.values() if room is not None and x.room == room), None)
-        if r is not None:
-            self._fail(r, 499, f"aborted: {reason}")
+        self.failures.abort(rid, room, reason)
 
-    def _fail(self, r: DecodeReq, status: int, error: str) -> None:
-        """Free everything r holds in whichever stage it is, and tell the gateway."""
+    def _end(self, r: DecodeReq, status: int, error: str, *, notify: bool,
+             peer_reason: str) -> None:
+        """How RequestFailures ends a request here: _fail (its receiver tells the prefill
+        side `error`; `peer_reason` is the prefill side's word for its own sender)."""
+        self._fail(r, status, error, notify)
+
+    def _fail(self, r: DecodeReq, status: int, error: str, notify: bool = True) -> None:
+        """Free everything r holds in whichever state it is; tell the gateway if `notify`."""
         state = r.state
         if state is DecodeState.PREALLOC:
             self.prealloc_queue.remove(r)
@@ -432,8 +411,9 @@ class DecodeScheduler:
         r.pages = []
         r.advance(DecodeState.FAILED)
         self.reqs.pop(r.rid, None)
-        self.push.send(r.generate.reply_endpoint, msg.ReqFailed(rid=r.rid, status=status,
-                                                                error=error))
+        if notify:
+            self.push.send(r.generate.reply_endpoint, msg.ReqFailed(rid=r.rid, status=status,
+                                                                    error=error))
         self.stats.finished("aborted" if status == 499 else "error")
 
     # ---- introspection -------------------------------------------------------------------------

@@ -9,6 +9,9 @@ One step (`step()`), like nano-vllm's:
      a request's last chunk samples its one token and sends the rest plus the aux data;
   6. inflight requests whose transfer succeeded put their pages in the radix cache and
      unlock it (the prefix stays cached); failed ones free what they hold.
+Each request's state (prefill_node/req_state.py) names the one place holding it, and moves
+at every queue change; aborts, failures and isolated exceptions go through
+common/node/scheduling.py, as on the decode node.
 """
 
 from __future__ import annotations
@@ -24,20 +27,23 @@ import zmq
 from common import messages as msg
 from common import stages
 from common.config import PrefillConfig
-from common.node.gateway_watch import GatewayWatch
-from common.ipc import PushPool, recv_messages
+from common.ipc import PushPool
 from common.kv_pool import pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
-from common.token_keys import TOKEN_BYTES
-from prefill_node.request import Req
+from common.node.gateway_watch import GatewayWatch
+from common.node.scheduling import RequestFailures
 from common.sampler import Sampler, make_generator
 from common.sampling_params import SamplingParams
+from common.token_keys import TOKEN_BYTES
 from common.work_done import WorkDone
 from prefill_node.cache_aware_orders import usable_prefix_len
+from prefill_node.integrity import check_requests
 from prefill_node.kv_events import KVEventPublisher
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
-from prefill_node.queues import BootstrapQueue, InflightQueue, PrefillState
+from prefill_node.queues import BootstrapQueue, InflightQueue
 from prefill_node.radix_cache import RadixCache
+from prefill_node.req_state import PrefillReq, PrefillState
+from prefill_node.request import Req
 from prefill_node.schedule_policy import SchedulePolicy
 from prefill_node.stats import PrefillStats
 from transfer.kv_manager import KVManager
@@ -68,32 +74,28 @@ class PrefillScheduler:
         self.bootstrap_queue = BootstrapQueue()
         self.waiting_queue: list[Req] = []
         self.inflight_queue = InflightQueue()
-        self.states: dict[str, PrefillState] = {}  # by rid, every request this node holds
-        self.chunked: PrefillState | None = None
+        self.states: dict[str, PrefillReq] = {}  # by rid, every request this node holds
+        self.chunked: PrefillReq | None = None  # the one PREFILLING request between rounds
         self.processed_tokens = 0  # HRRN's clock: tokens prefilled so far
         self.stats = PrefillStats(self)
         self.gateway_watch = GatewayWatch()
+        # A prefill abort tells the decode side (through the sender), not the gateway.
+        self.failures = RequestFailures(self.states, self._end, self.push, self.stats,
+                                        self.gateway_watch, notify_aborts=False)
         self._queued, self._queued_at = 0, -float("inf")  # queued_tokens' last answer
 
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self) -> bool:
         """One iteration; returns whether any model work ran (callers sleep briefly if not)."""
-        for m in recv_messages(self.request_socket, socket_name="prefill_requests", max_frames=512):
-            if isinstance(m, msg.GenerateReq):
-                try:
-                    self._add_request(m, time.time())
-                except Exception as exc:  # noqa: BLE001 - one request never stops the node
-                    self._isolate(m.rid, m.reply_endpoint, "accepting it", exc)
-            elif isinstance(m, msg.AbortReq):
-                self.abort(m.rid, m.room, m.reason)
-            elif isinstance(m, msg.KVSnapshotRequest) and self.events is not None:
-                self.events.request_snapshot()
+        self.failures.drain(self.request_socket, "prefill_requests",
+                            lambda g: self._add_request(g, time.time()), self._on_message)
         self.kv.poll()
-        self._abort_orphans()
+        self.failures.abort_orphans(self.clock())
         ready, failed = self.bootstrap_queue.pop_bootstrapped()
         now = time.time()
         for s in ready:
+            s.advance(PrefillState.WAITING)
             s.marks[stages.PREFILL_BOOTSTRAPPED] = now
             s.req.enter_waiting_queue(self.clock(), self.processed_tokens)
             self.waiting_queue.append(s.req)
@@ -111,6 +113,10 @@ class PrefillScheduler:
         if self.events is not None and self.tree is not None:
             self.events.flush(self.queued_tokens, self.tree.page_hashes)
         return bool(chunks)
+
+    def _on_message(self, m: msg.Message) -> None:
+        if isinstance(m, msg.KVSnapshotRequest) and self.events is not None:
+            self.events.request_snapshot()
 
     def queued_tokens(self) -> int:
         """Prompt tokens this node has still to compute (the precise router's load): a
@@ -169,10 +175,10 @@ class PrefillScheduler:
         req = Req(rid=g.rid, room=g.room, origin_input_ids=list(g.input_ids), max_new_tokens=1,
                   priority=g.priority, routing_key=g.routing_key, arrival_time=g.arrival_time,
                   cache_salt=g.cache_salt)
-        state = PrefillState(req, g, sampling, self.kv.create_sender(g.room, n),
-                             marks={stages.PREFILL_RECEIVED: received})
-        self.states[g.rid] = state
-        self.bootstrap_queue.add(state)
+        s = PrefillReq(req, g, sampling, self.kv.create_sender(g.room, n),
+                       marks={stages.PREFILL_RECEIVED: received})
+        self.states[g.rid] = s
+        self.bootstrap_queue.add(s)
         self.stats.prompt_tokens(n)
 
     def _is_queue_full(self) -> bool:
@@ -245,6 +251,7 @@ class PrefillScheduler:
     def _admit(self, req: Req, prefix_pages: list[int], chunk: PrefillChunk) -> None:
         self.waiting_queue.remove(req)
         s = self.states[req.rid]
+        s.advance(PrefillState.PREFILLING)
         s.pages, s.num_prefix_pages = list(prefix_pages), len(prefix_pages)
         s.num_computed = s.num_cached_tokens = chunk.start
         s.locked_node = chunk.locked_node
@@ -264,6 +271,7 @@ class PrefillScheduler:
             if self.chunked is s:
                 self.chunked = None
             s.num_computed = 0
+            s.advance(PrefillState.WAITING)
             self.waiting_queue.append(s.req)
             return False
         s.pages += self.allocator.allocate(need)
@@ -272,24 +280,25 @@ class PrefillScheduler:
     # ---- model run and KV sending -----------------------------------------------------------
 
     def _run(self, chunks: list[PrefillChunk]) -> None:
-        states = [self.states[c.req.rid] for c in chunks]
+        reqs = [self.states[c.req.rid] for c in chunks]
         try:
             out = self.runner.extend([ExtendRequest(c.req.origin_input_ids[c.start : c.end],
                                                     c.start, s.pages)
-                                      for c, s in zip(chunks, states)])
+                                      for c, s in zip(chunks, reqs)])
         except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the node goes on
-            for s in states:
-                self._isolate(s.req.rid, s.generate.reply_endpoint, "prefilling it", exc)
+            for s in reqs:
+                self.failures.isolate(s.rid, s.generate.reply_endpoint, "prefilling it", exc)
             return
         self.processed_tokens += sum(c.extend_len for c in chunks)
         self.stats.prefill_tokens(sum(c.extend_len for c in chunks))
-        for i, (c, s) in enumerate(zip(chunks, states)):
+        for i, (c, s) in enumerate(zip(chunks, reqs)):
             try:
                 self._finish_chunk(c, s, out.logits[i : i + 1], out.done)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-                self._isolate(s.req.rid, s.generate.reply_endpoint, "finishing its chunk", exc)
+                self.failures.isolate(s.rid, s.generate.reply_endpoint, "finishing its chunk",
+                                      exc)
 
-    def _finish_chunk(self, c: PrefillChunk, s: PrefillState, logits: torch.Tensor,
+    def _finish_chunk(self, c: PrefillChunk, s: PrefillReq, logits: torch.Tensor,
                       done: WorkDone) -> None:
         """Cache and send what chunk `c` computed; its last chunk samples the first token.
         `done` marks the end of the forward that wrote the chunk's KV: the sender posts no
@@ -311,23 +320,8 @@ class PrefillScheduler:
                                               top_logprobs=list(top), marks=dict(s.marks),
                                               num_cached_tokens=s.num_cached_tokens),
                       ready=done)
+        s.advance(PrefillState.TRANSFERRING)
         self.inflight_queue.add(s)
-
-    def _isolate(self, rid: str, reply_endpoint: str, doing: str, exc: Exception) -> None:
-        """An exception while handling one request: that request fails (500), nothing else."""
-        logger.exception("request %s: %s while %s; failing it", rid, type(exc).__name__, doing)
-        s = self.states.get(rid)
-        if s is not None:
-            try:
-                s.sender.abort(f"internal error while {doing}")
-                self._fail(s, 500, f"internal error while {doing}: {type(exc).__name__}")
-                return
-            except Exception:  # noqa: BLE001 - its state is beyond repair: forget it
-                logger.exception("request %s: could not fail it cleanly", rid)
-                self.states.pop(rid, None)
-        self.push.send(reply_endpoint, msg.ReqFailed(
-            rid=rid, status=500, error=f"internal error while {doing}: {type(exc).__name__}"))
-        self.stats.finished("error")
 
     def _process_inflight(self) -> None:
         done, failed = self.inflight_queue.pop_done()
@@ -337,7 +331,7 @@ class PrefillScheduler:
         for s in failed:
             self._fail(s, 500, f"KV transfer failed: {s.sender.failure_reason}")
 
-    def _cache_prefix(self, s: PrefillState) -> None:
+    def _cache_prefix(self, s: PrefillReq) -> None:
         """Put the whole pages computed so far into the radix cache right away (as SGLang's
         cache_unfinished_req does), so requests scheduled next round share them even while
         this one is still chunking or transferring; its lock moves to the new node."""
@@ -361,49 +355,48 @@ class PrefillScheduler:
         s.pages[:num_whole] = match.page_ids
         s.num_prefix_pages, s.locked_node = num_whole, match.last_node
 
-    def _cache_and_release(self, s: PrefillState) -> None:
+    def _cache_and_release(self, s: PrefillReq) -> None:
         """The transfer is done: unlock the prompt's cached pages (they stay cached)."""
+        s.advance(PrefillState.FINISHED)
         self._release(s)
         self._forget(s)
 
     # ---- abort and failure ------------------------------------------------------------------
 
-    def _abort_orphans(self) -> None:
-        """Requests whose gateway is gone (killed, or restarted as another instance) end here."""
-        for s in self.gateway_watch.orphans(self.states.values(), lambda x: x.generate.gateway_id,
-                                              self.clock()):
-            s.sender.abort("its gateway is gone")
-            self._fail(s, 499, "aborted: its gateway is gone", notify=False)
-
     def fail_all(self, status: int, error: str) -> None:
         """Fail every request this node holds (the drain timeout passed); the gateway hears."""
-        for s in list(self.states.values()):
-            s.sender.abort(error)
-            self._fail(s, status, error)
+        self.failures.fail_all(status, error)
 
     def abort(self, rid: str | None, room: int | None, reason: str) -> None:
-        s = self.states.get(rid or "") or next(
-            (x for x in self.states.values() if x.req.room == room), None)
-        if s is None:
-            return
-        s.sender.abort(f"aborted: {reason}")
-        self._fail(s, 499, f"aborted: {reason}", notify=False)
+        """Abort a request by rid or room wherever it is; its decode side hears, not the gateway."""
+        self.failures.abort(rid, room, reason)
 
-    def _fail(self, s: PrefillState, status: int, error: str, notify: bool = True) -> None:
-        self.bootstrap_queue.remove(s)
-        self.inflight_queue.remove(s)
-        if s.req in self.waiting_queue:
+    def _end(self, s: PrefillReq, status: int, error: str, *, notify: bool,
+             peer_reason: str) -> None:
+        """How RequestFailures ends a request here: its decode side first, then _fail."""
+        s.sender.abort(peer_reason)
+        self._fail(s, status, error, notify)
+
+    def _fail(self, s: PrefillReq, status: int, error: str, notify: bool = True) -> None:
+        """Take s out of the queue its state names, free what it holds, tell the gateway."""
+        if s.state is PrefillState.BOOTSTRAP:
+            self.bootstrap_queue.remove(s)  # a failed handshake has left it already
+        elif s.state is PrefillState.WAITING:
             self.waiting_queue.remove(s.req)
-        if self.chunked is s:
-            self.chunked = None
+        elif s.state is PrefillState.PREFILLING:
+            if self.chunked is s:  # otherwise it is in this round's batch: no queue holds it
+                self.chunked = None
+        elif s.state is PrefillState.TRANSFERRING:
+            self.inflight_queue.remove(s)  # a failed transfer has left it already
+        s.advance(PrefillState.FAILED)
         self._release(s)
         self._forget(s)
         if notify:
-            self.push.send(s.generate.reply_endpoint, msg.ReqFailed(rid=s.req.rid, status=status,
+            self.push.send(s.generate.reply_endpoint, msg.ReqFailed(rid=s.rid, status=status,
                                                                      error=error))
         self.stats.finished("aborted" if status == 499 else "error")
 
-    def _release(self, s: PrefillState) -> None:
+    def _release(self, s: PrefillReq) -> None:
         """Free the request's own pages and unlock its cached prefix."""
         if s.own_pages or s.duplicate_pages:
             self.allocator.free(s.own_pages + s.duplicate_pages)
@@ -411,11 +404,13 @@ class PrefillScheduler:
             self.tree.dec_lock_ref(s.locked_node)
         s.pages, s.num_prefix_pages, s.locked_node, s.duplicate_pages = [], 0, None, []
 
-    def _forget(self, s: PrefillState) -> None:
+    def _forget(self, s: PrefillReq) -> None:
         self.states.pop(s.req.rid, None)
         s.sender.clear()
 
     def check_integrity(self) -> None:
+        """Every request sits in its state's queue; every used page is cached or one request's own."""
         self.allocator.check_integrity()
         if self.tree is not None:
             self.tree.check_integrity()
+        check_requests(self)

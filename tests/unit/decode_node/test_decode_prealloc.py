@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from common import messages as msg
+from common.node.scheduling import IllegalTransition
 from common.sampling_params import SamplingParams
 from common.stop import StopChecker
 from decode_node.prealloc_queue import (
@@ -16,7 +17,7 @@ from decode_node.prealloc_queue import (
     admit_preallocated,
     resume_retracted,
 )
-from decode_node.req import DecodeReq, DecodeState, IllegalTransition
+from decode_node.req import DecodeReq, DecodeState
 from transfer.kv_poll import KVPoll
 
 PAGE = 4

@@ -14,6 +14,7 @@ from common.config import ModelConfig, PrefillConfig
 from common.ipc import bind_pull, recv_messages
 from common.kv_pool import KVPool, pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
+from prefill_node.req_state import PrefillState
 from prefill_node.scheduler import PrefillScheduler
 from tests.support.tolerance import assert_close_scaled
 from transfer.kv_manager import KVManager
@@ -413,3 +414,94 @@ def test_running_requests_are_capped(model_dir):
             _check_landed(h, rec, pages, ids[r])
     finally:
         h.close()
+
+
+def _run_checked(h, cond, seen, timeout=10.0):
+    """run_until, with the scheduler's integrity checked and each request's state noted
+    after every step."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        h.sched.step()
+        h.sched.check_integrity()
+        for rid, s in h.sched.states.items():
+            seen.setdefault(rid, []).append(s.state)
+        h.decode.poll()
+        h.replies += recv_messages(h.reply_sock)
+        assert time.monotonic() < deadline, "condition not reached"
+
+
+def test_each_request_state_matches_its_queue_after_every_step(model_dir):
+    """Two chunked requests, one running at a time: between steps each sits in the queue its
+    state names; an abort in the waiting queue takes it out of that queue alone."""
+    h = Harness(model_dir, max_running_requests=1, chunked_prefill_size=8, max_prefill_tokens=8)
+    try:
+        ids = {r: _prompt(21, 60 + r) for r in (0, 1, 2)}
+        for r, prompt in ids.items():
+            h.submit(f"r{r}", 60 + r, prompt)
+        seen: dict[str, list[PrefillState]] = {}
+        _run_checked(h, lambda: len(h.sched.states) == 3, seen)
+        assert all(s.state is PrefillState.BOOTSTRAP for s in h.sched.states.values())
+        got = {r: h.receive(60 + r, len(ids[r])) for r in ids}
+        _run_checked(h, lambda: h.sched.states["r1"].state is PrefillState.WAITING
+                     and h.sched.chunked is not None, seen)
+        h.sched.abort("r1", None, "client went away")
+        assert "r1" not in h.sched.states
+        h.sched.check_integrity()
+        _run_checked(h, lambda: not h.sched.states, seen)
+        for r in (0, 2):
+            assert got[r][0].poll() is KVPoll.Success
+            _check_landed(h, *got[r], ids[r])
+        assert got[1][0].poll() is KVPoll.Failed
+        # Between steps: waiting (r0 ran as soon as it was bootstrapped), the chunk in
+        # progress, the pages in flight.
+        assert {PrefillState.PREFILLING, PrefillState.TRANSFERRING} <= set(seen["r0"])
+        assert {PrefillState.WAITING, PrefillState.PREFILLING,
+                PrefillState.TRANSFERRING} <= set(seen["r2"]), seen["r2"]
+        assert h.sched.stats.num_held_pages() == 0
+    finally:
+        h.close()
+
+
+def test_the_integrity_check_catches_a_state_that_disagrees_with_its_queue(model_dir):
+    h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
+    try:
+        ids = _prompt(37, 70)
+        h.submit("a", 70, ids)
+        h.run_until(lambda: "a" in h.sched.states)
+        s = h.sched.states["a"]
+        h.sched.check_integrity()
+        s.state = PrefillState.WAITING  # still in the bootstrap queue
+        with pytest.raises(AssertionError, match="a in the bootstrap queue is waiting"):
+            h.sched.check_integrity()
+        s.state = PrefillState.BOOTSTRAP
+        h.sched.bootstrap_queue.remove(s)  # moved without its state: waiting, says BOOTSTRAP
+        h.sched.waiting_queue.append(s.req)
+        with pytest.raises(AssertionError, match="a in the waiting queue is bootstrap"):
+            h.sched.check_integrity()
+        h.sched.waiting_queue.remove(s.req)  # in no queue at all
+        with pytest.raises(AssertionError, match="queues and the request table disagree"):
+            h.sched.check_integrity()
+        h.sched.bootstrap_queue.add(s)
+        h.receive(70, len(ids))
+        h.run_until(lambda: h.sched.chunked is s)
+        h.sched.check_integrity()
+        s.state = PrefillState.TRANSFERRING  # the chunked request is still prefilling
+        with pytest.raises(AssertionError, match="a in the prefilling queue is transferring"):
+            h.sched.check_integrity()
+        s.state = PrefillState.PREFILLING
+        s.pages.pop()  # fewer pages than the tokens it computed
+        with pytest.raises(AssertionError, match="pages for"):
+            h.sched.check_integrity()
+    finally:
+        h.close()
+
+
+def test_the_integrity_check_catches_a_page_nobody_owns(h):
+    ids = _prompt(23, 71)
+    h.submit("a", 71, ids)
+    receiver, _ = h.receive(71, len(ids))
+    h.run_until(lambda: receiver.poll() is KVPoll.Success and not h.sched.states)
+    h.sched.check_integrity()
+    h.runner.pool.allocator.allocate(1)  # behind the scheduler's back
+    with pytest.raises(AssertionError, match="0 pages owned and 5 cached but 6 used"):
+        h.sched.check_integrity()
