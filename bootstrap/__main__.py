@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bootstrap.api_keys import ApiKeyError
-from bootstrap.registry import DEFAULT_LEASE_S
-from bootstrap.router import DEFAULT_AFFINITY_TOKENS, DEFAULT_EPSILON
 from common import metrics, socket_auth
 from common.config import BootstrapConfig, ConfigError, add_bootstrap_args
 from common.ready import READY_PREFIX, ready_line  # noqa: F401  (READY_PREFIX: for tests)
@@ -34,57 +32,21 @@ logger = logging.getLogger("bootstrap")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve bootstrap", description=__doc__)
     add_bootstrap_args(parser)
-    add = parser.add_argument
-    add(
-        "--lease-timeout",
-        type=float,
-        default=DEFAULT_LEASE_S,
-        help="seconds without a heartbeat before a node is dropped and its requests fail",
-    )
-    add(
-        "--advertise-host",
-        default=None,
-        help="address nodes use to reach the gateway's reply socket (default: --host)",
-    )
-    add("--reply-port", type=int, default=0, help="zmq port for node replies (0: any free port)")
-    add(
-        "--prefix-affinity-tokens",
-        type=int,
-        default=DEFAULT_AFFINITY_TOKENS,
-        help="leading prompt tokens hashed for prefill affinity",
-    )
-    add(
-        "--load-balance-epsilon",
-        type=float,
-        default=DEFAULT_EPSILON,
-        help="bounded-load slack: a prefill node over (1+eps) x average load is skipped",
-    )
-    add("--served-model-name", default=None, help="model id in the API (default: from the path)")
-    add("--log-level", default="INFO")
     return parser
 
 
-def _check_flags(ns: argparse.Namespace) -> None:
-    if ns.lease_timeout <= 0:
-        raise ConfigError(f"--lease-timeout must be > 0, got {ns.lease_timeout}")
-    if ns.prefix_affinity_tokens < 1:
-        raise ConfigError(f"--prefix-affinity-tokens must be >= 1, got {ns.prefix_affinity_tokens}")
-    if ns.load_balance_epsilon <= 0:
-        raise ConfigError(f"--load-balance-epsilon must be > 0, got {ns.load_balance_epsilon}")
-
-
-def _settings(ns: argparse.Namespace, config: BootstrapConfig) -> GatewaySettings:
+def _settings(config: BootstrapConfig) -> GatewaySettings:
     from bootstrap.service import GatewaySettings
 
-    advertise = ns.advertise_host
+    advertise = config.advertise_host
     if advertise is None and config.host in ("0.0.0.0", "::", ""):
         advertise = socket.gethostbyname(socket.gethostname())
     return GatewaySettings(
-        lease_s=ns.lease_timeout,
-        affinity_tokens=ns.prefix_affinity_tokens,
-        epsilon=ns.load_balance_epsilon,
+        lease_s=config.lease_s,
+        affinity_tokens=config.prefix_affinity_tokens,
+        epsilon=config.load_balance_epsilon,
         reply_host=config.host or "127.0.0.1",
-        reply_port=ns.reply_port,
+        reply_port=config.reply_port,
         advertise_host=advertise,
     )
 
@@ -98,9 +60,7 @@ def _model_name(model_path: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def build_service(
-    config: BootstrapConfig, settings: GatewaySettings, served_model_name: str | None = None
-) -> BootstrapService:
+def build_service(config: BootstrapConfig, settings: GatewaySettings) -> BootstrapService:
     """Load the tokenizer of the model and compose the service."""
     from bootstrap.service import BootstrapService
     from common.model.loader import resolve_model_dir
@@ -115,7 +75,7 @@ def build_service(
         tokenizer,
         settings=settings,
         context_length=context_length,
-        model_name=served_model_name or _model_name(config.model_path),
+        model_name=config.served_model_name or _model_name(config.model_path),
     )
 
 
@@ -123,23 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         config = BootstrapConfig.from_args(ns)
-        _check_flags(ns)
     except ConfigError as exc:
         print(f"pdserve bootstrap: error: {exc}", file=sys.stderr)
         return 2
     from bootstrap.server import BootstrapServer
 
-    settings = _settings(ns, config)
+    settings = _settings(config)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # kill -USR1: stacks
     logging.basicConfig(
-        level=getattr(logging, ns.log_level.upper(), logging.INFO),
+        level=getattr(logging, config.log_level.upper(), logging.INFO),
         stream=sys.stderr,
         format="%(asctime)s bootstrap %(levelname)s %(name)s: %(message)s",
     )
     metrics.set_role("bootstrap")
     socket_auth.configure(config.auth_token)  # before any socket: every zmq socket is CURVE
     try:
-        service = build_service(config, settings, ns.served_model_name)
+        service = build_service(config, settings)
     except ApiKeyError as exc:
         print(f"pdserve bootstrap: error: {exc}", file=sys.stderr)
         return 2
@@ -151,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         config.host,
         config.port,
         config.bootstrap_port,
-        log_level="warning" if ns.log_level.upper() != "DEBUG" else "debug",
+        log_level="warning" if config.log_level.upper() != "DEBUG" else "debug",
     )
 
     def announce(info: dict[str, object]) -> None:

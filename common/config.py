@@ -26,6 +26,9 @@ _DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
 PREFILL_ROUTERS = ("precise", "affinity", "round-robin", "random")
+# The cluster's lease: a node (to the registry) or a transfer peer (to a room) silent this
+# long is gone. bootstrap/registry.py's DEFAULT_LEASE_S; tests keep the two equal.
+DEFAULT_LEASE_S = 10.0
 
 class ConfigError(ValueError):
     """An invalid flag value or combination; the one-line message says what and how to fix it."""
@@ -66,10 +69,12 @@ def _env_auth_token() -> str | None:
     return os.environ.get("PDSERVE_AUTH_TOKEN") or None
 
 
+NESTED_CONFIGS = ("model", "transfer", "node")  # fields that hold a config, built by the caller
+
+
 def _field_values(cls: type[Any], source: object) -> dict[str, Any]:
     # Every flag's dest is its field's name, so a namespace and a config read alike.
-    nested = ("model", "transfer")  # built by the caller
-    return {f.name: getattr(source, f.name) for f in fields(cls) if f.name not in nested}
+    return {f.name: getattr(source, f.name) for f in fields(cls) if f.name not in NESTED_CONFIGS}
 
 
 @dataclass(frozen=True)
@@ -83,11 +88,12 @@ class ModelConfig:
     page_size: int = 16
     max_total_tokens: int | None = None
     kv_cache_memory_gb: float | None = None  # pool budget when max_total_tokens is not given
-    # CPU: a oneDNN-packed copy of every weight matrix beside the plain one (twice the
-    # weight memory), one of the product kernels decode chooses from (common.model.gemm)
+    # CPU: packed copies of every weight matrix beside the plain one (oneDNN's or AMX's, and
+    # the float32 panels), kernels warm-up chooses from (common.model.cpu.gemm); the copies
+    # no row count chose are dropped after warm-up
     pack_weights: bool = True
-    # CPU: the C kernels of common.model.cpu_kernels (decode attention over the KV pages in
-    # place, the fused per-layer steps), built on first use with the machine's C compiler
+    # CPU: the C kernels of common.model.cpu.library (attention over the KV pages in place,
+    # the fused per-layer steps, the AMX and panel products), built at install time
     cpu_kernels: bool = True
     # the pool as a fraction of the device's memory less what is in use after the weights
     # and a warm-up forward (common.model.memory); None: 0.85 on CUDA, 2 GiB on the CPU
@@ -146,19 +152,18 @@ class TransferConfig:
     """How a node reaches the bootstrap registry and moves KV pages to its peer."""
 
     backend: str = "nixl"
-    bootstrap_port: int = 8998
     bootstrap_timeout_s: float = 300.0
     waiting_timeout_s: float = 300.0
-    # A room whose peer stops renewing for this long fails and its pages are freed.
-    lease_s: float = 10.0
+    # A room whose peer stops renewing for this long fails and its pages are freed; the
+    # cluster's one lease (the registry drops a silent node after as long: --lease-timeout).
+    lease_s: float = DEFAULT_LEASE_S
     auth_token: str | None = field(default_factory=_env_auth_token)
 
     def __post_init__(self) -> None:
         _check_choice(self.backend, TRANSFER_BACKENDS, "--disaggregation-transfer-backend")
-        _check_port(self.bootstrap_port, "--disaggregation-bootstrap-port")
         _check_positive(self.bootstrap_timeout_s, "--disaggregation-bootstrap-timeout")
         _check_positive(self.waiting_timeout_s, "--disaggregation-waiting-timeout")
-        _check_positive(self.lease_s, "--disaggregation-lease-timeout")
+        _check_positive(self.lease_s, "--lease-timeout")
         _check(self.auth_token != "", "--auth-token is empty; pass a non-empty token or omit it")
 
     @classmethod
@@ -167,13 +172,44 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class NodeConfig:
+    """What every node process takes beyond its role: its name, registry, reachable address,
+    zmq ports, shutdown drain and log level."""
+
+    node_id: str | None = None  # None: <role>-<host name>-<pid>
+    bootstrap_urls: tuple[str, ...] = ()  # registry replicas; none: the node runs standalone
+    advertise_host: str | None = None  # how peers reach this node; None: --host
+    request_port: int = 0  # 0: any free port
+    control_port: int = 0  # KV transfer control; 0: any free port
+    drain_timeout_s: float = 30.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        _check_port(self.request_port, "--request-port")
+        _check_port(self.control_port, "--control-port")
+        _check_non_negative(self.drain_timeout_s, "--drain-timeout")
+        _check(self.node_id != "", "--node-id is empty; pass a name or omit it")
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> Self:
+        values = _field_values(cls, ns)
+        # Repeated flags and comma-separated lists alike: one URL per replica.
+        values["bootstrap_urls"] = tuple(
+            url.strip() for value in values["bootstrap_urls"] or () for url in value.split(",")
+            if url.strip())
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class PrefillConfig:
-    """A prefill node: model, transfer, HTTP endpoint and scheduling."""
+    """A prefill node: model, transfer, process, HTTP endpoint and scheduling."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
     host: str = "127.0.0.1"
     port: int = 30000  # /health and /metrics
+    kv_events_port: int = 0  # zmq PUB of the radix cache's events; 0: any free port
     schedule_policy: str = "fcfs"
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 8192  # SGLang's flag: -1 disables chunking
@@ -201,6 +237,7 @@ class PrefillConfig:
     def __post_init__(self) -> None:
         page, chunk = self.model.page_size, self.chunked_prefill_size
         _check_port(self.port, "--port")
+        _check_port(self.kv_events_port, "--kv-events-port")
         _check_choice(self.schedule_policy, SCHEDULE_POLICIES, "--schedule-policy")
         _check(
             self.schedule_policy != "shortest-prefill-first" or not self.disable_radix_cache,
@@ -242,18 +279,25 @@ class PrefillConfig:
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> Self:
-        model, transfer = ModelConfig.from_args(ns), TransferConfig.from_args(ns)
-        return cls(model=model, transfer=transfer, **_field_values(cls, ns))
+        return cls(**_nested_configs(ns), **_field_values(cls, ns))
+
+
+def _nested_configs(ns: argparse.Namespace) -> dict[str, Any]:
+    return {"model": ModelConfig.from_args(ns), "transfer": TransferConfig.from_args(ns),
+            "node": NodeConfig.from_args(ns)}
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """A decode node: model, transfer, HTTP endpoint, batch limits and retraction."""
+    """A decode node: model, transfer, process, HTTP endpoint, batch limits and retraction."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
     host: str = "127.0.0.1"
     port: int = 30001  # /health and /metrics
+    # "ID=ENDPOINT": a prefill node's KV control endpoint known without a registry.
+    prefill_endpoints: tuple[str, ...] = ()
     max_running_requests: int | None = None  # None: derived from the pool size later
     max_queued_requests: int | None = None  # None: unlimited
     enable_priority_scheduling: bool = False
@@ -282,11 +326,19 @@ class DecodeConfig:
         _check_non_negative(self.schedule_conservativeness, "--schedule-conservativeness")
         _check_non_negative(self.priority_scheduling_preemption_threshold,
                             "--priority-scheduling-preemption-threshold")
+        _check(all(item.split("=", 1)[0] and "=" in item for item in self.prefill_endpoints),
+               f"--prefill-endpoint {self.prefill_endpoints} must be ID=ENDPOINT")
+
+    @property
+    def static_prefill_endpoints(self) -> dict[str, str]:
+        """Prefill node id -> its KV control endpoint, from --prefill-endpoint."""
+        return dict(item.split("=", 1) for item in self.prefill_endpoints)
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> Self:
-        model, transfer = ModelConfig.from_args(ns), TransferConfig.from_args(ns)
-        return cls(model=model, transfer=transfer, **_field_values(cls, ns))
+        values = _field_values(cls, ns)
+        values["prefill_endpoints"] = tuple(values["prefill_endpoints"] or ())
+        return cls(**_nested_configs(ns), **values)
 
 
 @dataclass(frozen=True)
@@ -309,9 +361,22 @@ class BootstrapConfig:
     # How the gateway picks a prefill node (bootstrap/router.py): precise (from the nodes'
     # KV events), affinity (consistent hashing of the prompt's head), round-robin, random.
     prefill_router: str = "precise"
+    lease_s: float = DEFAULT_LEASE_S  # a node silent this long is dropped, its requests fail
+    advertise_host: str | None = None  # how nodes reach the reply socket; None: --host
+    reply_port: int = 0  # zmq PULL of the nodes' replies; 0: any free port
+    # bootstrap/router.py's DEFAULT_AFFINITY_TOKENS and DEFAULT_EPSILON
+    prefix_affinity_tokens: int = 32
+    load_balance_epsilon: float = 0.25
+    served_model_name: str | None = None  # None: from --model-path
+    log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--port")
+        _check_port(self.reply_port, "--reply-port")
+        _check_positive(self.lease_s, "--lease-timeout")
+        _check(self.prefix_affinity_tokens >= 1,
+               f"--prefix-affinity-tokens must be >= 1, got {self.prefix_affinity_tokens}")
+        _check_positive(self.load_balance_epsilon, "--load-balance-epsilon")
         _check(self.prefill_router in PREFILL_ROUTERS,
                f"--prefill-router {self.prefill_router!r}: choose one of "
                f"{', '.join(PREFILL_ROUTERS)}")
@@ -347,9 +412,15 @@ def _add_model_identity_args(parser: Parser) -> None:
     parser.add_argument("--context-length", type=int, help="unset: the model's")
 
 
-def _add_registry_args(parser: Parser) -> None:
-    parser.add_argument("--disaggregation-bootstrap-port", dest="bootstrap_port", type=int)
-    parser.add_argument("--auth-token", help="registry secret; unset: $PDSERVE_AUTH_TOKEN")
+def _add_cluster_args(parser: Parser) -> None:
+    add = parser.add_argument
+    add("--auth-token", help="registry secret; unset: $PDSERVE_AUTH_TOKEN")
+    add("--lease-timeout", dest="lease_s", type=float,
+        help="the cluster's lease: seconds without a heartbeat before the registry drops a "
+             "node and fails its requests, and before a KV transfer room whose peer stopped "
+             "renewing fails and frees its pages (default 10)")
+    add("--advertise-host", help="address peers reach this process at (default: --host)")
+    add("--log-level")
 
 
 def _add_node_args(parser: Parser) -> None:
@@ -364,6 +435,19 @@ def _add_node_args(parser: Parser) -> None:
              "unlimited)")
     add("--enable-priority-scheduling", action="store_true")
     add("--schedule-low-priority-values-first", action="store_true")
+    add("--node-id", help="unique node name (default: <role>-<host>-<pid>)")
+    add("--bootstrap-url", dest="bootstrap_urls", action="append",
+        help="registry URL of a bootstrap replica, e.g. http://127.0.0.1:8998; repeat (or "
+             "separate with commas) for several replicas; a host name that resolves to "
+             "several addresses (a headless Service) is one replica per address "
+             "(default: run standalone)")
+    add("--request-port", type=int, help="zmq port for requests (0: any free port)")
+    add("--control-port", type=int, help="zmq port for KV transfer control (0: any)")
+    add("--drain-timeout", dest="drain_timeout_s", type=float,
+        help="on SIGTERM, seconds to let running requests finish; those still running then "
+             "get a clean 503 error (default 30)")
+    parser.set_defaults(**_field_values(NodeConfig, NodeConfig()))
+    parser.set_defaults(bootstrap_urls=None)  # argparse's append needs a list or None
 
 
 def add_model_args(parser: Parser) -> None:
@@ -390,28 +474,25 @@ def add_model_args(parser: Parser) -> None:
         help="CUDA: capture decode graphs for batch buckets 1, 2, 4, 8, 16, 32, ... up to this")
     add("--disable-cuda-graph", action="store_true", help="CUDA: decode without graphs")
     add("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
-        help="CPU: run the model on torch's ops only, without the C kernels built on first use "
-             "with gcc/cc or $CC (decode attention over the KV pages in place, fused "
-             "per-layer steps)")
+        help="CPU: run the model on torch's ops only, without the C kernels built at install "
+             "time (attention over the KV pages in place, fused per-layer steps, the AMX and "
+             "panel products)")
     parser.set_defaults(**_field_values(ModelConfig, ModelConfig()))
 
 
-def add_transfer_args(parser: Parser) -> None:
-    """Add the KV transfer and bootstrap registry flags."""
+def add_transfer_args(parser: Parser, *, has_backend: bool = True) -> None:
+    """Add the KV transfer flags and the cluster's (token, lease, address, log level);
+    `has_backend`: False where the backend is fixed (colocated: in-memory)."""
     add = parser.add_argument
-    add("--disaggregation-transfer-backend", dest="backend", help=", ".join(TRANSFER_BACKENDS))
-    _add_registry_args(parser)
+    if has_backend:
+        add("--disaggregation-transfer-backend", dest="backend", help=", ".join(TRANSFER_BACKENDS))
+    _add_cluster_args(parser)
     add("--disaggregation-bootstrap-timeout", dest="bootstrap_timeout_s", type=float)
     add("--disaggregation-waiting-timeout", dest="waiting_timeout_s", type=float)
-    add("--disaggregation-lease-timeout", dest="lease_s", type=float)
     parser.set_defaults(**_field_values(TransferConfig, TransferConfig()))
 
 
-def add_prefill_args(parser: Parser) -> None:
-    """Add every prefill node flag, the model and transfer ones included."""
-    add_model_args(parser)
-    add_transfer_args(parser)
-    _add_node_args(parser)
+def _add_prefill_only_args(parser: Parser) -> None:
     add = parser.add_argument
     add("--schedule-policy", help=", ".join(SCHEDULE_POLICIES))
     add("--max-prefill-tokens", type=int)
@@ -427,41 +508,83 @@ def add_prefill_args(parser: Parser) -> None:
         help="on: dfs-weight puts in-batch dedup's deprioritized requests last; off: as SGLang")
     add("--lpm-length-aware", action="store_true",
         help="lpm sorts on cached minus uncached tokens (not in SGLang)")
+    add("--kv-events-port", type=int,
+        help="zmq PUB port of the node's KV cache events, which every gateway subscribes to "
+             "for precise prefix routing (0: any free port)")
+
+
+def _add_decode_only_args(parser: Parser) -> None:
+    add = parser.add_argument
+    add("--retraction-policy", help=", ".join(RETRACTION_POLICIES))
+    add("--num-reserved-decode-tokens", type=int)
+    add("--schedule-conservativeness", type=float,
+        help="scales new_token_ratio: above 1 admits fewer, retracts less")
+    add("--priority-scheduling-preemption-threshold", type=int,
+        help="priority gap at which a waiting request preempts running ones")
+    add("--disable-priority-preemption", action="store_true")
+
+
+def add_prefill_args(parser: Parser) -> None:
+    """Add every prefill node flag, the model, transfer and process ones included."""
+    add_model_args(parser)
+    add_transfer_args(parser)
+    _add_node_args(parser)
+    _add_prefill_only_args(parser)
     parser.set_defaults(**_field_values(PrefillConfig, PrefillConfig()))
 
 
 def add_decode_args(parser: Parser) -> None:
-    """Add every decode node flag, the model and transfer ones included."""
+    """Add every decode node flag, the model, transfer and process ones included."""
     add_model_args(parser)
     add_transfer_args(parser)
     _add_node_args(parser)
-    parser.add_argument("--retraction-policy", help=", ".join(RETRACTION_POLICIES))
-    parser.add_argument("--num-reserved-decode-tokens", type=int)
-    parser.add_argument("--schedule-conservativeness", type=float,
-                        help="scales new_token_ratio: above 1 admits fewer, retracts less")
-    parser.add_argument("--priority-scheduling-preemption-threshold", type=int,
-                        help="priority gap at which a waiting request preempts running ones")
-    parser.add_argument("--disable-priority-preemption", action="store_true")
+    _add_decode_only_args(parser)
+    parser.add_argument("--prefill-endpoint", dest="prefill_endpoints", action="append",
+                        metavar="ID=ENDPOINT",
+                        help="a prefill node's KV control endpoint, without a registry "
+                             "(repeatable; tests and static setups)")
     parser.set_defaults(**_field_values(DecodeConfig, DecodeConfig()))
+    parser.set_defaults(prefill_endpoints=None)  # argparse's append needs a list or None
+
+
+def add_colocated_args(parser: Parser) -> None:
+    """Add every colocated process flag: both node roles' but the transfer backend (the
+    halves hand pages over in memory) and the static prefill endpoints (its prefill half
+    is its own). PrefillConfig.from_args and DecodeConfig.from_args both read the result."""
+    add_model_args(parser)
+    add_transfer_args(parser, has_backend=False)
+    _add_node_args(parser)
+    _add_prefill_only_args(parser)
+    _add_decode_only_args(parser)
+    parser.set_defaults(**_field_values(DecodeConfig, DecodeConfig()))
+    parser.set_defaults(**_field_values(PrefillConfig, PrefillConfig()))  # --port 30000
 
 
 def add_bootstrap_args(parser: Parser) -> None:
     """Add every bootstrap process flag."""
-    parser.add_argument("--host")
-    parser.add_argument("--port", type=int, help="public API port")
-    _add_registry_args(parser)
-    parser.add_argument("--api-key", dest="api_keys", action="append",
-                        help="a key clients must send (Bearer); repeat for several; unset: open API")
-    parser.add_argument("--api-key-file", help="one API key per line, re-read when it changes")
-    parser.add_argument("--max-queued-requests", type=int, help="unset: unlimited")
-    parser.add_argument("--request-timeout", dest="request_timeout_s", type=float)
-    parser.add_argument("--max-request-bytes", type=int,
-                        help="API bodies over this many bytes get a 413 (default 4 MiB)")
-    parser.add_argument("--prefill-router", choices=PREFILL_ROUTERS,
-                        help="how a prefill node is chosen: precise (cached prefix from the "
-                             "nodes' KV events, against their queued tokens; the default), "
-                             "affinity (consistent hashing of the prompt's first 32 tokens), "
-                             "round-robin, random")
+    add = parser.add_argument
+    add("--host")
+    add("--port", type=int, help="public API port")
+    add("--disaggregation-bootstrap-port", dest="bootstrap_port", type=int,
+        help="HTTP port of the node registry, which nodes reach through --bootstrap-url")
+    _add_cluster_args(parser)
+    add("--reply-port", type=int, help="zmq port for node replies (0: any free port)")
+    add("--api-key", dest="api_keys", action="append",
+        help="a key clients must send (Bearer); repeat for several; unset: open API")
+    add("--api-key-file", help="one API key per line, re-read when it changes")
+    add("--max-queued-requests", type=int, help="unset: unlimited")
+    add("--request-timeout", dest="request_timeout_s", type=float)
+    add("--max-request-bytes", type=int,
+        help="API bodies over this many bytes get a 413 (default 4 MiB)")
+    add("--prefill-router", choices=PREFILL_ROUTERS,
+        help="how a prefill node is chosen: precise (cached prefix from the nodes' KV events, "
+             "against their queued tokens; the default), affinity (consistent hashing of the "
+             "prompt's first 32 tokens), round-robin, random")
+    add("--prefix-affinity-tokens", type=int,
+        help="leading prompt tokens hashed for prefill affinity")
+    add("--load-balance-epsilon", type=float,
+        help="bounded-load slack: a prefill node over (1+eps) x average load is skipped")
+    add("--served-model-name", help="model id in the API (default: from the path)")
     _add_model_identity_args(parser)
     parser.set_defaults(**_field_values(BootstrapConfig, BootstrapConfig()))
     parser.set_defaults(api_keys=None)  # argparse's append needs a list or None
@@ -481,6 +604,12 @@ def parse_prefill_config(argv: list[str]) -> PrefillConfig:
 def parse_decode_config(argv: list[str]) -> DecodeConfig:
     """Parse decode node flags into a validated config."""
     return DecodeConfig.from_args(_parse(argv, "pdserve decode", add_decode_args))
+
+
+def parse_colocated_config(argv: list[str]) -> tuple[PrefillConfig, DecodeConfig]:
+    """Parse colocated process flags into its two halves' validated configs."""
+    ns = _parse(argv, "pdserve colocated", add_colocated_args)
+    return PrefillConfig.from_args(ns), DecodeConfig.from_args(ns)
 
 
 def parse_bootstrap_config(argv: list[str]) -> BootstrapConfig:

@@ -4,32 +4,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-from common import messages as msg
-from common import socket_auth
 from common.config import ConfigError, PrefillConfig, add_prefill_args
 from common.node.process import (
-    NodeArgs,
     NodeProcess,
-    add_node_args,
-    advertised,
+    ServedNode,
     bind_request_socket,
     build_runner,
-    setup_logging,
+    start_node,
 )
 from prefill_node.kv_events import KVEventPublisher
 from prefill_node.scheduler import PrefillScheduler
-from transfer.backends import make_backend
-from transfer.kv_manager import KVManager
+from transfer.node_setup import build_kv_manager
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve prefill", description=__doc__)
     add_prefill_args(parser)
-    add_node_args(parser)
-    parser.add_argument("--kv-events-port", type=int, default=0,
-                        help="zmq PUB port of the node's KV cache events, which every gateway "
-                             "subscribes to for precise prefix routing (0: any free port)")
     return parser
 
 
@@ -40,30 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"pdserve prefill: error: {exc}", file=sys.stderr)
         return 2
-    setup_logging(ns.log_level, "prefill")
-    socket_auth.configure(config.transfer.auth_token)  # before any socket: every zmq socket is CURVE
-    node = NodeArgs.from_args("prefill", ns, config.host, config.port)
+    node = start_node("prefill", config.node, config.host, config.port, config.transfer.auth_token)
     runner = build_runner(config.model, decodes=False)
-    backend = make_backend(config.transfer.backend, node.node_id, device=config.model.device)
-    kv = KVManager(
-        node.node_id,
-        "prefill",
-        backend,
-        runner.pool,
-        backend_kind=config.transfer.backend,
-        control_endpoint=node.endpoint(node.control_port),
-        auth_token=config.transfer.auth_token,
-        bootstrap_timeout_s=config.transfer.bootstrap_timeout_s,
-        waiting_timeout_s=config.transfer.waiting_timeout_s,
-        lease_s=config.transfer.lease_s,
-        instance_id=node.instance_id,
-    )
+    kv = build_kv_manager(node.node_id, "prefill", config.transfer, runner.pool,
+                          control_endpoint=node.endpoint(node.control_port),
+                          instance_id=node.instance_id, device=config.model.device)
     request_socket, request_endpoint = bind_request_socket(node)
     events = None if config.disable_radix_cache else KVEventPublisher(
-        node.node_id, node.instance_id, runner.pool.num_pages, node.endpoint(ns.kv_events_port))
+        node.node_id, node.instance_id, runner.pool.num_pages, node.endpoint(config.kv_events_port))
     scheduler = PrefillScheduler(config, runner, kv, request_socket, events=events)
 
-    def load() -> dict:
+    def load() -> dict[str, Any]:
         return {
             "waiting": len(scheduler.waiting_queue),
             "bootstrap": len(scheduler.bootstrap_queue),
@@ -77,34 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     process = NodeProcess(
         node, scheduler.step, lambda: {"kv_pages_held": scheduler.stats.num_held_pages(), **load()}
     )
-    control_endpoint = advertised(kv.control_endpoint, node)
-    process.register(
-        msg.RegisterNode(
-            node_id=node.node_id,
-            role="prefill",
-            request_endpoint=request_endpoint,
-            control_endpoint=control_endpoint,
-            http_url=process.http_url,
-            backend=config.transfer.backend,
-            backend_metadata=b"",
-            kv_layout=runner.layout.to_dict(),
-            num_pages=runner.pool.num_pages,
-            max_running_requests=config.max_running_requests or 0,
-            protocol_version=msg.PROTOCOL_VERSION,
-            auth_token=config.transfer.auth_token,
-            instance_id=node.instance_id,
-            kv_events_endpoint=advertised(events.endpoint, node) if events is not None else "",
-        ),
-        load,
-    )
-    scheduler.gateway_watch.is_alive = process.is_gateway_alive
-    process.announce(request_endpoint=request_endpoint, control_endpoint=control_endpoint)
-    process.run(drain=lambda: not scheduler.states,
-                on_drain_timeout=lambda: scheduler.fail_all(503, "the prefill node is shutting "
-                                                            "down (drain timeout)"))
-    kv.close()
-    if events is not None:
-        events.close()
+    served = ServedNode(node.node_id, "prefill", request_endpoint, kv.control_endpoint,
+                        config.max_running_requests or 0, load, scheduler.gateway_watch,
+                        kv_events_endpoint=events.endpoint if events is not None else "")
+    process.serve(runner, [served], backend=config.transfer.backend,
+                  auth_token=config.transfer.auth_token,
+                  drain=lambda: not scheduler.states,
+                  on_drain_timeout=lambda: scheduler.fail_all(
+                      503, "the prefill node is shutting down (drain timeout)"),
+                  close=[kv.close, *([events.close] if events is not None else [])])
     return 0
 
 

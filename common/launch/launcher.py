@@ -37,13 +37,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import add_bootstrap_args, add_decode_args, add_prefill_args
-from common.node.process import add_node_args
-from common.ready import parse_ready
+from common.config import (
+    add_bootstrap_args,
+    add_colocated_args,
+    add_decode_args,
+    add_prefill_args,
+)
 from common.launch.roles import ROLE_MODULES
+from common.ready import parse_ready
 
 ROLE_PARSERS = {"bootstrap": add_bootstrap_args, "prefill": add_prefill_args, "decode": add_decode_args}
-LAUNCH_OWNED = {"--host", "--port", "--model-path"}
+# Launch gives each child these itself (a node's id and registries, the API's address).
+LAUNCH_OWNED = {"--host", "--port", "--model-path", "--node-id", "--bootstrap-url"}
 TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 
 
@@ -94,9 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _role_parser(role: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     ROLE_PARSERS[role](parser)
-    if role != "bootstrap":
-        add_node_args(parser)
     return parser
+
+
+def colocated_args(prefill: list[str], decode: list[str]) -> list[str]:
+    """A colocated process's flags: the prefill nodes' and then the decode nodes' others,
+    less those it has no use for (--disaggregation-transfer-backend: it hands over in memory)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_colocated_args(parser)
+    both = _union(prefill, decode)
+    for flag in {a.split("=", 1)[0] for a in both if a.startswith("--")}:
+        if flag not in parser._option_string_actions:
+            both = _without(both, flag)
+    return both
 
 
 def split_extra_args(extra: list[str]) -> dict[str, list[str]]:
@@ -262,7 +277,7 @@ def _registered(url: str, token: str | None) -> list[dict[str, Any]]:
 def main(argv: list[str]) -> int:
     args, extra = build_parser().parse_known_args(argv)
     per_role = split_extra_args(extra)
-    per_role["colocated"] = _union(per_role["prefill"], per_role["decode"])
+    per_role["colocated"] = colocated_args(per_role["prefill"], per_role["decode"])
     registry_port = _value(per_role["bootstrap"], "--disaggregation-bootstrap-port", "8998")
     token = _value(per_role["bootstrap"], "--auth-token", os.environ.get(TOKEN_ENV))
     for role in per_role:  # the children read it from the environment, not from `ps`

@@ -1,8 +1,8 @@
-"""What every node process (prefill, decode) shares: flags, model + pool, sockets, registry, the loop."""
+"""What every node process (prefill, decode, colocated) shares: start-up, model + pool, sockets,
+registration, the READY line and the loop."""
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
 import logging
 import os
@@ -12,19 +12,20 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from common import messages as msg
-from common import metrics
-from common.config import ModelConfig
+from common import metrics, socket_auth
+from common.config import ModelConfig, NodeConfig
 from common.ipc import bind_pull
+from common.node.gateway_watch import GatewayWatch
 from common.node.http import serve_status
-from common.ready import READY_PREFIX, ready_line  # noqa: F401  (READY_PREFIX: for callers)
 from common.node.registry_set import RegistrySet
+from common.ready import READY_PREFIX, ready_line  # noqa: F401  (READY_PREFIX: for callers)
 
 if TYPE_CHECKING:
     from common.model.runner import ModelRunner
@@ -32,25 +33,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def add_node_args(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--node-id", default=None, help="unique node name (default: <role>-<host>-<pid>)")
-    add("--bootstrap-url", dest="bootstrap_urls", action="append", default=None,
-        help="registry URL of a bootstrap replica, e.g. http://127.0.0.1:8998; repeat (or "
-             "separate with commas) for several replicas; a host name that resolves to "
-             "several addresses (a headless Service) is one replica per address "
-             "(default: run standalone)")
-    add("--advertise-host", default=None, help="address peers use to reach this node (default: --host)")
-    add("--request-port", type=int, default=0, help="zmq port for requests (0: any free port)")
-    add("--control-port", type=int, default=0, help="zmq port for KV transfer control (0: any)")
-    add("--drain-timeout", dest="drain_timeout_s", type=float, default=30.0,
-        help="on SIGTERM, seconds to let running requests finish; those still running then "
-             "get a clean 503 error (default 30)")
-    add("--log-level", default="INFO")
-
-
 @dataclass(frozen=True)
 class NodeArgs:
+    """Where one node process is and how it is named: NodeConfig with its defaults resolved."""
+
     role: str
     node_id: str
     bootstrap_urls: tuple[str, ...]
@@ -65,19 +51,40 @@ class NodeArgs:
     instance_id: str = ""
 
     @staticmethod
-    def from_args(role: str, ns: argparse.Namespace, host: str, http_port: int) -> NodeArgs:
-        node_id = ns.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
-        if ns.drain_timeout_s < 0:
-            raise SystemExit(f"pdserve {role}: error: --drain-timeout must be >= 0, "
-                             f"got {ns.drain_timeout_s:g}")
-        urls = tuple(u.strip() for value in ns.bootstrap_urls or () for u in value.split(",")
-                     if u.strip())
-        return NodeArgs(role, node_id, urls, host, ns.advertise_host or host,
-                        ns.request_port, ns.control_port, http_port, ns.drain_timeout_s,
-                        uuid.uuid4().hex)
+    def from_config(role: str, config: NodeConfig, host: str, http_port: int) -> NodeArgs:
+        node_id = config.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+        return NodeArgs(role, node_id, config.bootstrap_urls, host,
+                        config.advertise_host or host, config.request_port, config.control_port,
+                        http_port, config.drain_timeout_s, uuid.uuid4().hex)
 
     def endpoint(self, port: int) -> str:
         return f"tcp://{self.host}:{port}"
+
+
+def start_node(role: str, config: NodeConfig, host: str, http_port: int,
+               auth_token: str | None, *, metrics_role: str | None = None) -> NodeArgs:
+    """What every node process does first, before any socket: logging (its lines and metrics
+    labelled `metrics_role`, default `role`), CURVE on every zmq socket, and its resolved
+    name and addresses."""
+    setup_logging(config.log_level, metrics_role or role)
+    socket_auth.configure(auth_token)
+    return NodeArgs.from_config(role, config, host, http_port)
+
+
+@dataclass(frozen=True)
+class ServedNode:
+    """One node a process registers and serves: a prefill or decode node, or one half of a
+    colocated process. Endpoints as bound; the registration advertises them."""
+
+    node_id: str
+    role: str
+    request_endpoint: str
+    control_endpoint: str
+    max_running_requests: int
+    load: Callable[[], dict[str, Any]]  # the heartbeat's load report
+    gateway_watch: GatewayWatch  # its requests are aborted when their gateway is gone
+    kv_events_endpoint: str = ""
+    colocated_with: str = ""
 
 
 def build_runner(model: ModelConfig, progress: bool = True, *,
@@ -123,12 +130,17 @@ class NodeProcess:
         self.step = step
         self.health_extra = health
         self.stopping = threading.Event()
-        self.registry: RegistrySet | None = None
+        self.registries: list[RegistrySet] = []  # one per node served (colocated: two)
         self.http = serve_status(node.host, node.http_port, self.health)
         self.http_url = f"http://{node.advertise_host}:{self.http.server_address[1]}"
 
+    @property
+    def registry(self) -> RegistrySet | None:
+        """The first node's registry link (its peers' table); None without --bootstrap-url."""
+        return self.registries[0] if self.registries else None
+
     def health(self) -> dict[str, Any]:
-        registered = self.registry is None or self.registry.is_registered
+        registered = all(r.is_registered for r in self.registries)
         body = {"status": "ok" if registered and not self.stopping.is_set() else "unavailable",
                 "role": self.node.role, "node_id": self.node.node_id,
                 "registered": registered}
@@ -137,7 +149,43 @@ class NodeProcess:
 
     def register(self, message: msg.RegisterNode, load: Callable[[], dict[str, Any]]) -> None:
         if self.node.bootstrap_urls:
-            self.registry = RegistrySet(self.node.bootstrap_urls, message, load).start()
+            self.registries.append(RegistrySet(self.node.bootstrap_urls, message, load).start())
+
+    def registration(self, served: ServedNode, runner: ModelRunner, backend: str,
+                     auth_token: str | None) -> msg.RegisterNode:
+        """What the registry is told of `served`: its endpoints as peers dial them, its KV
+        layout and pool, and the process's HTTP side and instance."""
+        kv_events = served.kv_events_endpoint
+        return msg.RegisterNode(
+            node_id=served.node_id, role=served.role, request_endpoint=served.request_endpoint,
+            control_endpoint=advertised(served.control_endpoint, self.node),
+            http_url=self.http_url, backend=backend, backend_metadata=b"",
+            kv_layout=runner.layout.to_dict(), num_pages=runner.pool.num_pages,
+            max_running_requests=served.max_running_requests,
+            protocol_version=msg.PROTOCOL_VERSION, auth_token=auth_token,
+            instance_id=self.node.instance_id,
+            kv_events_endpoint=advertised(kv_events, self.node) if kv_events else "",
+            colocated_with=served.colocated_with)
+
+    def serve(self, runner: ModelRunner, nodes: Sequence[ServedNode], *, backend: str,
+              auth_token: str | None, drain: Callable[[], bool],
+              on_drain_timeout: Callable[[], None], close: Sequence[Callable[[], None]] = (),
+              **announce: Any) -> None:
+        """Register `nodes` (the first names the process in its READY line), point their
+        gateway watches at the registries, print the READY line (`announce`: more fields)
+        and run until SIGTERM and the drain; `close` runs after, however it ends."""
+        try:
+            for served in nodes:
+                self.register(self.registration(served, runner, backend, auth_token), served.load)
+                served.gateway_watch.is_alive = self.is_gateway_alive
+            first = nodes[0]
+            self.announce(request_endpoint=first.request_endpoint,
+                          control_endpoint=advertised(first.control_endpoint, self.node),
+                          **announce)
+            self.run(drain=drain, on_drain_timeout=on_drain_timeout)
+        finally:
+            for fn in close:
+                fn()
 
     def announce(self, **fields: Any) -> None:
         """One machine-readable line on stdout for launchers and tests."""
@@ -148,7 +196,8 @@ class NodeProcess:
 
     def is_gateway_alive(self, gateway_id: str, now: float) -> bool:
         """Whether the gateway that sent a request is still there (always, without a registry)."""
-        return self.registry is None or self.registry.is_gateway_alive(gateway_id, now)
+        return not self.registries or any(r.is_gateway_alive(gateway_id, now)
+                                          for r in self.registries)
 
     def run(self, drain: Callable[[], bool] | None = None,
             on_drain_timeout: Callable[[], None] | None = None) -> None:
@@ -165,8 +214,8 @@ class NodeProcess:
                 # Spin briefly (transfers and tokens want sub-ms reaction), then nap.
                 if idle > 200:
                     time.sleep(0.0005)
-        if self.registry is not None:
-            self.registry.leave()  # no new requests; the gateway is still watched
+        for registry in self.registries:
+            registry.leave()  # no new requests; the gateway is still watched
         deadline = time.monotonic() + self.node.drain_timeout_s
         while drain is not None and not drain() and time.monotonic() < deadline:
             if not self.step():
@@ -178,8 +227,8 @@ class NodeProcess:
             for _ in range(20):  # let the failures reach the gateway before we exit
                 self.step()
                 time.sleep(0.01)
-        if self.registry is not None:
-            self.registry.stop(deregister=False)
+        for registry in self.registries:
+            registry.stop(deregister=False)
         self.http.shutdown()
 
 

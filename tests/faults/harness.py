@@ -87,7 +87,7 @@ class Cluster:
             args = ["--host", HOST, "--port", str(http_port), "--request-port", str(free_port()),
                     "--control-port", str(free_port()), "--node-id", name,
                     "--bootstrap-url", self.registry, "--auth-token", TOKEN,
-                    "--max-total-tokens", "4096", "--disaggregation-lease-timeout", str(LEASE_S),
+                    "--max-total-tokens", "4096", "--lease-timeout", str(LEASE_S),
                     *extra]
             self.nodes[name] = Node(name, module, args, http_port)
 

@@ -41,7 +41,7 @@ def replicas():
                            "--node-id", name, "--bootstrap-url", registries[0],
                            "--bootstrap-url", registries[1], "--auth-token", TOKEN,
                            "--max-total-tokens", "4096",
-                           "--disaggregation-lease-timeout", str(LEASE_S)))
+                           "--lease-timeout", str(LEASE_S)))
     try:
         wait_ready(procs, START_TIMEOUT_S)
         for api in apis:  # every replica sees both nodes

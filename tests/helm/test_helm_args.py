@@ -77,7 +77,16 @@ def test_bootstrap_listens_on_its_container_ports() -> None:
     # NetworkPolicy names.
     assert (ns.advertise_host, ns.reply_port) == ("10.1.2.3", ports["reply"])
     ns, _ = _parsed("restricted-api", "bootstrap")
-    assert ns.lease_timeout == 15
+    assert ns.lease_s == 15
+
+
+def test_the_lease_is_one_value_for_the_registry_and_every_node() -> None:
+    """--lease-timeout is the cluster's one lease: the registry's and the KV rooms'."""
+    for role in ("bootstrap", "prefill", "decode"):
+        ns, _ = _parsed("restricted-api", role)
+        assert ns.lease_s == 15, role
+        ns, _ = _parsed("default", role)
+        assert ns.lease_s == 10.0, role  # unset: pdserve's default everywhere
 
 
 def test_every_pod_gets_the_cluster_token_from_the_secret() -> None:

@@ -31,7 +31,7 @@ SYSTEM = "You are a terse assistant for a lighthouse keeper. Answer in one short
 def cluster():
     api, registry, reply = free_port(), free_port(), free_port()
     common = ["--auth-token", TOKEN, "--max-total-tokens", "6144",
-              "--disaggregation-lease-timeout", "3"]
+              "--lease-timeout", "3"]
     boot = start("bootstrap", "bootstrap", "--host", "127.0.0.1", "--port", str(api),
                  "--disaggregation-bootstrap-port", str(registry), "--auth-token", TOKEN,
                  "--api-key", API_KEY, "--reply-port", str(reply))

@@ -59,7 +59,7 @@ def http_get(url: str) -> tuple[int, bytes]:
 @pytest.fixture(scope="module")
 def cluster():
     proc, info = start_node("prefill_node", "--max-total-tokens", "4096",
-                            "--disaggregation-lease-timeout", "3")
+                            "--lease-timeout", "3")
     decode = NodeProcess(NodeSpec("decode", num_pages=128, lease_s=3.0))
     ctx = zmq.Context.instance()
     reply, reply_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")

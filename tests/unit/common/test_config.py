@@ -61,7 +61,6 @@ def test_prefill_defaults_match_sglang() -> None:
     )
     assert cfg.transfer == TransferConfig(
         backend="nixl",
-        bootstrap_port=8998,
         bootstrap_timeout_s=300.0,
         waiting_timeout_s=300.0,
         lease_s=10.0,
@@ -123,7 +122,7 @@ def test_prefill_flags_reach_every_field() -> None:
             "--page-size=32",
             "--max-total-tokens=65536",
             "--disaggregation-transfer-backend=fake",
-            "--disaggregation-bootstrap-port=9000",
+            "--lease-timeout=4",
             "--disaggregation-bootstrap-timeout=5",
             "--disaggregation-waiting-timeout=7.5",
             "--auth-token=secret",
@@ -147,7 +146,7 @@ def test_prefill_flags_reach_every_field() -> None:
     assert cfg.model == ModelConfig("/m", "float16", "cuda:1", 4096, 32, 65536, None, False, False)
     defaults = parse_prefill_config([]).model
     assert defaults.pack_weights and defaults.cpu_kernels  # both on by default
-    assert cfg.transfer == TransferConfig("fake", 9000, 5.0, 7.5, 10.0, "secret")
+    assert cfg.transfer == TransferConfig("fake", 5.0, 7.5, 4.0, "secret")
     assert (cfg.host, cfg.port, cfg.schedule_policy) == ("0.0.0.0", 31000, "lpm")
     assert (cfg.max_prefill_tokens, cfg.chunked_prefill_size) == (4096, 1024)
     assert (cfg.prefill_max_requests, cfg.max_running_requests) == (8, 64)
@@ -257,7 +256,10 @@ def test_power_of_two_page_sizes_parse(page_size: int) -> None:
         (["--device=tpu"], "cpu, cuda or cuda:N"),
         (["--device=cuda:x"], "--device"),
         (["--disaggregation-transfer-backend=mooncake"], "nixl, fake"),
-        (["--disaggregation-bootstrap-port=70000"], "--disaggregation-bootstrap-port"),
+        (["--lease-timeout=0"], "--lease-timeout"),
+        (["--kv-events-port=70000"], "--kv-events-port"),
+        (["--request-port=-1"], "--request-port"),
+        (["--drain-timeout=-1"], "--drain-timeout"),
         (["--disaggregation-bootstrap-timeout=0"], "--disaggregation-bootstrap-timeout"),
         (["--disaggregation-waiting-timeout=-1"], "--disaggregation-waiting-timeout"),
         (["--auth-token="], "--auth-token"),

@@ -33,7 +33,8 @@ def test_help_lists_every_flag_launch_passes_on_with_its_roles() -> None:
 
     text = build_parser().format_help()
     for flag, roles in (("--schedule-policy", "[prefill]"),
-                        ("--disaggregation-bootstrap-port", "[bootstrap,prefill,decode]"),
+                        ("--disaggregation-bootstrap-port", "[bootstrap]"),
+                        ("--lease-timeout", "[bootstrap,prefill,decode]"),
                         ("--retraction-policy", "[decode]"), ("--api-key", "[bootstrap]"),
                         ("--dtype", "[prefill,decode]")):
         line = next((x for x in text.splitlines() if x.strip().startswith(flag + " ")), "")
@@ -41,6 +42,29 @@ def test_help_lists_every_flag_launch_passes_on_with_its_roles() -> None:
     # Flags launch owns itself are not listed as passed on.
     passed_on = text.split("flags passed on", 1)[1]
     assert "  --model-path " not in passed_on and "  --port " not in passed_on
+    assert "  --node-id " not in passed_on and "  --bootstrap-url " not in passed_on
+
+
+def test_one_lease_reaches_every_role() -> None:
+    per_role = split_extra_args(["--lease-timeout", "3"])
+    assert all(per_role[role] == ["--lease-timeout", "3"] for role in per_role)
+
+
+def test_launch_gives_each_node_its_own_id_and_registries() -> None:
+    for flag in ("--node-id", "--bootstrap-url"):
+        with pytest.raises(SystemExit, match="reserved"):
+            split_extra_args([flag, "x"])
+
+
+def test_a_colocated_process_gets_the_flags_both_roles_take_but_the_backend() -> None:
+    from common.launch.launcher import colocated_args
+
+    prefill = ["--disaggregation-transfer-backend", "fake", "--schedule-policy", "lpm",
+               "--lease-timeout", "3"]
+    decode = ["--disaggregation-transfer-backend", "fake", "--retraction-policy", "length",
+              "--lease-timeout", "3", "--prefill-endpoint", "p=tcp://h:1"]
+    assert colocated_args(prefill, decode) == ["--schedule-policy", "lpm", "--lease-timeout",
+                                               "3", "--retraction-policy", "length"]
 
 
 # --- --gpus: one GPU per node -----------------------------------------------------------------
