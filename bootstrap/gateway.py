@@ -48,8 +48,8 @@ from common import metrics, stages
 T = TypeVar("T")
 CLIENT_CLOSED_STATUS = 499
 # Threads that tokenize and render chat templates off the event loop. HF's fast tokenizer
-# releases the GIL while it encodes (measured: a Python thread kept 94% of its speed beside
-# a 0.8 s encode), so the loop serves streams and heartbeats meanwhile.
+# releases the GIL while it encodes (a Python thread keeps running beside a long encode),
+# so the loop serves streams and heartbeats meanwhile.
 TOKENIZER_THREADS = 2
 SERVED_ALIAS = "default"  # accepted as the model name besides the served one
 GENERATION_ERRORS = documented(400, 401, 404, 413, 429, 503, 504)

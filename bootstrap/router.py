@@ -20,9 +20,10 @@ behind a queue delays one request; computing a cached prefix again also takes th
 capacity from every later request and evicts other prefixes. With weight 1 (the
 request's own TTFT only) bench/routing_sim.py collapsed at 32+ nodes: nodes report
 their queue between steps, so a holder in the middle of a long prefill looks as busy as
-at its start, and contexts were recomputed elsewhere (65% of the oracle's hit rate,
-98.8% with weight 2). The cheapest node wins; ties go to the longer cached prefix, then to the key's
-place on the ring. When no node holds a page of the prompt, the affinity choice is made.
+at its start, and contexts were recomputed elsewhere (bench/routing_sim.py prints each
+router's hit rate against the oracle's). The cheapest node wins; ties go to the longer
+cached prefix, then to the key's place on the ring. When no node holds a page of the
+prompt, the affinity choice is made.
 A request with a routing key goes where its key says (the client asked for that
 placement; its requests share their cache there anyway).
 ``round-robin`` and ``random`` are baselines.
@@ -135,7 +136,7 @@ class PrefillCandidate(NamedTuple):
 def prefill_candidates(node_ids: Iterable[str], pending: Callable[[str], int],
                        queued: Mapping[str, int]) -> list[PrefillCandidate]:
     """One candidate per node, as fast as tuples are made (the gateway builds hundreds
-    per request; the NamedTuple constructor alone took twice as long)."""
+    per request; the NamedTuple constructor alone is slower)."""
     make = tuple.__new__
     return [make(PrefillCandidate, (i, pending(i), queued.get(i, 0)))  # type: ignore[misc]
             for i in node_ids]

@@ -156,7 +156,7 @@ class BootstrapService:
 
     def page_hashes(self, prepared: PreparedRequest) -> PreparedRequest:
         """``prepared`` with its prompt's page hashes when the router reads them (worker
-        thread: a 6k-token prompt takes ~0.3 ms, off the event loop)."""
+        thread, off the event loop)."""
         if self.kv_events is None:
             return prepared
         hashes = page_hash.prompt_hashes(prepared.input_ids, self.router.page_size,

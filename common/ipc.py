@@ -183,7 +183,7 @@ def recv_messages(
     messages: list[Message] = []
     num_frames = 0
     while max_frames is None or num_frames < max_frames:
-        # Checking EVENTS first is ~10x cheaper than a NOBLOCK recv that raises Again,
+        # Checking EVENTS first is cheaper than a NOBLOCK recv that raises Again,
         # and the empty case is what a busy loop sees almost every time.
         if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
             break

@@ -30,14 +30,14 @@ L); a live writer whose renewals stop being granted stops posting at most L - m 
 last granted renewal was sent.
 
 The window that remains: a pause between the writer's fence check and the end of its
-post call. With UCX over cma or shared memory the bytes move inside that call, which took
-0.08 ms for one page, 0.75 ms for 8 and 10.8 ms for 64 (47 MB) on the AMX Xeon this was
-measured on; over a network the bytes may move after it. A write posted within the fence
-but landing after it could reach reused pages, so the writer reads its clock again right
-after every post, and watches writes still in flight when the fence passes: any write
-that may have landed past the fence is reported to the receiver (LateWrite), which fails
-every other request now holding those pages (500) instead of letting it stream wrong
-tokens. Only a writer killed between such a late landing and its report goes unreported.
+post call. With UCX over cma or shared memory the bytes move inside that call (a short
+one, growing with the pages written); over a network the bytes may move after it. A
+write posted within the fence but landing after it could reach reused pages, so the
+writer reads its clock again right after every post, and watches writes still in flight
+when the fence passes: any write that may have landed past the fence is reported to the
+receiver (LateWrite), which fails every other request now holding those pages (500)
+instead of letting it stream wrong tokens. Only a writer killed between such a late
+landing and its report goes unreported.
 """
 
 from __future__ import annotations

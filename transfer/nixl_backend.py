@@ -106,9 +106,9 @@ class NixlBackend(TransferBackend):
     Both sides prepare one descriptor per page once (local at `register_pool`, remote
     at `add_peer`); a write selects rows by page id. NIXL merges rows that are
     contiguous on both sides into one descriptor when it builds the request, so a
-    run of n pages travels as one UCX operation (measured here: building per-run
-    descriptors per write with `initialize_xfer` moves data no faster and takes 4-9x
-    longer to set up). Nothing moves unless `poll` or `get_notifications` is called,
+    run of n pages travels as one UCX operation (building per-run descriptors per
+    write with `initialize_xfer` moves data no faster and takes longer to set up).
+    Nothing moves unless `poll` or `get_notifications` is called,
     on either side: a target nobody polls cannot even accept the first connection.
     A write to a dead peer raises BackendError (or polls ERROR) within milliseconds.
     """
