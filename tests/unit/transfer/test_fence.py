@@ -7,7 +7,7 @@ import itertools
 import torch
 
 from common.kv_pool import KVLayout, KVPool
-from tests.unit.transfer.test_kv_transfer import drive
+from tests.support.kv_managers import Clock, drive
 from transfer.fence import MARGIN_FRACTION, Fence, RenewalLog, receiver_fence_end, writer_fence_end
 from transfer.kv_manager import KVManager
 from transfer.kv_poll import FailureReason, KVPoll
@@ -17,16 +17,6 @@ from transfer.loopback_backend import LoopbackBackend
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype="float32")
 LEASE_S = 5.0  # the lease thread renews every 1.7 s: these tests finish long before that
 _names = itertools.count()
-
-
-class Clock:
-    """A monotonic clock the test moves by hand (a SIGSTOP is a jump of the writer's clock)."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _pair(prefill_clock=None, decode_clock=None):

@@ -10,7 +10,7 @@ import zmq
 
 from common import messages as msg
 from common.kv_pool import KVLayout, KVPool
-from tests.unit.transfer.test_kv_transfer import drive
+from tests.support.kv_managers import drive
 from transfer.kv_manager import KVManager
 from transfer.kv_poll import FailureReason, KVPoll
 from transfer.kv_receiver import KVReceiver

@@ -12,6 +12,7 @@ import zmq
 from common import messages as msg
 from common import metrics
 from common.kv_pool import KVLayout, KVPool
+from tests.support.kv_managers import drive
 from transfer.kv_manager import KVManager
 from transfer.kv_poll import FailureReason, KVPoll
 from transfer.kv_sender import AuxData
@@ -34,17 +35,6 @@ def make_pair(lease_s=5.0, bootstrap_timeout_s=5.0, waiting_timeout_s=5.0, decod
     decode = KVManager(f"d{n}", "decode", LoopbackBackend(f"d{n}"), d_pool,
                        auth_token=decode_token, **kw)
     return prefill, decode
-
-
-def drive(managers, until, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for m in managers:
-            m.poll()
-        if until():
-            return
-        time.sleep(0.0005)
-    raise AssertionError("condition not reached in time")
 
 
 @pytest.fixture

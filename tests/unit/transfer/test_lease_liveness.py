@@ -13,8 +13,7 @@ import time
 import torch
 
 from common.kv_pool import KVLayout, KVPool
-from tests.unit.transfer.test_fence import Clock
-from tests.unit.transfer.test_kv_transfer import drive
+from tests.support.kv_managers import Clock, drive
 from transfer.kv_manager import KVManager
 from transfer.kv_poll import FailureReason, KVPoll
 from transfer.kv_sender import AuxData
