@@ -1,10 +1,11 @@
-# make serve: run pdserve with the built-in default model.  make test: mypy and the whole test suite.
+# make serve: run pdserve with the built-in default model.  make test: ruff, mypy and every test.
+# make test-fast: ruff, mypy and the unit tests not marked slow (the edit loop).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: serve test test-fast bench install clean
+.PHONY: serve lint test test-fast bench install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,15 +28,21 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/pdserve launch
 
-# Types are a check too: mypy on the six packages, then every test.
-test: $(STAMP)
-	$(BIN)/python -m mypy common transfer prefill_node decode_node colocated_node bootstrap
+PACKAGES := common transfer prefill_node decode_node colocated_node bootstrap
+
+# Style and types are checks too: ruff (lint, then format) and mypy, then every test.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m mypy $(PACKAGES)
+
+test: lint
 	$(BIN)/python -m pytest -q -ra --durations=15
 
-# The edit loop: mypy, then the tests not marked slow (no model load, no processes).
-test-fast: $(STAMP)
-	$(BIN)/python -m mypy common transfer prefill_node decode_node colocated_node bootstrap
-	$(BIN)/python -m pytest -q -x -m "not slow"
+# The edit loop: the same checks, then the unit tests not marked slow (no model load, no
+# processes; about two minutes on two cores).
+test-fast: lint
+	$(BIN)/python -m pytest -q -x -m "not slow" tests/unit
 
 bench: $(STAMP)
 	$(BIN)/python bench/model_runner.py

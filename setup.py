@@ -24,7 +24,9 @@ PACKAGE_DIR = Path("common", "model", "cpu")
 def _build_module():
     """common/model/cpu/build.py by path (standard library only; the package's own
     dependencies need not be installed yet)."""
-    spec = importlib.util.spec_from_file_location("_pdserve_cpu_build", ROOT / PACKAGE_DIR / "build.py")
+    spec = importlib.util.spec_from_file_location(
+        "_pdserve_cpu_build", ROOT / PACKAGE_DIR / "build.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up

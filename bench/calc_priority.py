@@ -11,7 +11,8 @@ cold-group follower after everything else with each group's leader ahead.
 
 The machine is shared and noisy: each (policy, n) runs --repeat times from scratch and
 the best run (lowest median) is reported, with the median CPU time of this process too
-(process_time: what the sort costs when it has to wait for a core). Prints a table, then one JSON line per (policy, n).
+(process_time: what the sort costs when it has to wait for a core). Prints a table, then one
+JSON line per (policy, n).
 Usage: python bench/calc_priority.py [--data PATH] [--sizes 64 128 1000 5000]
        [--policies fcfs lpm ...] [--page-size 16] [--rounds 30] [--repeat 3]
 """
@@ -28,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from common.kv_pool import PageAllocator
-from prefill_node.request import Req
 from prefill_node.radix_cache import RadixCache
+from prefill_node.request import Req
 from prefill_node.schedule_policy import SchedulePolicy
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "bench-data" / "sched-workload.npz"

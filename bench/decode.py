@@ -1,4 +1,4 @@
-"""Decode throughput and inter-token latency with KV arriving by transfer vs local decoding, same run.
+"""Decode throughput and inter-token latency, KV arriving by transfer vs local decoding, same run.
 
 Transfer path ("pd"): the real prefill loop (PrefillScheduler) and decode loop
 (DecodeScheduler) in ONE process, joined by the loopback transfer backend: the prompt's
@@ -14,8 +14,9 @@ ignore_eos, N new tokens). tokens_per_s = output tokens after each request's fir
 (last token time - first token time); ITL = gaps between consecutive tokens of a request
 (pd: on the decode node's clock, the time spent in its step() calls, since the prefill
 loop sharing this thread would run on another node; a token is stamped when the step
-that sent it ends, a first token when the step that committed its transfer began). The decode node reserves N tokens per
-request (--num-reserved-decode-tokens N) so all B run in one batch, as in the baseline.
+that sent it ends, a first token when the step that committed its transfer began). The decode
+node reserves N tokens per request (--num-reserved-decode-tokens N) so all B run in one batch,
+as in the baseline.
 Prints a table, then one JSON line per batch size.
 Usage: python bench/decode.py [--batches 1 8 32] [--new-tokens 32] [--repeats 2] [--threads N]
 """
@@ -78,8 +79,9 @@ def summarize(times: dict[int, list[float]]) -> tuple[float, list[float]]:
 
 
 def local_run(runner: ModelRunner, prompts: list[list[int]], new_tokens: int):
-    tables = [runner.pool.allocator.allocate(pages_needed(len(p) + new_tokens, PAGE))
-              for p in prompts]
+    tables = [
+        runner.pool.allocator.allocate(pages_needed(len(p) + new_tokens, PAGE)) for p in prompts
+    ]
     try:
         logits = runner.extend([ExtendRequest(p, 0, t) for p, t in zip(prompts, tables)]).logits
         now = time.perf_counter()
@@ -101,30 +103,48 @@ def local_run(runner: ModelRunner, prompts: list[list[int]], new_tokens: int):
 class PDPair:
     """Prefill node + decode node in this process, loopback transfer, a gateway reply socket."""
 
-    def __init__(self, model_dir, tokenizer: Tokenizer, max_batch: int, prompt_len: int,
-                 new_tokens: int) -> None:
+    def __init__(
+        self, model_dir, tokenizer: Tokenizer, max_batch: int, prompt_len: int, new_tokens: int
+    ) -> None:
         spec = load_spec(model_dir)
         weights = load_state_dict(model_dir, torch.float32, False)
         tokens = max_batch * (prompt_len + new_tokens + PAGE) + 4 * PAGE
         self.prefill_runner = ModelRunner(spec, weights, page_size=PAGE, max_total_tokens=tokens)
         self.runner = ModelRunner(spec, weights, page_size=PAGE, max_total_tokens=tokens)
         ctx: zmq.Context = zmq.Context.instance()
-        self.pkv = KVManager("bench-p", "prefill", LoopbackBackend("bench-p"),
-                             self.prefill_runner.pool, backend_kind="loopback")
-        self.dkv = KVManager("bench-d", "decode", LoopbackBackend("bench-d"), self.runner.pool,
-                             backend_kind="loopback")
+        self.pkv = KVManager(
+            "bench-p",
+            "prefill",
+            LoopbackBackend("bench-p"),
+            self.prefill_runner.pool,
+            backend_kind="loopback",
+        )
+        self.dkv = KVManager(
+            "bench-d",
+            "decode",
+            LoopbackBackend("bench-d"),
+            self.runner.pool,
+            backend_kind="loopback",
+        )
         p_sock, p_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
         d_sock, d_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
         self.reply_sock, self.reply_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
         model = ModelConfig(page_size=PAGE)
         # All B requests in one prefill round: no in-batch deferral of the repeated prompts.
-        prefill_config = PrefillConfig(model=model,
-                                       in_batch_prefix_caching_deprioritize_threshold=1 << 30)
+        prefill_config = PrefillConfig(
+            model=model, in_batch_prefix_caching_deprioritize_threshold=1 << 30
+        )
         self.prefill = PrefillScheduler(prefill_config, self.prefill_runner, self.pkv, p_sock)
         self.decode = DecodeScheduler(
-            DecodeConfig(model=model, num_reserved_decode_tokens=new_tokens,
-                         max_running_requests=max_batch),
-            self.runner, self.dkv, d_sock, tokenizer, lambda _node: self.pkv.control_endpoint)
+            DecodeConfig(
+                model=model, num_reserved_decode_tokens=new_tokens, max_running_requests=max_batch
+            ),
+            self.runner,
+            self.dkv,
+            d_sock,
+            tokenizer,
+            lambda _node: self.pkv.control_endpoint,
+        )
         self.to_prefill, self.to_decode = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
         self.to_prefill.connect(p_endpoint)
         self.to_decode.connect(d_endpoint)
@@ -135,10 +155,18 @@ class PDPair:
             room = next(_rooms)
             rids[f"r{room}"] = i
             g = msg.GenerateReq(
-                rid=f"r{room}", room=room, input_ids=ids,
+                rid=f"r{room}",
+                room=room,
+                input_ids=ids,
                 sampling={"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
-                priority=None, routing_key=None, prefill_node_id="p", decode_node_id="d",
-                reply_endpoint=self.reply_endpoint, arrival_time=time.time(), return_logprob=False)
+                priority=None,
+                routing_key=None,
+                prefill_node_id="p",
+                decode_node_id="d",
+                reply_endpoint=self.reply_endpoint,
+                arrival_time=time.time(),
+                return_logprob=False,
+            )
             self.to_prefill.send(msg.encode(g))
             self.to_decode.send(msg.encode(g))
         outs: dict[int, list[int]] = {i: [] for i in rids.values()}
@@ -173,8 +201,12 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2, help="runs per point; the fastest is kept")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads (default: torch's); 1 is steadier on a busy small machine")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); 1 is steadier on a busy small machine",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,25 +229,37 @@ def main() -> None:
             best_local = local if best_local is None or local[0] > best_local[0] else best_local
         assert best_pd is not None and best_local is not None
         (tps, gaps), (local_tps, local_gaps) = best_pd, best_local
-        rows.append({
-            "bench": "decode", "batch": batch, "tokens_per_s": round(tps, 1),
-            "itl_p50_ms": round(1e3 * statistics.median(gaps), 2),
-            "itl_p99_ms": round(1e3 * _p99(gaps), 2),
-            "ratio_vs_local": round(tps / local_tps, 3),
-            "local_tokens_per_s": round(local_tps, 1),
-            "local_itl_p50_ms": round(1e3 * statistics.median(local_gaps), 2),
-            "local_itl_p99_ms": round(1e3 * _p99(local_gaps), 2),
-            "greedy_outputs_equal": same, "transport": "loopback-in-process",
-            "model": "SmolLM2-135M-Instruct", "dtype": "float32", "prompt_tokens": width,
-            "new_tokens": args.new_tokens, "torch_threads": torch.get_num_threads(),
-        })
-    print(f"{'batch':>5} {'pd tok/s':>9} {'local tok/s':>12} {'ratio':>6} {'itl p50':>8} "
-          f"{'itl p99':>8} {'local p50':>10} {'local p99':>10} {'equal':>6}")
+        rows.append(
+            {
+                "bench": "decode",
+                "batch": batch,
+                "tokens_per_s": round(tps, 1),
+                "itl_p50_ms": round(1e3 * statistics.median(gaps), 2),
+                "itl_p99_ms": round(1e3 * _p99(gaps), 2),
+                "ratio_vs_local": round(tps / local_tps, 3),
+                "local_tokens_per_s": round(local_tps, 1),
+                "local_itl_p50_ms": round(1e3 * statistics.median(local_gaps), 2),
+                "local_itl_p99_ms": round(1e3 * _p99(local_gaps), 2),
+                "greedy_outputs_equal": same,
+                "transport": "loopback-in-process",
+                "model": "SmolLM2-135M-Instruct",
+                "dtype": "float32",
+                "prompt_tokens": width,
+                "new_tokens": args.new_tokens,
+                "torch_threads": torch.get_num_threads(),
+            }
+        )
+    print(
+        f"{'batch':>5} {'pd tok/s':>9} {'local tok/s':>12} {'ratio':>6} {'itl p50':>8} "
+        f"{'itl p99':>8} {'local p50':>10} {'local p99':>10} {'equal':>6}"
+    )
     for r in rows:
-        print(f"{r['batch']:5d} {r['tokens_per_s']:9.1f} {r['local_tokens_per_s']:12.1f} "
-              f"{r['ratio_vs_local']:6.3f} {r['itl_p50_ms']:8.2f} {r['itl_p99_ms']:8.2f} "
-              f"{r['local_itl_p50_ms']:10.2f} {r['local_itl_p99_ms']:10.2f} "
-              f"{r['greedy_outputs_equal']!s:>6}")
+        print(
+            f"{r['batch']:5d} {r['tokens_per_s']:9.1f} {r['local_tokens_per_s']:12.1f} "
+            f"{r['ratio_vs_local']:6.3f} {r['itl_p50_ms']:8.2f} {r['itl_p99_ms']:8.2f} "
+            f"{r['local_itl_p50_ms']:10.2f} {r['local_itl_p99_ms']:10.2f} "
+            f"{r['greedy_outputs_equal']!s:>6}"
+        )
     for r in rows:
         print(json.dumps(r))
 

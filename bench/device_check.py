@@ -21,20 +21,27 @@ from typing import Any
 # The repo root before bench/: bench/transfer.py would shadow the `transfer` package.
 _BENCH = os.path.dirname(os.path.realpath(__file__))
 _ROOT = os.path.dirname(_BENCH)
-sys.path[:] = [_ROOT, *(p for p in sys.path if os.path.realpath(p or ".") not in (_BENCH, _ROOT)),
-               _BENCH]
+sys.path[:] = [
+    _ROOT,
+    *(p for p in sys.path if os.path.realpath(p or ".") not in (_BENCH, _ROOT)),
+    _BENCH,
+]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-PHASES = {"a": "equivalence", "b": "decode speed", "c": "prefill speed", "d": "nixl transfer",
-          "e": "end to end"}
+PHASES = {
+    "a": "equivalence",
+    "b": "decode speed",
+    "c": "prefill speed",
+    "d": "nixl transfer",
+    "e": "end to end",
+}
 
 
 def run_phase(phase: str, is_cpu: bool, out: str, work: Path, deadline_s: float) -> int:
     import torch
-
     from device_check_common import Deadline, Mode, Sink, quiet_transformers
 
     # a timeout's SIGTERM unwinds through the phases' finally blocks (children stopped)
@@ -61,8 +68,12 @@ def run_phase(phase: str, is_cpu: bool, out: str, work: Path, deadline_s: float)
             from device_check_e2e import run
         run(mode, sink, work, deadline)
     except Exception as exc:  # noqa: BLE001 - a crash is a result of the phase
-        sink.emit(kind="error", ok=False, error=f"{type(exc).__name__}: {exc}",
-                  traceback=traceback.format_exc()[-1500:])
+        sink.emit(
+            kind="error",
+            ok=False,
+            error=f"{type(exc).__name__}: {exc}",
+            traceback=traceback.format_exc()[-1500:],
+        )
     device = torch.cuda.get_device_name(0) if not is_cpu else "cpu"
     sink.summary(time.monotonic() - started, name=PHASES[phase], device=device)
     return 0
@@ -79,17 +90,54 @@ COLUMNS = {
     "equivalence": ["model", "dtype", "case", "err", "bound", "argmax_agree", "hf_bf16_err"],
     "greedy_per_position": ["model", "dtype", "argmax_agree", "num_positions"],
     "bandwidth": ["copy_gbps", "read_write_gbps"],
-    "decode": ["model", "graphs", "batch", "ms_per_step", "bound_ms", "fraction_of_bound",
-               "hf_ms_per_step", "speedup_vs_hf", "target"],
+    "decode": [
+        "model",
+        "graphs",
+        "batch",
+        "ms_per_step",
+        "bound_ms",
+        "fraction_of_bound",
+        "hf_ms_per_step",
+        "speedup_vs_hf",
+        "target",
+    ],
     "graphs_vs_eager": ["model", "batch", "err", "bound"],
     "matmul_peak": ["dtype", "n", "tflops"],
-    "prefill": ["model", "tokens", "ms", "tokens_per_s", "model_tflops", "fraction_of_peak",
-                "hf_tokens_per_s", "speedup_vs_hf", "logits_err_vs_hf", "target"],
-    "nixl": ["device", "num_pages", "bytes", "best_write_ms", "gbps", "copy_gbps",
-             "fraction_of_copy", "bytes_equal", "target", "error"],
+    "prefill": [
+        "model",
+        "tokens",
+        "ms",
+        "tokens_per_s",
+        "model_tflops",
+        "fraction_of_peak",
+        "hf_tokens_per_s",
+        "speedup_vs_hf",
+        "logits_err_vs_hf",
+        "target",
+    ],
+    "nixl": [
+        "device",
+        "num_pages",
+        "bytes",
+        "best_write_ms",
+        "gbps",
+        "copy_gbps",
+        "fraction_of_copy",
+        "bytes_equal",
+        "target",
+        "error",
+    ],
     "tokenizer": ["model", "vocab_size", "num_ids", "num_chat_ids"],
-    "e2e": ["model", "transfer_backend", "startup_s", "request_s", "completion_tokens",
-            "finish_reason", "exit_codes", "error"],
+    "e2e": [
+        "model",
+        "transfer_backend",
+        "startup_s",
+        "request_s",
+        "completion_tokens",
+        "finish_reason",
+        "exit_codes",
+        "error",
+    ],
     "e2e_without_nixl": ["model", "transfer_backend", "completion_tokens", "exit_codes", "error"],
 }
 
@@ -106,9 +154,11 @@ def table(path: str) -> int:
         summary = next((r for r in rows if r.get("kind") == "summary"), None)
         phase_ok = bool(summary and summary["ok"]) and end.get("rc", 0) == 0
         is_all_ok &= phase_ok
-        print(f"\n== {phase}: {name}: {'OK' if phase_ok else 'FAILED'}, "
-              f"{_fmt(end.get('elapsed_s'))} s (exit {end.get('rc', '-')}"
-              f"{', timed out' if end.get('timed_out') else ''})")
+        print(
+            f"\n== {phase}: {name}: {'OK' if phase_ok else 'FAILED'}, "
+            f"{_fmt(end.get('elapsed_s'))} s (exit {end.get('rc', '-')}"
+            f"{', timed out' if end.get('timed_out') else ''})"
+        )
         for r in rows:
             kind = r.get("kind")
             if kind in ("summary", "phase_end"):

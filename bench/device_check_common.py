@@ -17,9 +17,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tolerance_module() -> Any:
-    """tests/support/tolerance.py by path: a wheel's stray top-level `tests` package cannot shadow it."""
-    spec = importlib.util.spec_from_file_location("pdserve_tolerance",
-                                                  ROOT / "tests" / "support" / "tolerance.py")
+    """tests/support/tolerance.py, loaded by path.
+
+    A wheel's stray top-level `tests` package cannot shadow it.
+    """
+    spec = importlib.util.spec_from_file_location(
+        "pdserve_tolerance", ROOT / "tests" / "support" / "tolerance.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -65,9 +69,14 @@ class Sink:
 
     def summary(self, elapsed_s: float, **fields: Any) -> None:
         checks = [r for r in self.results if "ok" in r]
-        self.emit(kind="summary", ok=bool(checks) and all(r["ok"] for r in checks),
-                  num_checks=len(checks), num_failed=sum(1 for r in checks if not r["ok"]),
-                  elapsed_s=round(elapsed_s, 2), **fields)
+        self.emit(
+            kind="summary",
+            ok=bool(checks) and all(r["ok"] for r in checks),
+            num_checks=len(checks),
+            num_failed=sum(1 for r in checks if not r["ok"]),
+            elapsed_s=round(elapsed_s, 2),
+            **fields,
+        )
 
 
 def _jsonable(x: Any) -> Any:
@@ -121,8 +130,11 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> dict[str, float]:
     best = min(time_ms(lambda: dst.copy_(src), device, warmup=1, iters=1) for _ in range(5))
     del src, dst
     copied = nbytes / (best * 1e-3) / 1e9
-    return {"copy_gbps": round(copied, 1), "read_write_gbps": round(2 * copied, 1),
-            "copy_bytes": nbytes}
+    return {
+        "copy_gbps": round(copied, 1),
+        "read_write_gbps": round(2 * copied, 1),
+        "copy_bytes": nbytes,
+    }
 
 
 def matmul_peak_tflops(device: torch.device, n: int, dtype: torch.dtype) -> float:
@@ -135,39 +147,97 @@ def matmul_peak_tflops(device: torch.device, n: int, dtype: torch.dtype) -> floa
 
 # ----- model shapes and their random-weight checkpoints -----
 
-_TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-             rms_norm_eps=1e-6)
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+_TINY = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 # name: (architecture, config, random norms and biases, bfloat16 on disk)
 SHAPES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     # tests/unit/common/model/test_model_runner.py's _save_tiny
-    "tiny-llama": ("llama", dict(**_TINY, tie_word_embeddings=False, rope_theta=500000.0,
-                                 rope_scaling=_LLAMA3_ROPE), True, False),
-    "tiny-qwen2": ("qwen2", dict(**_TINY, tie_word_embeddings=True, rope_theta=10000.0),
-                   True, False),
-    "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                   num_hidden_layers=30, num_attention_heads=9,
-                                   num_key_value_heads=3, max_position_embeddings=8192,
-                                   rms_norm_eps=1e-5, tie_word_embeddings=True,
-                                   rope_theta=100000.0, bos_token_id=1, eos_token_id=2),
-                     False, True),
-    "llama-3.2-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                                   num_hidden_layers=16, num_attention_heads=32,
-                                   num_key_value_heads=8, head_dim=64,
-                                   max_position_embeddings=32768, rms_norm_eps=1e-5,
-                                   tie_word_embeddings=True, rope_theta=500000.0,
-                                   rope_scaling={**_LLAMA3_ROPE, "factor": 32.0,
-                                                 "original_max_position_embeddings": 8192}),
-                     False, True),
+    "tiny-llama": (
+        "llama",
+        dict(**_TINY, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE),
+        True,
+        False,
+    ),
+    "tiny-qwen2": (
+        "qwen2",
+        dict(**_TINY, tie_word_embeddings=True, rope_theta=10000.0),
+        True,
+        False,
+    ),
+    "smollm2-135m": (
+        "llama",
+        dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        False,
+        True,
+    ),
+    "llama-3.2-1b": (
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={**_LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192},
+        ),
+        False,
+        True,
+    ),
     # the CPU run's stand-in for the two real shapes (speed, transfer, end to end)
-    "small": ("llama", dict(vocab_size=512, hidden_size=128, intermediate_size=256,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            max_position_embeddings=2048, rms_norm_eps=1e-5,
-                            tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=1,
-                            eos_token_id=2), True, False),
+    "small": (
+        "llama",
+        dict(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        True,
+        False,
+    ),
 }
 
 
@@ -228,8 +298,9 @@ def load_reference(path: Path, dtype: torch.dtype, device: torch.device, attn: s
     return model.eval()
 
 
-def make_runner(path: Path, *, graphs: bool | None = None, graph_max_bs: int | None = None,
-                **kwargs: Any) -> tuple[Any, str]:
+def make_runner(
+    path: Path, *, graphs: bool | None = None, graph_max_bs: int | None = None, **kwargs: Any
+) -> tuple[Any, str]:
     """A ModelRunner from `path` with CUDA graphs on or off; returns (runner, "on" | "off" |
     "n/a (cpu)")."""
     from common.model.runner import ModelRunner
@@ -262,4 +333,3 @@ def free_memory(device: torch.device) -> None:
 
 def log(msg: str) -> None:
     print(f"# {msg}", file=sys.stderr, flush=True)
-

@@ -61,8 +61,12 @@ def save_tokenizer(path: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
-                                 eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(str(path))
 
@@ -74,10 +78,21 @@ def check_tokenizer(path: Path, vocab_size: int) -> dict[str, Any]:
     text = "The device check says hello, world."
     ids = tok.encode(text)
     chat = tok.apply_chat_template([{"role": "user", "content": text}])
-    ok = (tok.vocab_size == vocab_size and tok.decode(ids) == text and 2 in tok.eos_token_ids
-          and len(chat) > len(ids) and tok.decode(list(range(vocab_size))) is not None)
-    return dict(kind="tokenizer", vocab_size=tok.vocab_size, num_ids=len(ids),
-                num_chat_ids=len(chat), eos_ids=sorted(tok.eos_token_ids), ok=ok)
+    ok = (
+        tok.vocab_size == vocab_size
+        and tok.decode(ids) == text
+        and 2 in tok.eos_token_ids
+        and len(chat) > len(ids)
+        and tok.decode(list(range(vocab_size))) is not None
+    )
+    return dict(
+        kind="tokenizer",
+        vocab_size=tok.vocab_size,
+        num_ids=len(ids),
+        num_chat_ids=len(chat),
+        eos_ids=sorted(tok.eos_token_ids),
+        ok=ok,
+    )
 
 
 def _free_port() -> int:
@@ -96,8 +111,15 @@ class _Proc:
         self.lines: list[str] = []
         self.ready = threading.Event()
         self.log_path = log_dir / f"{name}.log"
-        self.popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.popen = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
 
         def read() -> None:
             assert self.popen.stdout is not None
@@ -129,38 +151,81 @@ def _get(url: str, timeout: float = 5.0) -> Any:
 
 
 def _complete(api: int, timeout: float) -> dict[str, Any]:
-    body = {"model": "devcheck", "prompt": "The device check says", "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True}
-    req = urllib.request.Request(f"http://127.0.0.1:{api}/v1/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": "devcheck",
+        "prompt": "The device check says",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{api}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return dict(json.loads(resp.read()))
 
 
-def _cluster(path: Path, mode: Mode, backend: str, deadline: Deadline,
-             work: Path) -> dict[str, Any]:
+def _cluster(
+    path: Path, mode: Mode, backend: str, deadline: Deadline, work: Path
+) -> dict[str, Any]:
     api, registry = _free_port(), _free_port()
     env = dict(os.environ, PDSERVE_AUTH_TOKEN=secrets.token_urlsafe(24), OMP_WAIT_POLICY="PASSIVE")
     if not mode.is_cpu:
         env.setdefault("UCX_TLS", "tcp,self,sm,cuda_copy,cuda_ipc")
     py = sys.executable
-    node = ["--host", "127.0.0.1", "--port", "0", "--bootstrap-url",
-            f"http://127.0.0.1:{registry}", "--model-path", str(path),
-            "--device", "cpu" if mode.is_cpu else "cuda", "--dtype", mode.speed_dtype,
-            "--disaggregation-transfer-backend", backend, "--max-total-tokens", "4096"]
+    node = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--bootstrap-url",
+        f"http://127.0.0.1:{registry}",
+        "--model-path",
+        str(path),
+        "--device",
+        "cpu" if mode.is_cpu else "cuda",
+        "--dtype",
+        mode.speed_dtype,
+        "--disaggregation-transfer-backend",
+        backend,
+        "--max-total-tokens",
+        "4096",
+    ]
     if not mode.is_cpu:
         node += ["--cuda-graph-max-bs", "8"]
     logs = work / f"e2e-{backend}"
     logs.mkdir(parents=True, exist_ok=True)
-    procs = [_Proc("bootstrap", [py, "-m", "bootstrap", "--host", "127.0.0.1", "--port", str(api),
-                                 "--disaggregation-bootstrap-port", str(registry),
-                                 "--model-path", str(path), "--served-model-name", "devcheck"],
-                   env, logs)]
-    procs += [_Proc(f"{role}-0", [py, "-m", module, *node, "--node-id", f"{role}-0"], env, logs)
-              for role, module in (("prefill", "prefill_node"), ("decode", "decode_node"))]
-    out: dict[str, Any] = dict(kind="e2e", transfer_backend=backend,
-                               moves_bytes=backend == "nixl", ok=False)
+    procs = [
+        _Proc(
+            "bootstrap",
+            [
+                py,
+                "-m",
+                "bootstrap",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(api),
+                "--disaggregation-bootstrap-port",
+                str(registry),
+                "--model-path",
+                str(path),
+                "--served-model-name",
+                "devcheck",
+            ],
+            env,
+            logs,
+        )
+    ]
+    procs += [
+        _Proc(f"{role}-0", [py, "-m", module, *node, "--node-id", f"{role}-0"], env, logs)
+        for role, module in (("prefill", "prefill_node"), ("decode", "decode_node"))
+    ]
+    out: dict[str, Any] = dict(
+        kind="e2e", transfer_backend=backend, moves_bytes=backend == "nixl", ok=False
+    )
     started = time.monotonic()
     try:
         while not all(p.ready.is_set() for p in procs):
@@ -186,8 +251,11 @@ def _cluster(path: Path, mode: Mode, backend: str, deadline: Deadline,
         reply = _complete(api, timeout=max(5.0, min(REQUEST_TIMEOUT_S, deadline.left() - 8)))
         out["request_s"] = round(time.monotonic() - t0, 3)
         choice = reply["choices"][0]
-        out.update(completion_tokens=reply.get("usage", {}).get("completion_tokens"),
-                   finish_reason=choice.get("finish_reason"), text=choice.get("text", "")[:80])
+        out.update(
+            completion_tokens=reply.get("usage", {}).get("completion_tokens"),
+            finish_reason=choice.get("finish_reason"),
+            text=choice.get("text", "")[:80],
+        )
     except Exception as exc:  # noqa: BLE001 - the result says what broke
         out["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -197,9 +265,12 @@ def _cluster(path: Path, mode: Mode, backend: str, deadline: Deadline,
             out["log_tails"] = {p.name: p.lines[-8:] for p in procs}
             for p in procs:  # into the run's log (device_check.log), which comes back
                 log(f"{backend}: last lines of {p.name}:\n" + "\n".join(p.lines))
-    out["ok"] = ("error" not in out and out.get("completion_tokens") == MAX_TOKENS
-                 and out.get("finish_reason") == "length"
-                 and all(c == 0 for c in out["exit_codes"].values()))
+    out["ok"] = (
+        "error" not in out
+        and out.get("completion_tokens") == MAX_TOKENS
+        and out.get("finish_reason") == "length"
+        and all(c == 0 for c in out["exit_codes"].values())
+    )
     return out
 
 
@@ -218,6 +289,11 @@ def run(mode: Mode, sink: Sink, work: Path, deadline: Deadline) -> None:
     sink.emit(model=name, **result)
     if not result["ok"] and backend == "nixl" and deadline.left() > (30 if mode.is_cpu else 45):
         # the same cluster without NIXL: does the rest of the path work?
-        sink.emit(model=name, **{**_cluster(path, mode, "fake", deadline, work),
-                                 "note": "retry without NIXL (moves no KV bytes)",
-                                 "kind": "e2e_without_nixl"})
+        sink.emit(
+            model=name,
+            **{
+                **_cluster(path, mode, "fake", deadline, work),
+                "note": "retry without NIXL (moves no KV bytes)",
+                "kind": "e2e_without_nixl",
+            },
+        )

@@ -16,18 +16,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from device_check_common import (
-    BF16_REL, FLOAT32_REL, Deadline, Mode, Sink, checkpoint, free_memory, load_reference, log,
-    make_runner, rel_err,
+    BF16_REL,
+    FLOAT32_REL,
+    Deadline,
+    Mode,
+    Sink,
+    checkpoint,
+    free_memory,
+    load_reference,
+    log,
+    make_runner,
+    rel_err,
 )
 
 PAGE = 16
 DECODE_STEPS = 4
 
 # shape: (prompt length, decode sequence lengths); the big shapes stay short
-CASES_GPU = {"tiny-llama": (40, [5, 17, 30, 41]), "tiny-qwen2": (40, [5, 17, 30, 41]),
-             "smollm2-135m": (200, [9, 64, 150, 200]), "llama-3.2-1b": (256, [9, 64, 150, 256])}
+CASES_GPU = {
+    "tiny-llama": (40, [5, 17, 30, 41]),
+    "tiny-qwen2": (40, [5, 17, 30, 41]),
+    "smollm2-135m": (200, [9, 64, 150, 200]),
+    "llama-3.2-1b": (256, [9, 64, 150, 256]),
+}
 CASES_CPU = {"tiny-llama": (40, [5, 17, 30, 41]), "tiny-qwen2": (40, [5, 17, 30, 41])}
 # seconds a shape needs at least (both dtypes, its checkpoint included) before it is begun
 NEEDS_S = {"tiny-llama": 8, "tiny-qwen2": 8, "smollm2-135m": 20, "llama-3.2-1b": 35}
@@ -120,8 +132,9 @@ def run(mode: Mode, sink: Sink, work: Path, deadline: Deadline) -> None:
             path = checkpoint(name, work, device)
             ref32 = _Refs(load_reference(path, torch.float32, device, "eager"), device)
         except Exception as exc:  # noqa: BLE001
-            sink.emit(kind="equivalence", model=name, ok=False,
-                      error=f"{type(exc).__name__}: {exc}")
+            sink.emit(
+                kind="equivalence", model=name, ok=False, error=f"{type(exc).__name__}: {exc}"
+            )
             continue
         for dtype in ("float32", "bfloat16"):
             if deadline.left() < NEEDS_S[name] / 2 * (0.3 if mode.is_cpu else 1):
@@ -130,8 +143,13 @@ def run(mode: Mode, sink: Sink, work: Path, deadline: Deadline) -> None:
             try:
                 _one(sink, name, dtype, path, device, ref32, prompt_len, lens)
             except Exception as exc:  # noqa: BLE001 - one shape's failure is its own result
-                sink.emit(kind="equivalence", model=name, dtype=dtype, ok=False,
-                          error=f"{type(exc).__name__}: {exc}")
+                sink.emit(
+                    kind="equivalence",
+                    model=name,
+                    dtype=dtype,
+                    ok=False,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
             free_memory(device)
         del ref32
         free_memory(device)
@@ -152,31 +170,50 @@ def _pool_sizing(sink: Sink, mode: Mode, work: Path) -> None:
     name = "tiny-llama" if mode.is_cpu else "smollm2-135m"
     path = checkpoint(name, work, mode.device)
     before = device_memory(mode.device)
-    fraction = (min(1.0, (before.in_use + (512 << 20)) / before.total) if mode.is_cpu
-                else 0.5)
-    runner, _ = make_runner(path, dtype="bfloat16", device=str(mode.device), page_size=PAGE,
-                            mem_fraction_static=fraction, graph_max_bs=32)
+    fraction = min(1.0, (before.in_use + (512 << 20)) / before.total) if mode.is_cpu else 0.5
+    runner, _ = make_runner(
+        path,
+        dtype="bfloat16",
+        device=str(mode.device),
+        page_size=PAGE,
+        mem_fraction_static=fraction,
+        graph_max_bs=32,
+    )
     after = device_memory(mode.device)
     nbytes = runner.pool.nbytes
     ceiling = int(fraction * before.total) - before.in_use
     gib = 2**30
     # the CPU's memory moves with every other process: only the order of magnitude is checked
     slack = (256 << 20) if mode.is_cpu else 0
-    sink.emit(kind="pool_sizing", model=name, fraction=round(fraction, 4),
-              total_gib=round(before.total / gib, 2),
-              in_use_before_gib=round(before.in_use / gib, 2),
-              pool_gib=round(nbytes / gib, 3), pages=runner.pool.num_pages,
-              in_use_after_gib=round(after.in_use / gib, 2),
-              ok=0 < nbytes <= ceiling + slack and (mode.is_cpu or nbytes > ceiling - 8 * gib))
+    sink.emit(
+        kind="pool_sizing",
+        model=name,
+        fraction=round(fraction, 4),
+        total_gib=round(before.total / gib, 2),
+        in_use_before_gib=round(before.in_use / gib, 2),
+        pool_gib=round(nbytes / gib, 3),
+        pages=runner.pool.num_pages,
+        in_use_after_gib=round(after.in_use / gib, 2),
+        ok=0 < nbytes <= ceiling + slack and (mode.is_cpu or nbytes > ceiling - 8 * gib),
+    )
     del runner
 
 
-def _one(sink: Sink, name: str, dtype: str, path: Path, device: torch.device, ref32: _Refs,
-         prompt_len: int, lens: list[int]) -> None:
+def _one(
+    sink: Sink,
+    name: str,
+    dtype: str,
+    path: Path,
+    device: torch.device,
+    ref32: _Refs,
+    prompt_len: int,
+    lens: list[int],
+) -> None:
     """One shape in one dtype: run the cases on pdserve, compare, emit."""
     vocab = ref32.model.config.vocab_size
-    runner, graphs = make_runner(path, dtype=dtype, device=str(device), page_size=PAGE,
-                                 num_pages=96, graph_max_bs=8)
+    runner, graphs = make_runner(
+        path, dtype=dtype, device=str(device), page_size=PAGE, num_pages=96, graph_max_bs=8
+    )
     ours = _cases(runner, prompt_len, lens, vocab)
     del runner
     ref16 = None
@@ -184,22 +221,36 @@ def _one(sink: Sink, name: str, dtype: str, path: Path, device: torch.device, re
         ref16 = _Refs(load_reference(path, torch.bfloat16, device, "sdpa"), device)
     for case in ("full", "chunked", "decode"):
         err, agree = _compare(ours[case], ref32)
-        fields: dict[str, Any] = dict(kind="equivalence", model=name, dtype=dtype,
-                                      case=case, graphs=graphs, err=err,
-                                      argmax_agree=round(agree, 4),
-                                      num_vectors=len(ours[case]))
+        fields: dict[str, Any] = dict(
+            kind="equivalence",
+            model=name,
+            dtype=dtype,
+            case=case,
+            graphs=graphs,
+            err=err,
+            argmax_agree=round(agree, 4),
+            num_vectors=len(ours[case]),
+        )
         if ref16 is None:
             fields.update(bound=FLOAT32_REL, ok=err <= FLOAT32_REL)
         else:
             hf_err, hf_agree = _compare([(i, r, ref16(i)[r]) for i, r, _ in ours[case]], ref32)
             bound = max(BF16_REL, 2 * hf_err)
-            fields.update(bound=bound, hf_bf16_err=hf_err,
-                          hf_bf16_argmax_agree=round(hf_agree, 4), ok=err <= bound)
+            fields.update(
+                bound=bound,
+                hf_bf16_err=hf_err,
+                hf_bf16_argmax_agree=round(hf_agree, 4),
+                ok=err <= bound,
+            )
         sink.emit(**fields)
     ids, greedy = ours["full_greedy"]
     expect = ref32(ids).argmax(-1).tolist()
     same = sum(int(a == b) for a, b in zip(greedy, expect)) / len(expect)
-    sink.emit(kind="greedy_per_position", model=name, dtype=dtype,
-              argmax_agree=round(same, 4), num_positions=len(expect))
+    sink.emit(
+        kind="greedy_per_position",
+        model=name,
+        dtype=dtype,
+        argmax_agree=round(same, 4),
+        num_positions=len(expect),
+    )
     del ref16
-

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from device_check_common import Deadline, Mode, Sink, log, time_ms
 
 SEED = 20261204
@@ -138,8 +137,9 @@ def _writer_main(conn: Connection, num_pages: int, device: str) -> None:
                 conn.send((f"raised: {exc}", t0, time.monotonic()))
         elif cmd[0] == "copy":
             dst = torch.empty_like(raw)
-            ms = min(time_ms(lambda: dst.copy_(raw), raw.device, warmup=1, iters=1)
-                     for _ in range(5))
+            ms = min(
+                time_ms(lambda: dst.copy_(raw), raw.device, warmup=1, iters=1) for _ in range(5)
+            )
             del dst
             conn.send(ms)
         else:
@@ -179,8 +179,14 @@ def run(mode: Mode, sink: Sink, work: Path, deadline: Deadline) -> None:
         conns.append(parent)
         procs.append(proc)
     reader, writer = conns
-    base = dict(kind="nixl", device=device, ucx_tls=tls, backend_device_kw=has_device,
-                num_pages=num_pages, bytes=nbytes)
+    base = dict(
+        kind="nixl",
+        device=device,
+        ucx_tls=tls,
+        backend_device_kw=has_device,
+        num_pages=num_pages,
+        bytes=nbytes,
+    )
     try:
         start_s = max(5.0, min(60.0, deadline.left() - 5))  # torch, CUDA and NIXL start-up
         status, md = _ask(reader, timeout=start_s)
@@ -202,8 +208,9 @@ def run(mode: Mode, sink: Sink, work: Path, deadline: Deadline) -> None:
             state, t0, done = _ask(writer, "write", tag)
             seen = _ask(reader)
             if state != "done" or seen is None:
-                sink.emit(**base, ok=False, rep=rep, state=state,
-                          notification_seen=seen is not None)
+                sink.emit(
+                    **base, ok=False, rep=rep, state=state, notification_seen=seen is not None
+                )
                 return
             seconds.append(max(done, seen) - t0)
             if rep == 0 or rep == reps - 1:
@@ -217,21 +224,32 @@ def run(mode: Mode, sink: Sink, work: Path, deadline: Deadline) -> None:
         log(f"nixl: {nbytes / 1e6:.0f} MB in {best * 1e3:.2f} ms best")
         all_equal = all(eq for eq, _ in checks)
         fields: dict[str, Any] = dict(
-            **base, num_writes=len(seconds), first_write_ms=round(seconds[0] * 1e3, 3),
-            best_write_ms=round(best * 1e3, 3), median_write_ms=round(
-                sorted(seconds)[len(seconds) // 2] * 1e3, 3),
-            gbps=round(gbps, 2), copy_gbps=round(copy_gbps, 2),
-            fraction_of_copy=round(gbps / copy_gbps, 3), bytes_equal=all_equal,
-            bad_pages=[bad for _, bad in checks], num_verified=len(checks),
-            ok=all_equal and len(checks) == min(2, reps) and len(seconds) >= 2)
+            **base,
+            num_writes=len(seconds),
+            first_write_ms=round(seconds[0] * 1e3, 3),
+            best_write_ms=round(best * 1e3, 3),
+            median_write_ms=round(sorted(seconds)[len(seconds) // 2] * 1e3, 3),
+            gbps=round(gbps, 2),
+            copy_gbps=round(copy_gbps, 2),
+            fraction_of_copy=round(gbps / copy_gbps, 3),
+            bytes_equal=all_equal,
+            bad_pages=[bad for _, bad in checks],
+            num_verified=len(checks),
+            ok=all_equal and len(checks) == min(2, reps) and len(seconds) >= 2,
+        )
         if not mode.is_cpu:
             fields.update(target=f">= {TARGET:.0%} of copy", target_met=gbps / copy_gbps >= TARGET)
         sink.emit(**fields)
         _ask(reader, "close")
         _ask(writer, "close")
     except Exception as exc:  # noqa: BLE001 - a hang or a crash is a result too
-        sink.emit(**base, ok=False, error=f"{type(exc).__name__}: {exc}",
-                  alive=[p.is_alive() for p in procs], exitcodes=[p.exitcode for p in procs])
+        sink.emit(
+            **base,
+            ok=False,
+            error=f"{type(exc).__name__}: {exc}",
+            alive=[p.is_alive() for p in procs],
+            exitcodes=[p.exitcode for p in procs],
+        )
     finally:
         for conn in conns:  # a child blocked on its pipe sees EOF and ends
             conn.close()

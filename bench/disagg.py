@@ -1,4 +1,4 @@
-"""What disaggregation costs and buys on this machine: TTFT overhead, decode ITL under prefill load, goodput.
+"""What disaggregation costs and buys here: TTFT overhead, decode ITL under prefill load, goodput.
 
     python bench/disagg.py [--lengths 128 1024 4096] [--repeats 3] [--streams 8]
                            [--modes disaggregated colocated] [--rates 0.25 0.5 1]
@@ -46,24 +46,42 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local_cluster import free_port, pct, wait_ready  # noqa: E402
+
 TOKEN = "bench-disagg-token"
 READY = "PDSERVE_READY "
-CHAIN = ("receive", "tokenize", "route", "prefill_bootstrap_queue", "prefill_waiting_queue",
-         "prefill_compute", "kv_transfer", "decode_first_token", "first_byte")
+CHAIN = (
+    "receive",
+    "tokenize",
+    "route",
+    "prefill_bootstrap_queue",
+    "prefill_waiting_queue",
+    "prefill_compute",
+    "kv_transfer",
+    "decode_first_token",
+    "first_byte",
+)
 
 
 LOG_DIR = Path(tempfile.gettempdir()) / f"pdserve-disagg-{os.getpid()}"
 
 
-def start(module: str, args: list[str], cpus: set[int], env: dict[str, str]) -> subprocess.Popen[str]:
+def start(
+    module: str, args: list[str], cpus: set[int], env: dict[str, str]
+) -> subprocess.Popen[str]:
     """One node process pinned to ``cpus``; its stderr (the log) goes to LOG_DIR/<module>.log."""
     usable = os.sched_getaffinity(0)
     pin = cpus & usable or usable
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     with open(LOG_DIR / f"{module}.log", "w") as log:
-        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                                text=True, stdout=subprocess.PIPE, stderr=log,
-                                preexec_fn=lambda: os.sched_setaffinity(0, pin))
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            preexec_fn=lambda: os.sched_setaffinity(0, pin),
+        )
 
 
 def wait_line(proc: subprocess.Popen[str], timeout_s: float = 300.0) -> dict[str, Any]:
@@ -73,7 +91,7 @@ def wait_line(proc: subprocess.Popen[str], timeout_s: float = 300.0) -> dict[str
         line = proc.stdout.readline()
         if line.startswith(READY):
             threading.Thread(target=lambda: [None for _ in proc.stdout or []], daemon=True).start()
-            return dict(json.loads(line[len(READY):]))
+            return dict(json.loads(line[len(READY) :]))
         if not line and proc.poll() is not None:
             raise SystemExit(f"{proc.args} exited with {proc.returncode}")
     raise SystemExit(f"{proc.args} did not start")
@@ -94,8 +112,12 @@ def metric_sums(url: str) -> dict[str, float]:
 
 def stream(url: str, body: dict[str, Any]) -> tuple[float, list[float]]:
     """(TTFT s, gaps between later chunks s) of one streamed completion."""
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     start = time.perf_counter()
     ttft, last, gaps = None, 0.0, []
     try:
@@ -119,8 +141,9 @@ def stream(url: str, body: dict[str, Any]) -> tuple[float, list[float]]:
     return ttft or float("nan"), gaps
 
 
-def measure_ttft(url: str, lengths: list[int], repeats: int, vocab: int
-                 ) -> dict[int, tuple[float, dict[str, float]]]:
+def measure_ttft(
+    url: str, lengths: list[int], repeats: int, vocab: int
+) -> dict[int, tuple[float, dict[str, float]]]:
     """Per prompt length: the median TTFT (s) and the median of each stage (s)."""
     rng = random.Random(0)  # the same prompts in every mode
     out = {}
@@ -130,8 +153,16 @@ def measure_ttft(url: str, lengths: list[int], repeats: int, vocab: int
         for _ in range(repeats):
             ids = [rng.randrange(100, vocab) for _ in range(n)]
             before = metric_sums(url)
-            t, _ = stream(url, {"model": "default", "prompt": ids, "max_tokens": 1, "stream": True,
-                                "temperature": 0})
+            t, _ = stream(
+                url,
+                {
+                    "model": "default",
+                    "prompt": ids,
+                    "max_tokens": 1,
+                    "stream": True,
+                    "temperature": 0,
+                },
+            )
             after = metric_sums(url)
             ttfts.append(t)
             for s in CHAIN:
@@ -152,8 +183,9 @@ def inprocess_ttft(lengths: list[int], repeats: int, vocab: int) -> dict[int, fl
     os.sched_setaffinity(0, {0} & mask or mask)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    runner = ModelRunner.from_path(None, progress=False, dtype="float32",
-                                   max_total_tokens=max(lengths) + 64)
+    runner = ModelRunner.from_path(
+        None, progress=False, dtype="float32", max_total_tokens=max(lengths) + 64
+    )
     runner.warmup()  # as the nodes do before they register
     out = {}
     for n in lengths:
@@ -171,12 +203,17 @@ def inprocess_ttft(lengths: list[int], repeats: int, vocab: int) -> dict[int, fl
     return out
 
 
-def ttft_rows(by_mode: dict[str, dict[int, tuple[float, dict[str, float]]]],
-              local: dict[int, float]) -> list[dict[str, Any]]:
+def ttft_rows(
+    by_mode: dict[str, dict[int, tuple[float, dict[str, float]]]], local: dict[int, float]
+) -> list[dict[str, Any]]:
     rows = []
     for n, l_s in local.items():
-        row: dict[str, Any] = {"bench": "disagg", "test": "ttft_overhead", "prompt_tokens": n,
-                               "inprocess_ms": round(l_s * 1e3, 1)}
+        row: dict[str, Any] = {
+            "bench": "disagg",
+            "test": "ttft_overhead",
+            "prompt_tokens": n,
+            "inprocess_ms": round(l_s * 1e3, 1),
+        }
         for mode, key in (("disaggregated", "disagg"), ("colocated", "colocated")):
             if mode not in by_mode:
                 continue
@@ -190,13 +227,15 @@ def ttft_rows(by_mode: dict[str, dict[int, tuple[float, dict[str, float]]]],
         if "disagg_ms" in row and "colocated_ms" in row:
             row["overhead_ms"] = round(row["disagg_ms"] - row["colocated_ms"], 1)
             row["overhead_non_compute_ms"] = round(
-                row["disagg_non_compute_ms"] - row["colocated_non_compute_ms"], 1)
+                row["disagg_non_compute_ms"] - row["colocated_non_compute_ms"], 1
+            )
         rows.append(row)
     return rows
 
 
-def interference(url: str, mode: str, streams: int, tokens: int, load_tokens: int,
-                 interval: float, vocab: int) -> list[dict[str, Any]]:
+def interference(
+    url: str, mode: str, streams: int, tokens: int, load_tokens: int, interval: float, vocab: int
+) -> list[dict[str, Any]]:
     rng = random.Random(1)
     out = {}
     errors: list[str] = []
@@ -205,9 +244,17 @@ def interference(url: str, mode: str, streams: int, tokens: int, load_tokens: in
         lock = threading.Lock()
 
         def one(i: int) -> None:
-            _, g = stream(url, {"model": "default", "prompt": f"Story {i}: once upon a time",
-                                "max_tokens": tokens, "stream": True, "ignore_eos": True,
-                                "temperature": 0})
+            _, g = stream(
+                url,
+                {
+                    "model": "default",
+                    "prompt": f"Story {i}: once upon a time",
+                    "max_tokens": tokens,
+                    "stream": True,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                },
+            )
             with lock:
                 gaps.extend(g)
 
@@ -232,20 +279,35 @@ def interference(url: str, mode: str, streams: int, tokens: int, load_tokens: in
             t.join(600)
         out[loaded] = (gaps, len(loaders))
     idle, loaded_gaps = out[False][0], out[True][0]
-    row: dict[str, Any] = {"bench": "disagg", "test": "interference", "mode": mode, "streams": streams,
-           "load_prompt_tokens": load_tokens, "load_interval_s": interval,
-           "load_arrivals": out[True][1], "load_errors": errors,
-           "itl_p50_idle_ms": round(pct(idle, 50) * 1e3, 1),
-           "itl_p99_idle_ms": round(pct(idle, 99) * 1e3, 1),
-           "itl_p50_loaded_ms": round(pct(loaded_gaps, 50) * 1e3, 1),
-           "itl_p99_loaded_ms": round(pct(loaded_gaps, 99) * 1e3, 1)}
+    row: dict[str, Any] = {
+        "bench": "disagg",
+        "test": "interference",
+        "mode": mode,
+        "streams": streams,
+        "load_prompt_tokens": load_tokens,
+        "load_interval_s": interval,
+        "load_arrivals": out[True][1],
+        "load_errors": errors,
+        "itl_p50_idle_ms": round(pct(idle, 50) * 1e3, 1),
+        "itl_p99_idle_ms": round(pct(idle, 99) * 1e3, 1),
+        "itl_p50_loaded_ms": round(pct(loaded_gaps, 50) * 1e3, 1),
+        "itl_p99_loaded_ms": round(pct(loaded_gaps, 99) * 1e3, 1),
+    }
     row["ratio"] = round(row["itl_p99_loaded_ms"] / max(row["itl_p99_idle_ms"], 1e-9), 3)
     return [row]
 
 
-def goodput(url: str, mode: str, rates: list[float], seconds: float, prompt_tokens: int,
-            output_tokens: int, slo_ttft_s: float, slo_tpot_s: float,
-            vocab: int) -> list[dict[str, Any]]:
+def goodput(
+    url: str,
+    mode: str,
+    rates: list[float],
+    seconds: float,
+    prompt_tokens: int,
+    output_tokens: int,
+    slo_ttft_s: float,
+    slo_tpot_s: float,
+    vocab: int,
+) -> list[dict[str, Any]]:
     """Poisson arrivals per rate; requests meeting both SLOs per second, output tokens/s."""
     rows = []
     for rate in rates:
@@ -255,9 +317,17 @@ def goodput(url: str, mode: str, rates: list[float], seconds: float, prompt_toke
 
         def one(ids: list[int]) -> None:
             try:
-                ttft, gaps = stream(url, {"model": "default", "prompt": ids,
-                                          "max_tokens": output_tokens, "stream": True,
-                                          "ignore_eos": True, "temperature": 0})
+                ttft, gaps = stream(
+                    url,
+                    {
+                        "model": "default",
+                        "prompt": ids,
+                        "max_tokens": output_tokens,
+                        "stream": True,
+                        "ignore_eos": True,
+                        "temperature": 0,
+                    },
+                )
                 tpot = sum(gaps) / len(gaps) if gaps else 0.0
                 got: tuple[float, float, int] | None = (ttft, tpot, len(gaps) + 1)
             except RuntimeError:
@@ -278,28 +348,61 @@ def goodput(url: str, mode: str, rates: list[float], seconds: float, prompt_toke
         elapsed = time.perf_counter() - start
         done = [r for r in results if r is not None]
         good = [r for r in done if r[0] <= slo_ttft_s and r[1] <= slo_tpot_s]
-        rows.append({"bench": "disagg", "test": "goodput", "mode": mode, "request_rate": rate,
-                     "requests": len(threads), "failed": len(results) - len(done),
-                     "slo_ttft_ms": slo_ttft_s * 1e3, "slo_tpot_ms": slo_tpot_s * 1e3,
-                     "goodput_rps": round(len(good) / elapsed, 3),
-                     "throughput_rps": round(len(done) / elapsed, 3),
-                     "output_tokens_per_s": round(sum(r[2] for r in done) / elapsed, 1),
-                     "ttft_p50_ms": round(pct([r[0] for r in done], 50) * 1e3, 1),
-                     "ttft_p99_ms": round(pct([r[0] for r in done], 99) * 1e3, 1),
-                     "tpot_p50_ms": round(pct([r[1] for r in done], 50) * 1e3, 1),
-                     "tpot_p99_ms": round(pct([r[1] for r in done], 99) * 1e3, 1)})
+        rows.append(
+            {
+                "bench": "disagg",
+                "test": "goodput",
+                "mode": mode,
+                "request_rate": rate,
+                "requests": len(threads),
+                "failed": len(results) - len(done),
+                "slo_ttft_ms": slo_ttft_s * 1e3,
+                "slo_tpot_ms": slo_tpot_s * 1e3,
+                "goodput_rps": round(len(good) / elapsed, 3),
+                "throughput_rps": round(len(done) / elapsed, 3),
+                "output_tokens_per_s": round(sum(r[2] for r in done) / elapsed, 1),
+                "ttft_p50_ms": round(pct([r[0] for r in done], 50) * 1e3, 1),
+                "ttft_p99_ms": round(pct([r[0] for r in done], 99) * 1e3, 1),
+                "tpot_p50_ms": round(pct([r[1] for r in done], 50) * 1e3, 1),
+                "tpot_p99_ms": round(pct([r[1] for r in done], 99) * 1e3, 1),
+            }
+        )
     return rows
 
 
-def run_mode(mode: str, args: Any, env: dict[str, str], vocab: int
-             ) -> tuple[dict[int, tuple[float, dict[str, float]]], list[dict[str, Any]]]:
+def run_mode(
+    mode: str, args: Any, env: dict[str, str], vocab: int
+) -> tuple[dict[int, tuple[float, dict[str, float]]], list[dict[str, Any]]]:
     """One cluster in ``mode``: its TTFT per length, and its interference and goodput rows."""
     backend = "nixl" if __import__("importlib").util.find_spec("nixl._api") else "fake"
     api, registry = free_port(), free_port()
-    node = ["--host", "127.0.0.1", "--port", "0", "--bootstrap-url",
-            f"http://127.0.0.1:{registry}", "--max-total-tokens", "32768", "--dtype", "float32"]
-    procs = [start("bootstrap", ["--host", "127.0.0.1", "--port", str(api),
-                                 "--disaggregation-bootstrap-port", str(registry)], {1}, env)]
+    node = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--bootstrap-url",
+        f"http://127.0.0.1:{registry}",
+        "--max-total-tokens",
+        "32768",
+        "--dtype",
+        "float32",
+    ]
+    procs = [
+        start(
+            "bootstrap",
+            [
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(api),
+                "--disaggregation-bootstrap-port",
+                str(registry),
+            ],
+            {1},
+            env,
+        )
+    ]
     try:
         wait_line(procs[0])
         if mode == "disaggregated":
@@ -307,21 +410,40 @@ def run_mode(mode: str, args: Any, env: dict[str, str], vocab: int
             procs.append(start("prefill_node", [*node, "--node-id", "prefill-0"], {0}, env))
             procs.append(start("decode_node", [*node, "--node-id", "decode-0"], {1}, env))
         else:  # both cores, two threads; chunks small enough to keep decode steps coming
-            procs.append(start("colocated_node", [*node, "--node-id", "colocated-0",
-                                                  "--chunked-prefill-size",
-                                                  str(args.colocated_chunk)], {0, 1},
-                               {**env, "OMP_NUM_THREADS": "2"}))
+            procs.append(
+                start(
+                    "colocated_node",
+                    [
+                        *node,
+                        "--node-id",
+                        "colocated-0",
+                        "--chunked-prefill-size",
+                        str(args.colocated_chunk),
+                    ],
+                    {0, 1},
+                    {**env, "OMP_NUM_THREADS": "2"},
+                )
+            )
         for p in procs[1:]:
             wait_line(p)
         url = f"http://127.0.0.1:{api}"
         wait_ready(url)
         stream(url, {"model": "default", "prompt": "warm up", "max_tokens": 2, "stream": True})
         ttft = measure_ttft(url, args.lengths, args.repeats, vocab)
-        rows = interference(url, mode, args.streams, args.stream_tokens, args.load_tokens,
-                            args.load_interval, vocab)
-        rows += goodput(url, mode, args.rates, args.goodput_seconds, args.goodput_prompt_tokens,
-                        args.goodput_output_tokens, args.slo_ttft_ms / 1e3,
-                        args.slo_tpot_ms / 1e3, vocab)
+        rows = interference(
+            url, mode, args.streams, args.stream_tokens, args.load_tokens, args.load_interval, vocab
+        )
+        rows += goodput(
+            url,
+            mode,
+            args.rates,
+            args.goodput_seconds,
+            args.goodput_prompt_tokens,
+            args.goodput_output_tokens,
+            args.slo_ttft_ms / 1e3,
+            args.slo_tpot_ms / 1e3,
+            vocab,
+        )
         return ttft, rows
     finally:
         for p in reversed(procs):
@@ -337,17 +459,25 @@ def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="+", default=["disaggregated", "colocated"],
-                    choices=["disaggregated", "colocated"])
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["disaggregated", "colocated"],
+        choices=["disaggregated", "colocated"],
+    )
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 4096])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--stream-tokens", type=int, default=64)
     ap.add_argument("--load-tokens", type=int, default=2048)
     ap.add_argument("--load-interval", type=float, default=3.0)
-    ap.add_argument("--colocated-chunk", type=int, default=512,
-                    help="--chunked-prefill-size of the colocated process: how long one "
-                         "prefill step may hold up the decode batch")
+    ap.add_argument(
+        "--colocated-chunk",
+        type=int,
+        default=512,
+        help="--chunked-prefill-size of the colocated process: how long one "
+        "prefill step may hold up the decode batch",
+    )
     ap.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     ap.add_argument("--goodput-seconds", type=float, default=30.0)
     ap.add_argument("--goodput-prompt-tokens", type=int, default=512)
@@ -359,40 +489,58 @@ def main() -> None:
 
     print(f"cpu: {describe_cpu()}")
     print(f"node logs: {LOG_DIR}")
-    env = {**os.environ, "PDSERVE_AUTH_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
-           "OMP_WAIT_POLICY": "PASSIVE", "UCX_TLS": os.environ.get("UCX_TLS", "tcp,self,sm")}
+    env = {
+        **os.environ,
+        "PDSERVE_AUTH_TOKEN": TOKEN,
+        "OMP_NUM_THREADS": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "UCX_TLS": os.environ.get("UCX_TLS", "tcp,self,sm"),
+    }
     vocab = 49152
     by_mode, rows = {}, []
     for mode in args.modes:
         by_mode[mode], mode_rows = run_mode(mode, args, env, vocab)
         rows += mode_rows
     rows = ttft_rows(by_mode, inprocess_ttft(args.lengths, args.repeats, vocab)) + rows
-    print("ttft_overhead (in-process: the model alone on CPU 0; non-compute: TTFT less the "
-          "prefill compute stage)")
-    print(f"{'tokens':>6} {'in-proc':>8} {'colocated':>10} {'disagg':>8} {'overhead':>9} "
-          f"{'coloc n-c':>10} {'disagg n-c':>10} {'ovh n-c':>8} {'transfer':>9}")
+    print(
+        "ttft_overhead (in-process: the model alone on CPU 0; non-compute: TTFT less the "
+        "prefill compute stage)"
+    )
+    print(
+        f"{'tokens':>6} {'in-proc':>8} {'colocated':>10} {'disagg':>8} {'overhead':>9} "
+        f"{'coloc n-c':>10} {'disagg n-c':>10} {'ovh n-c':>8} {'transfer':>9}"
+    )
     for r in rows:
         if r["test"] == "ttft_overhead":
-            print(f"{r['prompt_tokens']:6d} {r['inprocess_ms']:8.1f} {r.get('colocated_ms', 0):10.1f} "
-                  f"{r.get('disagg_ms', 0):8.1f} {r.get('overhead_ms', 0):9.1f} "
-                  f"{r.get('colocated_non_compute_ms', 0):10.1f} "
-                  f"{r.get('disagg_non_compute_ms', 0):10.1f} "
-                  f"{r.get('overhead_non_compute_ms', 0):8.1f} {r.get('transfer_ms', 0):9.2f}")
+            print(
+                f"{r['prompt_tokens']:6d} {r['inprocess_ms']:8.1f} "
+                f"{r.get('colocated_ms', 0):10.1f} "
+                f"{r.get('disagg_ms', 0):8.1f} {r.get('overhead_ms', 0):9.1f} "
+                f"{r.get('colocated_non_compute_ms', 0):10.1f} "
+                f"{r.get('disagg_non_compute_ms', 0):10.1f} "
+                f"{r.get('overhead_non_compute_ms', 0):8.1f} {r.get('transfer_ms', 0):9.2f}"
+            )
     for r in rows:
         if r["test"] == "interference":
-            print(f"interference {r['mode']} ({r['streams']} streams, a {r['load_prompt_tokens']}"
-                  f"-token prompt every {r['load_interval_s']} s, {r['load_arrivals']} arrived, "
-                  f"{len(r['load_errors'])} failed): ITL p50/p99 idle "
-                  f"{r['itl_p50_idle_ms']}/{r['itl_p99_idle_ms']} ms, loaded "
-                  f"{r['itl_p50_loaded_ms']}/{r['itl_p99_loaded_ms']} ms, p99 ratio {r['ratio']}")
-    print(f"{'goodput mode':22} {'rate':>5} {'reqs':>5} {'fail':>4} {'good/s':>7} {'done/s':>7} "
-          f"{'out tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9}")
+            print(
+                f"interference {r['mode']} ({r['streams']} streams, a {r['load_prompt_tokens']}"
+                f"-token prompt every {r['load_interval_s']} s, {r['load_arrivals']} arrived, "
+                f"{len(r['load_errors'])} failed): ITL p50/p99 idle "
+                f"{r['itl_p50_idle_ms']}/{r['itl_p99_idle_ms']} ms, loaded "
+                f"{r['itl_p50_loaded_ms']}/{r['itl_p99_loaded_ms']} ms, p99 ratio {r['ratio']}"
+            )
+    print(
+        f"{'goodput mode':22} {'rate':>5} {'reqs':>5} {'fail':>4} {'good/s':>7} {'done/s':>7} "
+        f"{'out tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9}"
+    )
     for r in rows:
         if r["test"] == "goodput":
-            print(f"{r['mode']:22} {r['request_rate']:5.2f} {r['requests']:5d} {r['failed']:4d} "
-                  f"{r['goodput_rps']:7.3f} {r['throughput_rps']:7.3f} "
-                  f"{r['output_tokens_per_s']:9.1f} {r['ttft_p50_ms']:9.1f} {r['ttft_p99_ms']:9.1f} "
-                  f"{r['tpot_p50_ms']:9.1f} {r['tpot_p99_ms']:9.1f}")
+            print(
+                f"{r['mode']:22} {r['request_rate']:5.2f} {r['requests']:5d} {r['failed']:4d} "
+                f"{r['goodput_rps']:7.3f} {r['throughput_rps']:7.3f} "
+                f"{r['output_tokens_per_s']:9.1f} {r['ttft_p50_ms']:9.1f} {r['ttft_p99_ms']:9.1f} "
+                f"{r['tpot_p50_ms']:9.1f} {r['tpot_p99_ms']:9.1f}"
+            )
     for r in rows:
         print(json.dumps(r))
 

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local_cluster import free_port, pct, wait_ready  # noqa: E402
+
 TOKEN = "bench-gateway-token"
 TOKEN_ID = 1000  # every streamed token; the gateway detokenizes it like any other
 
@@ -58,10 +59,19 @@ def stand_in(role: str, registry_urls: list[str], node_id: str, base: float) -> 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock, endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
     register = msg.RegisterNode(
-        node_id=node_id, role=role, request_endpoint=endpoint, control_endpoint=endpoint,
-        http_url="http://127.0.0.1:1", backend="fake", backend_metadata=b"\x00",
-        kv_layout={"page_size": 16}, num_pages=1 << 20, max_running_requests=0,
-        protocol_version=msg.PROTOCOL_VERSION, auth_token=TOKEN)
+        node_id=node_id,
+        role=role,
+        request_endpoint=endpoint,
+        control_endpoint=endpoint,
+        http_url="http://127.0.0.1:1",
+        backend="fake",
+        backend_metadata=b"\x00",
+        kv_layout={"page_size": 16},
+        num_pages=1 << 20,
+        max_running_requests=0,
+        protocol_version=msg.PROTOCOL_VERSION,
+        auth_token=TOKEN,
+    )
     registry = RegistrySet(registry_urls, register, dict).start()
     open_reqs: dict[str, list[Any]] = {}  # rid -> [GenerateReq, tokens left]
     with PushPool(ctx) as push:
@@ -77,15 +87,26 @@ def stand_in(role: str, registry_urls: list[str], node_id: str, base: float) -> 
                 g, left = entry
                 # The send time, in ms since the bench's base, rides in the logprob.
                 stamp = -(time.time() - base) * 1e3
-                push.send(g.reply_endpoint, msg.TokenChunk(rid=rid, token_ids=[TOKEN_ID],
-                                                           logprobs=[stamp], top_logprobs=None))
+                push.send(
+                    g.reply_endpoint,
+                    msg.TokenChunk(
+                        rid=rid, token_ids=[TOKEN_ID], logprobs=[stamp], top_logprobs=None
+                    ),
+                )
                 entry[1] = left = left - 1
                 if left <= 0:
                     n = int(g.sampling.get("max_new_tokens", 1))
-                    push.send(g.reply_endpoint, msg.ReqFinished(
-                        rid=rid, finish_reason="length", matched_stop=None,
-                        num_prompt_tokens=len(g.input_ids), num_output_tokens=n,
-                        num_cached_tokens=0))
+                    push.send(
+                        g.reply_endpoint,
+                        msg.ReqFinished(
+                            rid=rid,
+                            finish_reason="length",
+                            matched_stop=None,
+                            num_prompt_tokens=len(g.input_ids),
+                            num_output_tokens=n,
+                            num_cached_tokens=0,
+                        ),
+                    )
                     del open_reqs[rid]
             if not registry.is_registered and registry.last_error:
                 time.sleep(0.01)
@@ -99,10 +120,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def one_stream(client: Any, url: str, tokens: int, base: float, stats: dict[str, list[float]],
-                     until: float) -> None:
-    body = {"model": "default", "prompt": "Hello there", "max_tokens": tokens, "stream": True,
-            "logprobs": 0, "ignore_eos": True}
+async def one_stream(
+    client: Any, url: str, tokens: int, base: float, stats: dict[str, list[float]], until: float
+) -> None:
+    body = {
+        "model": "default",
+        "prompt": "Hello there",
+        "max_tokens": tokens,
+        "stream": True,
+        "logprobs": 0,
+        "ignore_eos": True,
+    }
     import httpx
 
     while time.monotonic() < until:
@@ -133,18 +161,28 @@ async def one_stream(client: Any, url: str, tokens: int, base: float, stats: dic
         stats["requests"].append(1.0)
 
 
-async def run_phase(urls: list[str], streams: int, tokens: int, duration: float, base: float
-                    ) -> tuple[dict[str, list[float]], float]:
+async def run_phase(
+    urls: list[str], streams: int, tokens: int, duration: float, base: float
+) -> tuple[dict[str, list[float]], float]:
     import httpx
 
-    stats: dict[str, list[float]] = {"added_ms": [], "ttft_ms": [], "tokens": [], "requests": [],
-                                     "errors": []}
+    stats: dict[str, list[float]] = {
+        "added_ms": [],
+        "ttft_ms": [],
+        "tokens": [],
+        "requests": [],
+        "errors": [],
+    }
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
         start = time.monotonic()
         until = start + duration
-        await asyncio.gather(*(one_stream(client, urls[i % len(urls)], tokens, base, stats,
-                                          until) for i in range(streams)))
+        await asyncio.gather(
+            *(
+                one_stream(client, urls[i % len(urls)], tokens, base, stats, until)
+                for i in range(streams)
+            )
+        )
         return stats, time.monotonic() - start
 
 
@@ -158,20 +196,52 @@ def run_cluster(replicas: int, args: argparse.Namespace) -> list[dict[str, Any]]
     try:
         for i in range(replicas):
             api, registry = free_port(), free_port()
-            profile = (["-m", "cProfile", "-o", f"{args.profile_gateway}.{replicas}.{i}"]
-                       if args.profile_gateway else [])
+            profile = (
+                ["-m", "cProfile", "-o", f"{args.profile_gateway}.{replicas}.{i}"]
+                if args.profile_gateway
+                else []
+            )
             procs[f"gateway-{i}"] = subprocess.Popen(
-                [sys.executable, *profile, "-m", "bootstrap", "--host", "127.0.0.1", "--port",
-                 str(api), "--disaggregation-bootstrap-port", str(registry),
-                 "--lease-timeout", "30"],
-                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    *profile,
+                    "-m",
+                    "bootstrap",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(api),
+                    "--disaggregation-bootstrap-port",
+                    str(registry),
+                    "--lease-timeout",
+                    "30",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             urls.append(f"http://127.0.0.1:{api}")
             registries.append(f"http://127.0.0.1:{registry}")
         for role in ("prefill", "decode"):
             procs[role] = subprocess.Popen(
-                [sys.executable, __file__, "--stand-in", role, "--registry", ",".join(registries),
-                 "--node-id", f"{role}-0", "--base", repr(base)],
-                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    __file__,
+                    "--stand-in",
+                    role,
+                    "--registry",
+                    ",".join(registries),
+                    "--node-id",
+                    f"{role}-0",
+                    "--base",
+                    repr(base),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         for url in urls:
             wait_ready(url)
         gateways = [name for name in procs if name.startswith("gateway")]
@@ -186,21 +256,27 @@ def run_cluster(replicas: int, args: argparse.Namespace) -> list[dict[str, Any]]
                 if replicas == 1:
                     cpu["gateway"] = cpu.pop("gateway-0")
                 num_tokens, num_reqs = sum(stats["tokens"]), len(stats["requests"])
-                rows.append({
-                    "bench": "gateway", "replicas": replicas, "phase": phase, "streams": streams,
-                    "tokens_per_request": tokens,
-                    "tokens_per_s": round(num_tokens / elapsed, 1),
-                    "requests_per_s": round(num_reqs / elapsed, 1),
-                    "added_latency_p50_ms": round(pct(stats["added_ms"], 50), 2),
-                    "added_latency_p99_ms": round(pct(stats["added_ms"], 99), 2),
-                    "ttft_p99_ms": round(pct(stats["ttft_ms"], 99), 2),
-                    "errors": len(stats["errors"]),
-                    "error_kinds": sorted({str(e) for e in stats["errors"]})[:5],
-                    "gateway_cpu_s": gateway_cpu,
-                    "tokens_per_gateway_cpu_s": round(num_tokens / max(gateway_cpu, 1e-9), 1),
-                    "requests_per_gateway_cpu_s": round(num_reqs / max(gateway_cpu, 1e-9), 1),
-                    "cpu_s": cpu, "seconds": round(elapsed, 2),
-                })
+                rows.append(
+                    {
+                        "bench": "gateway",
+                        "replicas": replicas,
+                        "phase": phase,
+                        "streams": streams,
+                        "tokens_per_request": tokens,
+                        "tokens_per_s": round(num_tokens / elapsed, 1),
+                        "requests_per_s": round(num_reqs / elapsed, 1),
+                        "added_latency_p50_ms": round(pct(stats["added_ms"], 50), 2),
+                        "added_latency_p99_ms": round(pct(stats["added_ms"], 99), 2),
+                        "ttft_p99_ms": round(pct(stats["ttft_ms"], 99), 2),
+                        "errors": len(stats["errors"]),
+                        "error_kinds": sorted({str(e) for e in stats["errors"]})[:5],
+                        "gateway_cpu_s": gateway_cpu,
+                        "tokens_per_gateway_cpu_s": round(num_tokens / max(gateway_cpu, 1e-9), 1),
+                        "requests_per_gateway_cpu_s": round(num_reqs / max(gateway_cpu, 1e-9), 1),
+                        "cpu_s": cpu,
+                        "seconds": round(elapsed, 2),
+                    }
+                )
     finally:
         for p in procs.values():
             p.terminate()
@@ -217,10 +293,18 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[8, 32, 128])
     ap.add_argument("--tokens", type=int, default=64, help="tokens per request, stream phase")
     ap.add_argument("--duration", type=float, default=8.0, help="seconds per row")
-    ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2],
-                    help="bootstrap replica counts to run, one cluster each, side by side")
-    ap.add_argument("--profile-gateway", metavar="FILE",
-                    help="run the bootstrap process under cProfile, its stats written to FILE")
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="bootstrap replica counts to run, one cluster each, side by side",
+    )
+    ap.add_argument(
+        "--profile-gateway",
+        metavar="FILE",
+        help="run the bootstrap process under cProfile, its stats written to FILE",
+    )
     ap.add_argument("--stand-in", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     ap.add_argument("--registry", help=argparse.SUPPRESS)
     ap.add_argument("--node-id", help=argparse.SUPPRESS)
@@ -235,13 +319,19 @@ def main() -> None:
     rows = []
     for replicas in args.replicas:
         rows += run_cluster(replicas, args)
-    print(f"{'replicas':8} {'phase':9} {'streams':>7} {'tok/s':>9} {'req/s':>7} {'add p50':>8} {'add p99':>8} "
-          f"{'ttft p99':>9} {'gw cpu s':>9} {'tok/gw-cpu-s':>13} {'req/gw-cpu-s':>13}")
+    print(
+        f"{'replicas':8} {'phase':9} {'streams':>7} {'tok/s':>9} {'req/s':>7} "
+        f"{'add p50':>8} {'add p99':>8} "
+        f"{'ttft p99':>9} {'gw cpu s':>9} {'tok/gw-cpu-s':>13} {'req/gw-cpu-s':>13}"
+    )
     for r in rows:
-        print(f"{r['replicas']:8d} {r['phase']:9} {r['streams']:7d} {r['tokens_per_s']:9.1f} "
-              f"{r['requests_per_s']:7.1f} {r['added_latency_p50_ms']:8.2f} {r['added_latency_p99_ms']:8.2f} "
-              f"{r['ttft_p99_ms']:9.2f} {r['gateway_cpu_s']:9.2f} "
-              f"{r['tokens_per_gateway_cpu_s']:13.1f} {r['requests_per_gateway_cpu_s']:13.1f}")
+        print(
+            f"{r['replicas']:8d} {r['phase']:9} {r['streams']:7d} {r['tokens_per_s']:9.1f} "
+            f"{r['requests_per_s']:7.1f} {r['added_latency_p50_ms']:8.2f} "
+            f"{r['added_latency_p99_ms']:8.2f} "
+            f"{r['ttft_p99_ms']:9.2f} {r['gateway_cpu_s']:9.2f} "
+            f"{r['tokens_per_gateway_cpu_s']:13.1f} {r['requests_per_gateway_cpu_s']:13.1f}"
+        )
     for r in rows:
         print(json.dumps(r))
 

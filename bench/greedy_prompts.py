@@ -34,14 +34,21 @@ def chat_ids(tokenizer: Any, prompts: Sequence[str] = PROMPTS) -> list[list[int]
 
 
 def greedy(runner: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy continuations of `prompts` (any lengths), prefilled together and decoded in one batch."""
+    """Greedy continuations of `prompts` (any lengths).
+
+    They are prefilled together and decoded in one batch.
+    """
     from common.kv_pool import pages_needed
     from common.model.runner import ExtendRequest
 
     ps = runner.page_size
-    tables = [runner.pool.allocator.allocate(pages_needed(len(p) + new_tokens, ps)) for p in prompts]
+    tables = [
+        runner.pool.allocator.allocate(pages_needed(len(p) + new_tokens, ps)) for p in prompts
+    ]
     try:
-        logits = runner.extend([ExtendRequest(list(p), 0, t) for p, t in zip(prompts, tables)]).logits
+        logits = runner.extend(
+            [ExtendRequest(list(p), 0, t) for p, t in zip(prompts, tables)]
+        ).logits
         outs = [[t] for t in logits.argmax(-1).tolist()]
         for step in range(new_tokens - 1):
             lens = [len(p) + step + 1 for p in prompts]
@@ -54,12 +61,16 @@ def greedy(runner: Any, prompts: Sequence[Sequence[int]], new_tokens: int) -> li
             runner.pool.allocator.free(t)
 
 
-def agreement(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]]) -> dict[str, float]:
+def agreement(
+    reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]]
+) -> dict[str, float]:
     """first_token: share of prompts whose first greedy token matches; all_tokens: share whose
     whole continuation matches; mean_common_prefix: tokens matched before the first difference."""
     firsts, wholes, prefixes = 0, 0, 0
     for ref, got in zip(reference, candidate, strict=True):
-        common = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+        common = next(
+            (i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got))
+        )
         firsts += common > 0
         wholes += common == len(ref) == len(got)
         prefixes += common
@@ -67,8 +78,9 @@ def agreement(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[i
     return {"first_token": firsts / n, "all_tokens": wholes / n, "mean_common_prefix": prefixes / n}
 
 
-def forced_logits(runner: Any, prompts: Sequence[Sequence[int]],
-                  continuations: Sequence[Sequence[int]]) -> list[Any]:
+def forced_logits(
+    runner: Any, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
+) -> list[Any]:
     """Teacher forcing: each prompt prefilled, then its given continuation fed back one token
     a step (batched decode, as greedy runs it); per prompt, float32 logits [steps, vocab] at
     every step. Every run sees the same tokens, so their logits compare position by position."""
@@ -80,7 +92,9 @@ def forced_logits(runner: Any, prompts: Sequence[Sequence[int]],
     ps, steps = runner.page_size, len(continuations[0])
     tables = [runner.pool.allocator.allocate(pages_needed(len(p) + steps, ps)) for p in prompts]
     try:
-        out = [runner.extend([ExtendRequest(list(p), 0, t) for p, t in zip(prompts, tables)]).logits]
+        out = [
+            runner.extend([ExtendRequest(list(p), 0, t) for p, t in zip(prompts, tables)]).logits
+        ]
         for step in range(steps - 1):
             lens = [len(p) + step + 1 for p in prompts]
             # a copy: on CUDA decode returns a view of its graph's static logits
@@ -98,7 +112,10 @@ def forced_agreement(reference: Sequence[Any], candidate: Sequence[Any]) -> dict
     import torch
 
     ref, got = torch.cat(list(reference)), torch.cat(list(candidate))
-    kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                                    reduction="batchmean")
-    return {"argmax_match": (ref.argmax(-1) == got.argmax(-1)).float().mean().item(),
-            "kl": kl.item()}
+    kl = torch.nn.functional.kl_div(
+        got.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean"
+    )
+    return {
+        "argmax_match": (ref.argmax(-1) == got.argmax(-1)).float().mean().item(),
+        "kl": kl.item(),
+    }

@@ -48,27 +48,38 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from cpu_info import describe_cpu  # noqa: E402
+from greedy_prompts import (  # noqa: E402
+    agreement,
+    chat_ids,
+    forced_agreement,
+    forced_logits,
+    greedy,
+)
 
 from common.cpu_features import has_native_bf16  # noqa: E402
 from common.kv_pool import pages_needed  # noqa: E402
-from common.model.cpu import library as cpu_kernels  # noqa: E402
 from common.model.attention import AttentionBackend, TorchAttention  # noqa: E402
-from common.model.default_model import default_model_dir  # noqa: E402
+from common.model.cpu import library as cpu_kernels  # noqa: E402
 from common.model.cpu.gemm import (  # noqa: E402
-    HAND_WRITTEN, PACK_HINT_ROWS, WEIGHT_MAJOR, KernelChooser, bucket_of, can_pack,
+    HAND_WRITTEN,
+    PACK_HINT_ROWS,
+    WEIGHT_MAJOR,
+    KernelChooser,
+    bucket_of,
+    can_pack,
 )
+from common.model.default_model import default_model_dir  # noqa: E402
 from common.model.runner import ExtendRequest, ModelRunner  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
-from cpu_info import describe_cpu  # noqa: E402
-from greedy_prompts import (  # noqa: E402
-    agreement, chat_ids, forced_agreement, forced_logits, greedy,
-)
-
 
 # What holds torch's CPU kernels to AVX2: ATen's dispatch, oneDNN's and MKL's (read as each
 # first runs, so set before the process starts)
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 
 
 def emulate_avx2() -> None:
@@ -90,8 +101,7 @@ def gemm_flops_per_s(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float
     products = [lambda: a @ b]
     if can_pack(b):
         packed = torch.ops.mkldnn._reorder_linear_weight(b, PACK_HINT_ROWS)
-        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none",
-                                                                   [], ""))
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     best = float("inf")
     for product in products:
         for _ in range(3):
@@ -149,8 +159,15 @@ def _prefill_seconds(runner: ModelRunner, ids: list[int]) -> float:
         runner.pool.allocator.free(pages)
 
 
-def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths: list[int],
-                 repeats: int, torch_ops: bool) -> list[dict]:
+def prefill_rows(
+    runner: ModelRunner,
+    hf,
+    dtype_name: str,
+    gemm: float,
+    lengths: list[int],
+    repeats: int,
+    torch_ops: bool,
+) -> list[dict]:
     """Per length: ours, transformers' and (if `torch_ops` and the runner has the paged
     prefill kernel) ours on torch's attention, interleaved, best of `repeats` (or of
     2048 / n, if more) each."""
@@ -173,18 +190,24 @@ def prefill_rows(runner: ModelRunner, hf, dtype_name: str, gemm: float, lengths:
                 with model_swapped(runner, attention=_without_prefill_kernel(runner)):
                     plain.append(_prefill_seconds(runner, ids))
         t_ours, t_hf = min(ours), min(theirs)
-        rows.append({
-            "bench": "model_runner", "phase": "prefill", "tokens": n, "dtype": dtype_name,
-            "tokens_per_s": round(n / t_ours, 1),
-            "transformers_tokens_per_s": round(n / t_hf, 1),
-            "ratio_vs_transformers": round(t_hf / t_ours, 3),
-            "seconds": round(t_ours, 3), "transformers_seconds": round(t_hf, 3),
-            "fraction_of_matmul_bound": round(prefill_flops(runner.spec, n) / gemm / t_ours, 3),
-            "gemm_kernel": kernel_choice(runner.model.chooser, n),
-            # the paged prefill kernel against torch's flash kernel on copies (what ran before)
-            "prefill_attention": runner.model.attention.prefill_kernel is not None,
-            "ratio_vs_torch_attention": round(min(plain) / t_ours, 3) if plain else None,
-        })
+        rows.append(
+            {
+                "bench": "model_runner",
+                "phase": "prefill",
+                "tokens": n,
+                "dtype": dtype_name,
+                "tokens_per_s": round(n / t_ours, 1),
+                "transformers_tokens_per_s": round(n / t_hf, 1),
+                "ratio_vs_transformers": round(t_hf / t_ours, 3),
+                "seconds": round(t_ours, 3),
+                "transformers_seconds": round(t_hf, 3),
+                "fraction_of_matmul_bound": round(prefill_flops(runner.spec, n) / gemm / t_ours, 3),
+                "gemm_kernel": kernel_choice(runner.model.chooser, n),
+                # the paged prefill kernel against torch's flash kernel on copies (what ran before)
+                "prefill_attention": runner.model.attention.prefill_kernel is not None,
+                "ratio_vs_torch_attention": round(min(plain) / t_ours, 3) if plain else None,
+            }
+        )
     return rows
 
 
@@ -195,9 +218,13 @@ def prompt_batch(tokenizer, batch: int) -> list[list[int]]:
     return [ids[i % len(ids)][-width:] for i in range(batch)]
 
 
-def ours_decode_seconds(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+def ours_decode_seconds(
+    runner: ModelRunner, prompts: list[list[int]], new_tokens: int
+) -> tuple[float, list[list[int]]]:
     ps = runner.page_size
-    tables = [runner.pool.allocator.allocate(pages_needed(len(p) + new_tokens, ps)) for p in prompts]
+    tables = [
+        runner.pool.allocator.allocate(pages_needed(len(p) + new_tokens, ps)) for p in prompts
+    ]
     try:
         logits = runner.extend([ExtendRequest(p, 0, t) for p, t in zip(prompts, tables)]).logits
         outs = [[t] for t in logits.argmax(-1).tolist()]
@@ -240,8 +267,9 @@ def torch_attention(runner: ModelRunner) -> AttentionBackend:
 
 def fixed_kernel_seconds(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> float:
     """Our decode with every product weight-major, the kernel used before they were chosen."""
-    with model_swapped(runner, chooser=KernelChooser((WEIGHT_MAJOR,)),
-                       head_chooser=KernelChooser((WEIGHT_MAJOR,))):
+    with model_swapped(
+        runner, chooser=KernelChooser((WEIGHT_MAJOR,)), head_chooser=KernelChooser((WEIGHT_MAJOR,))
+    ):
         return ours_decode_seconds(runner, prompts, new_tokens)[0]
 
 
@@ -252,13 +280,20 @@ def torch_ops_seconds(runner: ModelRunner, prompts: list[list[int]], new_tokens:
     weight-major only (with --no-cpu-kernels the runner packs for oneDNN instead)."""
     assert runner.model.chooser is not None  # the CPU
     kernels = tuple(k for k in runner.model.chooser.kernels if k not in HAND_WRITTEN)
-    with model_swapped(runner, attention=torch_attention(runner), fused=None,
-                       chooser=KernelChooser(kernels), head_chooser=KernelChooser(kernels)):
+    with model_swapped(
+        runner,
+        attention=torch_attention(runner),
+        fused=None,
+        chooser=KernelChooser(kernels),
+        head_chooser=KernelChooser(kernels),
+    ):
         ours_decode_seconds(runner, prompts, new_tokens)  # the fresh choosers measure first
         return ours_decode_seconds(runner, prompts, new_tokens)[0]
 
 
-def hf_decode_seconds(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+def hf_decode_seconds(
+    model, prompts: list[list[int]], new_tokens: int
+) -> tuple[float, list[list[int]]]:
     ids = torch.tensor(prompts)
     kw = dict(do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -268,7 +303,7 @@ def hf_decode_seconds(model, prompts: list[list[int]], new_tokens: int) -> tuple
         t = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, **kw)
         total = time.perf_counter() - t
-    return total - prefill, out[:, ids.shape[1]:].tolist()
+    return total - prefill, out[:, ids.shape[1] :].tolist()
 
 
 def hf_forced_logits(model, prompts: list[list[int]], continuations: list[list[int]]) -> list:
@@ -287,9 +322,10 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int
     outs = []
     with torch.no_grad():
         for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=0)
-            outs.append(out[0, len(p):].tolist())
+            out = model.generate(
+                torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+            )
+            outs.append(out[0, len(p) :].tolist())
     return outs
 
 
@@ -303,25 +339,38 @@ def main() -> None:
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-agreement", action="store_true")
-    ap.add_argument("--skip-fixed-kernel", action="store_true",
-                    help="leave out the decode runs on always weight-major products")
-    ap.add_argument("--skip-torch-ops", action="store_true",
-                    help="leave out our runs on torch's ops only (decode without the C kernels, "
-                    "prefill on torch's flash attention)")
-    ap.add_argument("--emulate-avx2", action="store_true",
-                    help="torch held to AVX2 and our kernels built for it, in float32: an "
-                    "AVX2-only CPU's instructions on this one's caches and memory")
+    ap.add_argument(
+        "--skip-fixed-kernel",
+        action="store_true",
+        help="leave out the decode runs on always weight-major products",
+    )
+    ap.add_argument(
+        "--skip-torch-ops",
+        action="store_true",
+        help="leave out our runs on torch's ops only (decode without the C kernels, "
+        "prefill on torch's flash attention)",
+    )
+    ap.add_argument(
+        "--emulate-avx2",
+        action="store_true",
+        help="torch held to AVX2 and our kernels built for it, in float32: an "
+        "AVX2-only CPU's instructions on this one's caches and memory",
+    )
     args = ap.parse_args()
     if args.emulate_avx2:
         emulate_avx2()
     isa = "avx2-emulated" if args.emulate_avx2 else "native"
-    print(f"cpu: {describe_cpu()}; CPU kernels: {cpu_kernels.loaded_variant()} variant" + (" (emulating AVX2: torch's kernels AVX2, ours "
-                                      "x86-64-v3)" if args.emulate_avx2 else ""))
+    print(
+        f"cpu: {describe_cpu()}; CPU kernels: {cpu_kernels.loaded_variant()} variant"
+        + (" (emulating AVX2: torch's kernels AVX2, ours x86-64-v3)" if args.emulate_avx2 else "")
+    )
     bf16 = has_native_bf16() and not args.emulate_avx2
     dtypes = args.dtypes or (["float32", "bfloat16"] if bf16 else ["float32"])
     if "bfloat16" not in dtypes and not bf16:
-        print("# bfloat16 skipped: no native bf16 (avx512_bf16/amx_bf16)"
-              + (" in an AVX2 emulation" if args.emulate_avx2 else " on this CPU"))
+        print(
+            "# bfloat16 skipped: no native bf16 (avx512_bf16/amx_bf16)"
+            + (" in an AVX2 emulation" if args.emulate_avx2 else " on this CPU")
+        )
 
     from transformers import AutoModelForCausalLM
 
@@ -340,8 +389,12 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         gemm = gemm_flops_per_s(dtype)
         longest = max(args.prefill_lengths) if not args.skip_prefill else 0
-        runner = ModelRunner.from_path(None, progress=False, dtype=dtype_name,
-                                       max_total_tokens=max(max_batch * 256, longest + 16))
+        runner = ModelRunner.from_path(
+            None,
+            progress=False,
+            dtype=dtype_name,
+            max_total_tokens=max(max_batch * 256, longest + 16),
+        )
         t = time.perf_counter()
         # As a node's warm-up: every bucket chosen, then fixed; the weights' other copies
         # kept for the side-by-side runs on torch's ops.
@@ -352,13 +405,22 @@ def main() -> None:
         hf.generation_config.eos_token_id = None  # exactly new_tokens tokens on both sides
         flops_per_token = runner.spec.decode_flops_per_token()
         if not args.skip_prefill:
-            prefill += prefill_rows(runner, hf, dtype_name, gemm, args.prefill_lengths,
-                                    args.repeats, not args.skip_torch_ops)
-        for batch in ([] if args.skip_decode else args.batches):
+            prefill += prefill_rows(
+                runner,
+                hf,
+                dtype_name,
+                gemm,
+                args.prefill_lengths,
+                args.repeats,
+                not args.skip_torch_ops,
+            )
+        for batch in [] if args.skip_decode else args.batches:
             prompts = prompt_batch(tokenizer, batch)
             ours_decode_seconds(runner, prompts, args.new_tokens)  # untimed: first-call costs
             ours, hf_s, fixed, plain, same = [], [], [], [], True
-            kernels = runner.model.attention.decode_kernel is not None or runner.model.fused is not None
+            kernels = (
+                runner.model.attention.decode_kernel is not None or runner.model.fused is not None
+            )
             for _ in range(args.repeats):
                 t_ours, out_ours = ours_decode_seconds(runner, prompts, args.new_tokens)
                 t_hf, out_hf = hf_decode_seconds(hf, prompts, args.new_tokens)
@@ -377,35 +439,45 @@ def main() -> None:
             cached = batch * (len(prompts[0]) + args.new_tokens // 2)
             memory_s = (weight_bytes(runner) + kv_bytes(runner, cached)) / bandwidth
             bound_s = max(compute_s, memory_s)
-            rows.append({
-                "bench": "model_runner", "phase": "decode", "dtype": dtype_name, "batch": batch,
-                "tokens_per_s": round(tok_s, 1),
-                "transformers_tokens_per_s": round(hf_tok_s, 1),
-                "ratio_vs_transformers": round(tok_s / hf_tok_s, 3),
-                "fraction_of_matmul_bound": round(bound_s / step_s, 3),
-                "step_ms": round(step_s * 1e3, 1),
-                "matmul_bound_ms": round(bound_s * 1e3, 1),
-                "compute_bound_ms": round(compute_s * 1e3, 1),
-                "memory_bound_ms": round(memory_s * 1e3, 1),
-                "gemm_gflops": round(gemm / 1e9, 1),
-                "read_gb_per_s": round(bandwidth / 1e9, 1),
-                "greedy_outputs_equal": same,
-                "gemm_kernel": kernel_choice(runner.model.chooser, batch),
-                "lm_head_kernel": kernel_choice(runner.model.head_chooser, batch),
-                "spread_ours_pct": round(100 * (max(ours) - min(ours)) / statistics.mean(ours), 1),
-                # the chosen kernels against always weight-major (what ran before they were chosen)
-                "ratio_vs_weight_major": round(min(fixed) / min(ours), 3) if fixed else None,
-                # the C kernels against torch's ops alone (what ran before them)
-                "paged_attention": runner.model.attention.decode_kernel is not None,
-                "fused_ops": runner.model.fused is not None,
-                "ratio_vs_torch_ops": round(min(plain) / min(ours), 3) if plain else None,
-            })
+            rows.append(
+                {
+                    "bench": "model_runner",
+                    "phase": "decode",
+                    "dtype": dtype_name,
+                    "batch": batch,
+                    "tokens_per_s": round(tok_s, 1),
+                    "transformers_tokens_per_s": round(hf_tok_s, 1),
+                    "ratio_vs_transformers": round(tok_s / hf_tok_s, 3),
+                    "fraction_of_matmul_bound": round(bound_s / step_s, 3),
+                    "step_ms": round(step_s * 1e3, 1),
+                    "matmul_bound_ms": round(bound_s * 1e3, 1),
+                    "compute_bound_ms": round(compute_s * 1e3, 1),
+                    "memory_bound_ms": round(memory_s * 1e3, 1),
+                    "gemm_gflops": round(gemm / 1e9, 1),
+                    "read_gb_per_s": round(bandwidth / 1e9, 1),
+                    "greedy_outputs_equal": same,
+                    "gemm_kernel": kernel_choice(runner.model.chooser, batch),
+                    "lm_head_kernel": kernel_choice(runner.model.head_chooser, batch),
+                    "spread_ours_pct": round(
+                        100 * (max(ours) - min(ours)) / statistics.mean(ours), 1
+                    ),
+                    # the chosen kernels against always weight-major
+                    # (what ran before they were chosen)
+                    "ratio_vs_weight_major": round(min(fixed) / min(ours), 3) if fixed else None,
+                    # the C kernels against torch's ops alone (what ran before them)
+                    "paged_attention": runner.model.attention.decode_kernel is not None,
+                    "fused_ops": runner.model.fused is not None,
+                    "ratio_vs_torch_ops": round(min(plain) / min(ours), 3) if plain else None,
+                }
+            )
         if want_agreement and dtype_name == "float32":
             reference = hf_greedy(hf, chat, args.new_tokens)
             reference_logits = hf_forced_logits(hf, chat, reference)
         if want_agreement and dtype_name != "float32":
             if reference is None or reference_logits is None:
-                ref_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+                ref_model = AutoModelForCausalLM.from_pretrained(
+                    str(model_dir), dtype=torch.float32
+                )
                 ref_model.generation_config.eos_token_id = None
                 reference = hf_greedy(ref_model.eval(), chat, args.new_tokens)
                 reference_logits = hf_forced_logits(ref_model, chat, reference)
@@ -414,53 +486,70 @@ def main() -> None:
             theirs_a = agreement(reference, hf_greedy(hf, chat, args.new_tokens))
             ours_f = forced_agreement(reference_logits, forced_logits(runner, chat, reference))
             theirs_f = forced_agreement(reference_logits, hf_forced_logits(hf, chat, reference))
-            agree.append({
-                "bench": "model_runner", "phase": "agreement", "dtype": dtype_name,
-                "prompts": len(chat), "new_tokens": args.new_tokens,
-                "first_token_match": ours_a["first_token"],
-                "all_tokens_match": ours_a["all_tokens"],
-                "mean_common_prefix": ours_a["mean_common_prefix"],
-                "transformers_first_token_match": theirs_a["first_token"],
-                "transformers_all_tokens_match": theirs_a["all_tokens"],
-                "transformers_mean_common_prefix": theirs_a["mean_common_prefix"],
-                # teacher-forced along the reference's greedy path (greedy_prompts.py)
-                "forced_argmax_match": round(ours_f["argmax_match"], 4),
-                "forced_kl": round(ours_f["kl"], 6),
-                "transformers_forced_argmax_match": round(theirs_f["argmax_match"], 4),
-                "transformers_forced_kl": round(theirs_f["kl"], 6),
-            })
+            agree.append(
+                {
+                    "bench": "model_runner",
+                    "phase": "agreement",
+                    "dtype": dtype_name,
+                    "prompts": len(chat),
+                    "new_tokens": args.new_tokens,
+                    "first_token_match": ours_a["first_token"],
+                    "all_tokens_match": ours_a["all_tokens"],
+                    "mean_common_prefix": ours_a["mean_common_prefix"],
+                    "transformers_first_token_match": theirs_a["first_token"],
+                    "transformers_all_tokens_match": theirs_a["all_tokens"],
+                    "transformers_mean_common_prefix": theirs_a["mean_common_prefix"],
+                    # teacher-forced along the reference's greedy path (greedy_prompts.py)
+                    "forced_argmax_match": round(ours_f["argmax_match"], 4),
+                    "forced_kl": round(ours_f["kl"], 6),
+                    "transformers_forced_argmax_match": round(theirs_f["argmax_match"], 4),
+                    "transformers_forced_kl": round(theirs_f["kl"], 6),
+                }
+            )
         del runner, hf
 
     if prefill:
-        print(f"prefill\n{'dtype':9} {'tokens':>6} {'ours tok/s':>11} {'hf tok/s':>9} "
-              f"{'ratio':>6} {'ours s':>8} {'hf s':>8} {'of bound':>9} {'vs torch':>8} kernel")
+        print(
+            f"prefill\n{'dtype':9} {'tokens':>6} {'ours tok/s':>11} {'hf tok/s':>9} "
+            f"{'ratio':>6} {'ours s':>8} {'hf s':>8} {'of bound':>9} {'vs torch':>8} kernel"
+        )
         for r in prefill:
-            print(f"{r['dtype']:9} {r['tokens']:6d} {r['tokens_per_s']:11.1f} "
-                  f"{r['transformers_tokens_per_s']:9.1f} {r['ratio_vs_transformers']:6.2f} "
-                  f"{r['seconds']:8.2f} {r['transformers_seconds']:8.2f} "
-                  f"{r['fraction_of_matmul_bound']:9.2f} {r['ratio_vs_torch_attention'] or '-':>8} "
-                  f"{r['gemm_kernel']}")
+            print(
+                f"{r['dtype']:9} {r['tokens']:6d} {r['tokens_per_s']:11.1f} "
+                f"{r['transformers_tokens_per_s']:9.1f} {r['ratio_vs_transformers']:6.2f} "
+                f"{r['seconds']:8.2f} {r['transformers_seconds']:8.2f} "
+                f"{r['fraction_of_matmul_bound']:9.2f} {r['ratio_vs_torch_attention'] or '-':>8} "
+                f"{r['gemm_kernel']}"
+            )
     if rows:
-        print(f"decode\n{'dtype':9} {'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} "
-              f"{'ratio':>6} {'step ms':>8} {'bound ms':>9} {'(flop':>6} {'mem)':>5} "
-              f"{'of bound':>9} {'equal':>6} {'vs wm':>7} {'vs torch':>8} kernels (layers/head)")
+        print(
+            f"decode\n{'dtype':9} {'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} "
+            f"{'ratio':>6} {'step ms':>8} {'bound ms':>9} {'(flop':>6} {'mem)':>5} "
+            f"{'of bound':>9} {'equal':>6} {'vs wm':>7} {'vs torch':>8} kernels (layers/head)"
+        )
     for r in rows:
-        print(f"{r['dtype']:9} {r['batch']:5d} {r['tokens_per_s']:11.1f} "
-              f"{r['transformers_tokens_per_s']:9.1f} {r['ratio_vs_transformers']:6.2f} "
-              f"{r['step_ms']:8.1f} {r['matmul_bound_ms']:9.1f} {r['compute_bound_ms']:6.1f} "
-              f"{r['memory_bound_ms']:5.1f} "
-              f"{r['fraction_of_matmul_bound']:9.2f} {str(r['greedy_outputs_equal']):>6} "
-              f"{r['ratio_vs_weight_major'] or '-':>7} {r['ratio_vs_torch_ops'] or '-':>8} "
-              f"{r['gemm_kernel']}/{r['lm_head_kernel']}")
+        print(
+            f"{r['dtype']:9} {r['batch']:5d} {r['tokens_per_s']:11.1f} "
+            f"{r['transformers_tokens_per_s']:9.1f} {r['ratio_vs_transformers']:6.2f} "
+            f"{r['step_ms']:8.1f} {r['matmul_bound_ms']:9.1f} {r['compute_bound_ms']:6.1f} "
+            f"{r['memory_bound_ms']:5.1f} "
+            f"{r['fraction_of_matmul_bound']:9.2f} {str(r['greedy_outputs_equal']):>6} "
+            f"{r['ratio_vs_weight_major'] or '-':>7} {r['ratio_vs_torch_ops'] or '-':>8} "
+            f"{r['gemm_kernel']}/{r['lm_head_kernel']}"
+        )
     if agree:
-        print(f"agreement with transformers' float32 over {len(chat)} prompts, {args.new_tokens} "
-              f"greedy tokens (free-running; teacher-forced: same choice, KL)\n{'dtype':9} "
-              f"{'':13} {'first':>6} {'all':>6} {'prefix':>7} {'forced':>7} {'KL':>8}")
+        print(
+            f"agreement with transformers' float32 over {len(chat)} prompts, {args.new_tokens} "
+            f"greedy tokens (free-running; teacher-forced: same choice, KL)\n{'dtype':9} "
+            f"{'':13} {'first':>6} {'all':>6} {'prefix':>7} {'forced':>7} {'KL':>8}"
+        )
     for r in agree:
         for who, pre in (("ours", ""), ("transformers", "transformers_")):
-            print(f"{r['dtype']:9} {who:13} {r[pre + 'first_token_match']:6.2f} "
-                  f"{r[pre + 'all_tokens_match']:6.2f} {r[pre + 'mean_common_prefix']:7.1f} "
-                  f"{r[pre + 'forced_argmax_match']:7.3f} {r[pre + 'forced_kl']:8.5f}")
+            print(
+                f"{r['dtype']:9} {who:13} {r[pre + 'first_token_match']:6.2f} "
+                f"{r[pre + 'all_tokens_match']:6.2f} {r[pre + 'mean_common_prefix']:7.1f} "
+                f"{r[pre + 'forced_argmax_match']:7.3f} {r[pre + 'forced_kl']:8.5f}"
+            )
     capability = torch.backends.cpu.get_cpu_capability()  # ATen's kernels: AVX512, AVX2...
     for r in prefill + rows + agree:
         print(json.dumps({**r, "isa": isa, "torch_cpu_capability": capability}))

@@ -1,4 +1,4 @@
-"""Why the schedule policies exist: the real prefill scheduler under cache pressure, policy by policy.
+"""Why the schedule policies exist: the real prefill scheduler under cache pressure, per policy.
 
 The real ``PrefillScheduler`` (its SchedulePolicy, RadixCache and PrefillAdder, its zmq
 request socket and KV senders) runs against a stand-in model and a real loopback KV
@@ -24,10 +24,10 @@ bench-data queue):
                    inserted first), one burst
 For each policy (fcfs, random, lpm, dfs-weight, hrrn, shortest-prefill-first, and the
 opt-in lpm-length-aware = lpm with --lpm-length-aware, and dfs-weight-dedup-off = SGLang's
-exact dfs-weight): prompt tokens computed / the minimum (every page-aligned shared prefix computed once, the last
-token of each prompt always), the cache hit rate (1 - computed / prompt tokens), TTFT
-p50/p99 in virtual seconds (arrival to the first token), and the makespan. Prints a
-table per workload and one JSON line per (workload, policy).
+exact dfs-weight): prompt tokens computed / the minimum (every page-aligned shared prefix
+computed once, the last token of each prompt always), the cache hit rate (1 - computed /
+prompt tokens), TTFT p50/p99 in virtual seconds (arrival to the first token), and the
+makespan. Prints a table per workload and one JSON line per (workload, policy).
 A cost-aware in-batch dedup (wait only when the reused prefix is a good share of the
 prompt) was tried and measured no different from SGLang's on every workload here: dedup
 only reorders, and a deprioritized request still joins the round when the budget allows.
@@ -70,8 +70,16 @@ from transfer.kv_poll import KVPoll
 from transfer.loopback_backend import LoopbackBackend
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "bench-data" / "sched-workload.npz"
-POLICIES = ("fcfs", "random", "lpm", "dfs-weight", "hrrn", "shortest-prefill-first",
-            "lpm-length-aware", "dfs-weight-dedup-off")
+POLICIES = (
+    "fcfs",
+    "random",
+    "lpm",
+    "dfs-weight",
+    "hrrn",
+    "shortest-prefill-first",
+    "lpm-length-aware",
+    "dfs-weight-dedup-off",
+)
 # Opt-in variants beyond SGLang: the policy and the PrefillConfig fields they set.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "lpm-length-aware": ("lpm", {"lpm_length_aware": True}),
@@ -136,8 +144,9 @@ def short_among_long(scale: float) -> Workload:
     rng.shuffle(kinds)
     prompts = [_tokens(rng, 6000 if k == "long" else 48) for k in kinds]
     arrivals = [i * 0.5 for i in range(len(prompts))]
-    return Workload("short-among-long", prompts, arrivals, pool_pages=4 * 6000 // PAGE,
-                    short_below=1000)
+    return Workload(
+        "short-among-long", prompts, arrivals, pool_pages=4 * 6000 // PAGE, short_below=1000
+    )
 
 
 def cached_long_vs_short(scale: float) -> Workload:
@@ -146,11 +155,18 @@ def cached_long_vs_short(scale: float) -> Workload:
     kinds = ["short"] * int(40 * scale) + ["long"] * int(40 * scale)
     rng.shuffle(kinds)
     # The seeds' case: 2K cached + 64 to compute waits, under lpm, behind 4K cached + 6K.
-    prompts = [short_prefix + _tokens(rng, 64) if k == "short" else long_prefix
-               + _tokens(rng, 6000) for k in kinds]
-    return Workload("cached-long-vs-short", prompts, [0.0] * len(prompts),
-                    pool_pages=(2048 + 4096) // PAGE + 2 * 6100 // PAGE + 64,
-                    warm=[short_prefix, long_prefix], short_below=3000)
+    prompts = [
+        short_prefix + _tokens(rng, 64) if k == "short" else long_prefix + _tokens(rng, 6000)
+        for k in kinds
+    ]
+    return Workload(
+        "cached-long-vs-short",
+        prompts,
+        [0.0] * len(prompts),
+        pool_pages=(2048 + 4096) // PAGE + 2 * 6100 // PAGE + 64,
+        warm=[short_prefix, long_prefix],
+        short_below=3000,
+    )
 
 
 def sched_q1000(scale: float) -> Workload:
@@ -164,13 +180,26 @@ def sched_q1000(scale: float) -> Workload:
     cache = seqs("cache", len(data["cache_offsets"]) - 1)
     prompts = seqs(f"q{n}", n)
     total_pages = sum(pages_needed(len(p), PAGE) for p in prompts + cache)
-    return Workload("sched-q1000" if n == 1000 else "sched-q128", prompts, [0.0] * n,
-                    pool_pages=max(total_pages // 24, 2400), warm=cache)
+    return Workload(
+        "sched-q1000" if n == 1000 else "sched-q128",
+        prompts,
+        [0.0] * n,
+        pool_pages=max(total_pages // 24, 2400),
+        warm=cache,
+    )
 
 
-WORKLOADS = {w.__name__.replace("_", "-"): w for w in
-             (few_templates, system_batches, many_tenants, short_among_long,
-              cached_long_vs_short, sched_q1000)}
+WORKLOADS = {
+    w.__name__.replace("_", "-"): w
+    for w in (
+        few_templates,
+        system_batches,
+        many_tenants,
+        short_among_long,
+        cached_long_vs_short,
+        sched_q1000,
+    )
+}
 
 
 # ---- the stand-ins -----------------------------------------------------------------------------
@@ -232,11 +261,23 @@ def run(w: Workload, policy: str, cost: tuple[float, float, float]) -> dict[str,
     name, extra = VARIANTS.get(policy, (policy, {}))
     config = PrefillConfig(model=ModelConfig(page_size=PAGE), schedule_policy=name, **extra)
     ctx = zmq.Context.instance()
-    kv = KVManager(f"ab-p{n}", "prefill", LoopbackBackend(f"ab-p{n}"), runner.pool,
-                   backend_kind="loopback", lease_s=1e6)
+    kv = KVManager(
+        f"ab-p{n}",
+        "prefill",
+        LoopbackBackend(f"ab-p{n}"),
+        runner.pool,
+        backend_kind="loopback",
+        lease_s=1e6,
+    )
     dpool = KVPool(LAYOUT, sum(pages_needed(len(p), PAGE) for p in w.prompts) + 64)
-    decode = KVManager(f"ab-d{n}", "decode", LoopbackBackend(f"ab-d{n}"), dpool,
-                       backend_kind="loopback", lease_s=1e6)
+    decode = KVManager(
+        f"ab-d{n}",
+        "decode",
+        LoopbackBackend(f"ab-d{n}"),
+        dpool,
+        backend_kind="loopback",
+        lease_s=1e6,
+    )
     req_sock, req_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
     reply_sock, reply_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
     sched = PrefillScheduler(config, runner, kv, req_sock, clock=clock)
@@ -261,12 +302,23 @@ def run(w: Workload, policy: str, cost: tuple[float, float, float]) -> dict[str,
             while nxt < len(order) and w.arrivals[order[nxt]] <= clock.now:
                 i = order[nxt]
                 nxt += 1
-                push.send(msg.encode(msg.GenerateReq(
-                    rid=f"r{i}", room=i + 1, input_ids=w.prompts[i],
-                    sampling={"max_new_tokens": 1, "temperature": 0.0}, priority=None,
-                    routing_key=None, prefill_node_id="p", decode_node_id="d",
-                    reply_endpoint=reply_endpoint, arrival_time=w.arrivals[i],
-                    return_logprob=False)))
+                push.send(
+                    msg.encode(
+                        msg.GenerateReq(
+                            rid=f"r{i}",
+                            room=i + 1,
+                            input_ids=w.prompts[i],
+                            sampling={"max_new_tokens": 1, "temperature": 0.0},
+                            priority=None,
+                            routing_key=None,
+                            prefill_node_id="p",
+                            decode_node_id="d",
+                            reply_endpoint=reply_endpoint,
+                            arrival_time=w.arrivals[i],
+                            return_logprob=False,
+                        )
+                    )
+                )
                 receivers[i] = decode.create_receiver(i + 1, kv.control_endpoint)
                 waiting_meta.add(i)
             did_work = sched.step()
@@ -274,7 +326,8 @@ def run(w: Workload, policy: str, cost: tuple[float, float, float]) -> dict[str,
             for i in list(waiting_meta):
                 if receivers[i].poll() is KVPoll.WaitingForInput:
                     receivers[i].pages = dpool.allocator.allocate(
-                        pages_needed(len(w.prompts[i]), PAGE))
+                        pages_needed(len(w.prompts[i]), PAGE)
+                    )
                     receivers[i].send_metadata(receivers[i].pages)
                     waiting_meta.discard(i)
             for i, r in receivers.items():
@@ -299,9 +352,16 @@ def run(w: Workload, policy: str, cost: tuple[float, float, float]) -> dict[str,
     short = [t for i, t in enumerate(ttft) if len(w.prompts[i]) < w.short_below]
     total = sum(len(p) for p in w.prompts)
     computed = sched.processed_tokens
-    out = {"computed": computed, "total": total, "hit_rate": 1 - computed / total,
-           "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "makespan": clock.now,
-           "batches": runner.num_batches, "wall_s": time.perf_counter() - wall}
+    out = {
+        "computed": computed,
+        "total": total,
+        "hit_rate": 1 - computed / total,
+        "ttft_p50": _pct(ttft, 50),
+        "ttft_p99": _pct(ttft, 99),
+        "makespan": clock.now,
+        "batches": runner.num_batches,
+        "wall_s": time.perf_counter() - wall,
+    }
     if short:
         out["short_ttft_p50"], out["short_ttft_p99"] = _pct(short, 50), _pct(short, 99)
     return out
@@ -361,23 +421,35 @@ def main() -> None:
     for name in args.workloads:
         w = WORKLOADS[name](scale)
         minimum = minimum_tokens(w)
-        print(f"\n{w.name}: {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, "
-              f"minimum {minimum}, pool {w.pool_pages} pages of {PAGE}")
-        print(f"{'policy':<24}{'computed/min':>13}{'hit rate':>10}{'ttft p50':>10}"
-              f"{'ttft p99':>10}{'short p99':>10}{'makespan':>10}")
+        print(
+            f"\n{w.name}: {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, "
+            f"minimum {minimum}, pool {w.pool_pages} pages of {PAGE}"
+        )
+        print(
+            f"{'policy':<24}{'computed/min':>13}{'hit rate':>10}{'ttft p50':>10}"
+            f"{'ttft p99':>10}{'short p99':>10}{'makespan':>10}"
+        )
         base = None
         for policy in args.policies:
             r = run(w, policy, cost)
             ratio = r["computed"] / minimum
             base = base or r
-            print(f"{policy:<24}{ratio:>13.3f}{r['hit_rate']:>10.3f}{r['ttft_p50']:>10.2f}"
-                  f"{r['ttft_p99']:>10.2f}{r.get('short_ttft_p99', float('nan')):>10.2f}"
-                  f"{r['makespan']:>10.1f}")
-            line = {"bench": "policy_ablation", "workload": w.name, "policy": policy,
-                    "computed_over_min": round(ratio, 4), "hit_rate": round(r["hit_rate"], 4),
-                    "ttft_p50": round(r["ttft_p50"], 3), "ttft_p99": round(r["ttft_p99"], 3),
-                    "makespan_s": round(r["makespan"], 2),
-                    "computed_vs_fcfs": round(r["computed"] / base["computed"], 4)}
+            print(
+                f"{policy:<24}{ratio:>13.3f}{r['hit_rate']:>10.3f}{r['ttft_p50']:>10.2f}"
+                f"{r['ttft_p99']:>10.2f}{r.get('short_ttft_p99', float('nan')):>10.2f}"
+                f"{r['makespan']:>10.1f}"
+            )
+            line = {
+                "bench": "policy_ablation",
+                "workload": w.name,
+                "policy": policy,
+                "computed_over_min": round(ratio, 4),
+                "hit_rate": round(r["hit_rate"], 4),
+                "ttft_p50": round(r["ttft_p50"], 3),
+                "ttft_p99": round(r["ttft_p99"], 3),
+                "makespan_s": round(r["makespan"], 2),
+                "computed_vs_fcfs": round(r["computed"] / base["computed"], 4),
+            }
             if "short_ttft_p99" in r:
                 line["short_ttft_p50"] = round(r["short_ttft_p50"], 3)
                 line["short_ttft_p99"] = round(r["short_ttft_p99"], 3)

@@ -1,4 +1,4 @@
-"""Prefix reuse of the real prefill loop: prompt tokens computed vs the minimum possible, per policy.
+"""Prefix reuse of the real prefill loop: prompt tokens computed vs the minimum, per policy.
 
 A generated-shared-prefix batch (as SGLang's benchmark: G groups x P prompts, each prompt a
 group's system prompt + its own question; sizes scaled down by flags for a CPU) arrives all
@@ -19,7 +19,9 @@ import sys
 import time
 
 # bench/transfer.py would shadow the `transfer` package: keep bench/ off the path.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path[:] = [
+    p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))
+]
 
 import zmq  # noqa: E402
 
@@ -36,20 +38,27 @@ from transfer.kv_poll import KVPoll  # noqa: E402
 POLICIES = ["fcfs", "lpm", "dfs-weight", "hrrn", "shortest-prefill-first"]
 
 
-def workload(groups: int, per_group: int, system_len: int, question_len: int, vocab: int,
-             seed: int = 0) -> list[list[int]]:
+def workload(
+    groups: int, per_group: int, system_len: int, question_len: int, vocab: int, seed: int = 0
+) -> list[list[int]]:
     rng = random.Random(seed)
     systems = [[rng.randrange(100, vocab) for _ in range(system_len)] for _ in range(groups)]
-    prompts = [systems[g] + [rng.randrange(100, vocab) for _ in range(question_len)]
-               for g in range(groups) for _ in range(per_group)]
+    prompts = [
+        systems[g] + [rng.randrange(100, vocab) for _ in range(question_len)]
+        for g in range(groups)
+        for _ in range(per_group)
+    ]
     rng.shuffle(prompts)
     return prompts
 
 
 def run_policy(runner: ModelRunner, policy: str, prompts: list[list[int]], args) -> int:
-    config = PrefillConfig(model=ModelConfig(page_size=runner.page_size), schedule_policy=policy,
-                           chunked_prefill_size=args.chunked_prefill_size,
-                           max_prefill_tokens=args.max_prefill_tokens)
+    config = PrefillConfig(
+        model=ModelConfig(page_size=runner.page_size),
+        schedule_policy=policy,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+    )
     ctx = zmq.Context.instance()
     n = time.monotonic_ns()
     prefill = KVManager(f"p{n}", "prefill", FakeBackend(f"p{n}"), runner.pool, backend_kind="fake")
@@ -62,10 +71,23 @@ def run_policy(runner: ModelRunner, policy: str, prompts: list[list[int]], args)
     push.connect(req_endpoint)
     receivers = {}
     for i, ids in enumerate(prompts):
-        push.send(msg.encode(msg.GenerateReq(
-            rid=f"r{i}", room=i, input_ids=ids, sampling={"max_new_tokens": 1, "temperature": 0.0},
-            priority=None, routing_key=None, prefill_node_id="p", decode_node_id="d",
-            reply_endpoint=reply_endpoint, arrival_time=time.time(), return_logprob=False)))
+        push.send(
+            msg.encode(
+                msg.GenerateReq(
+                    rid=f"r{i}",
+                    room=i,
+                    input_ids=ids,
+                    sampling={"max_new_tokens": 1, "temperature": 0.0},
+                    priority=None,
+                    routing_key=None,
+                    prefill_node_id="p",
+                    decode_node_id="d",
+                    reply_endpoint=reply_endpoint,
+                    arrival_time=time.time(),
+                    return_logprob=False,
+                )
+            )
+        )
         receivers[i] = decode.create_receiver(i, prefill.control_endpoint)
     pending_meta = dict(receivers)
     deadline = time.monotonic() + args.timeout
@@ -108,22 +130,38 @@ def main() -> None:
     # A cache big enough for the longest request, and for every group's system prompt.
     total = max(4 * longest, args.groups * args.system_len + 16 * longest)
     runner = ModelRunner.from_path(args.model_path, progress=False, max_total_tokens=total)
-    prompts = workload(args.groups, args.prompts_per_group, args.system_len, args.question_len,
-                       runner.spec.vocab_size)
+    prompts = workload(
+        args.groups,
+        args.prompts_per_group,
+        args.system_len,
+        args.question_len,
+        runner.spec.vocab_size,
+    )
     min_tokens = args.groups * args.system_len + len(prompts) * args.question_len
     rows = []
     for policy in args.policies:
         start = time.perf_counter()
         computed = run_policy(runner, policy, prompts, args)
-        rows.append({"bench": "prefix_reuse", "policy": policy, "computed_tokens": computed,
-                     "min_tokens": min_tokens, "ratio": round(computed / min_tokens, 4),
-                     "seconds": round(time.perf_counter() - start, 1)})
-    print(f"{len(prompts)} prompts: {args.groups} groups x {args.prompts_per_group}, "
-          f"system {args.system_len} + question {args.question_len} tokens; pool {total} tokens")
+        rows.append(
+            {
+                "bench": "prefix_reuse",
+                "policy": policy,
+                "computed_tokens": computed,
+                "min_tokens": min_tokens,
+                "ratio": round(computed / min_tokens, 4),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+        )
+    print(
+        f"{len(prompts)} prompts: {args.groups} groups x {args.prompts_per_group}, "
+        f"system {args.system_len} + question {args.question_len} tokens; pool {total} tokens"
+    )
     print(f"{'policy':24} {'computed':>9} {'minimum':>8} {'ratio':>7} {'s':>6}")
     for r in rows:
-        print(f"{r['policy']:24} {r['computed_tokens']:9d} {r['min_tokens']:8d} {r['ratio']:7.3f} "
-              f"{r['seconds']:6.1f}")
+        print(
+            f"{r['policy']:24} {r['computed_tokens']:9d} {r['min_tokens']:8d} {r['ratio']:7.3f} "
+            f"{r['seconds']:6.1f}"
+        )
     for r in rows:
         print(json.dumps(r))
 

@@ -119,8 +119,10 @@ class EventSink:
     def take(self) -> tuple[HashArray, HashArray]:
         """The batch: (stored, removed), and a fresh start."""
         net, self.net = self.net, {}
-        return tuple(np.array([h for h, s in net.items() if s is is_stored], dtype=np.uint64)
-                     for is_stored in (True, False))  # type: ignore[return-value]
+        return tuple(
+            np.array([h for h, s in net.items() if s is is_stored], dtype=np.uint64)
+            for is_stored in (True, False)
+        )  # type: ignore[return-value]
 
 
 @dataclass
@@ -183,7 +185,9 @@ class SimNode:
         assert job is not None
         self.running = None
         already = self.cache.insert(job.tokens, job.pages) // ps
-        self.allocator.free(job.pages[job.cached // ps:already] + job.pages[job.num_tokens // ps:])
+        self.allocator.free(
+            job.pages[job.cached // ps : already] + job.pages[job.num_tokens // ps :]
+        )
         if job.locked is not None:
             self.cache.dec_lock_ref(job.locked)
         self.max_cached_pages = max(self.max_cached_pages, self.cache.num_pages)
@@ -197,9 +201,15 @@ class SimNode:
             return self.num_waiting_tokens
         ps, job = self.page_size, self.running  # the one under way: all of it left
         running = job.num_tokens - job.cached if job is not None else 0
-        return running + sum(j.num_tokens - ps * min((j.num_tokens - 1) // ps, len(
-            self.cache.match_prefix(np.concatenate(j.request.parts).tobytes()).page_ids))
-            for j in self.waiting)
+        return running + sum(
+            j.num_tokens
+            - ps
+            * min(
+                (j.num_tokens - 1) // ps,
+                len(self.cache.match_prefix(np.concatenate(j.request.parts).tobytes()).page_ids),
+            )
+            for j in self.waiting
+        )
 
     def exact_tokens(self, now: float) -> int:
         """The oracle's queue: the running prefill's remaining tokens, the waiting ones'."""
@@ -221,9 +231,18 @@ class SimResult:
     nodes: list[SimNode] = field(default_factory=list)
 
 
-def simulate(w: Workload, num_nodes: int, router_name: str, cost: Cost, *, page_size: int = 16,
-             event_delay_s: float = 0.02, node_load: str = "uncached", seed: int = 0,
-             verify_index: bool = False) -> SimResult:
+def simulate(
+    w: Workload,
+    num_nodes: int,
+    router_name: str,
+    cost: Cost,
+    *,
+    page_size: int = 16,
+    event_delay_s: float = 0.02,
+    node_load: str = "uncached",
+    seed: int = 0,
+    verify_index: bool = False,
+) -> SimResult:
     """Route and serve every request of `w`. verify_index: check that each batch leaves the
     index holding exactly the pages the node's cache held when it sent the batch."""
     node_ids = [f"p{i}" for i in range(num_nodes)]
@@ -232,8 +251,9 @@ def simulate(w: Workload, num_nodes: int, router_name: str, cost: Cost, *, page_
     if _pages(longest, page_size) > w.pool_pages:
         raise ValueError(f"a {longest}-token prompt does not fit a {w.pool_pages}-page pool")
     index, uses_index = KVIndex(), router_name == "precise" or verify_index
-    router = rt.Router(mode="precise" if router_name == "oracle" else router_name, seed=seed,
-                       page_size=page_size)
+    router = rt.Router(
+        mode="precise" if router_name == "oracle" else router_name, seed=seed, page_size=page_size
+    )
     ring = rt.HashRing(sorted(node_ids), rt.DEFAULT_VIRTUAL_NODES)  # the Router's own ring
     pending_n = dict.fromkeys(node_ids, 0)
     since_report = dict.fromkeys(node_ids, 0)  # the subscriber's tokens sent since a report
@@ -253,8 +273,11 @@ def simulate(w: Workload, num_nodes: int, router_name: str, cost: Cost, *, page_
         if node.sink.net:
             node.seq += 1
             held = set(node.cache.page_hashes().tolist()) if verify_index else None
-            push(now + event_delay_s, "batch", (node.node_id, node.seq, *node.sink.take(),
-                                                queued, held))
+            push(
+                now + event_delay_s,
+                "batch",
+                (node.node_id, node.seq, *node.sink.take(), queued, held),
+            )
         else:
             push(now + event_delay_s, "load", (node.node_id, queued))
 
@@ -267,18 +290,27 @@ def simulate(w: Workload, num_nodes: int, router_name: str, cost: Cost, *, page_
     def route(i: int, req: Request) -> None:
         arr = np.concatenate(req.parts)
         ids = arr.tolist()
-        hashes = (prompt_hashes(cast("Sequence[int]", arr), page_size).tolist()  # numpy: faster
-                  if router_name == "precise" else [])
+        hashes = (
+            prompt_hashes(cast("Sequence[int]", arr), page_size).tolist()  # numpy: faster
+            if router_name == "precise"
+            else []
+        )
         tokens = arr.tobytes() if router_name == "oracle" else b""
         started = time.perf_counter()
         if router_name == "oracle":
-            exact = {nid: k for nid, nd in nodes.items()
-                     if (k := len(nd.cache.match_prefix(tokens).page_ids))}
-            cands = [rt.PrefillCandidate(nid, pending_n[nid], nodes[nid].exact_tokens(req.arrival))
-                     for nid in node_ids]
+            exact = {
+                nid: k
+                for nid, nd in nodes.items()
+                if (k := len(nd.cache.match_prefix(tokens).page_ids))
+            }
+            cands = [
+                rt.PrefillCandidate(nid, pending_n[nid], nodes[nid].exact_tokens(req.arrival))
+                for nid in node_ids
+            ]
             key = rt.affinity_key(ids, None, rt.DEFAULT_AFFINITY_TOKENS, page_size)
-            choice = (rt.choose_prefill_by_cache(exact, cands, len(ids), page_size, ring, key)
-                      or rt.choose_prefill(ring, key, cands, rt.DEFAULT_EPSILON))
+            choice = rt.choose_prefill_by_cache(
+                exact, cands, len(ids), page_size, ring, key
+            ) or rt.choose_prefill(ring, key, cands, rt.DEFAULT_EPSILON)
             chosen, cached_pages = choice.node_id, exact.get(choice.node_id, 0)
         else:
             overlaps = index.overlaps(hashes, node_ids) if router_name == "precise" else None
@@ -315,8 +347,16 @@ def simulate(w: Workload, num_nodes: int, router_name: str, cost: Cost, *, page_
                 push(end, "done", node.node_id)
         elif kind == "batch":
             nid, seq, stored, removed, queued, held = payload
-            state = index.apply(nid, "sim", seq, stored=stored, removed=removed,
-                                is_snapshot=False, queued_tokens=queued, max_pages=w.pool_pages)
+            state = index.apply(
+                nid,
+                "sim",
+                seq,
+                stored=stored,
+                removed=removed,
+                is_snapshot=False,
+                queued_tokens=queued,
+                max_pages=w.pool_pages,
+            )
             assert held is None or state.hashes == held, f"{nid}: the index is not its cache"
             since_report[nid] = 0
         else:
@@ -337,29 +377,41 @@ def summarize(w: Workload, num_nodes: int, router_name: str, r: SimResult) -> di
     cached, prompt = sum(r.cached[i] for i in counted), sum(r.prompt[i] for i in counted)
     ttft = [r.ttft[i] for i in counted]
     span = w.requests[-1].arrival - w.requests[0].arrival
-    return {"bench": "routing_sim", "workload": w.name, "nodes": num_nodes,
-            "router": router_name, "hit_rate": round(cached / prompt, 4),
-            "computed_tokens": prompt - cached, "ttft_p50_s": _pct(ttft, 50),
-            "ttft_p90_s": _pct(ttft, 90), "ttft_p99_s": _pct(ttft, 99),
-            "route_us_p99": _pct(r.route_s, 99, 1e6, 1),
-            "route_us_p50": _pct(r.route_s, 50, 1e6, 1),
-            "index_mb": round(r.index_mb, 3), "load": round(r.busy_s / num_nodes / span, 3),
-            "requests": len(counted)}
+    return {
+        "bench": "routing_sim",
+        "workload": w.name,
+        "nodes": num_nodes,
+        "router": router_name,
+        "hit_rate": round(cached / prompt, 4),
+        "computed_tokens": prompt - cached,
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p90_s": _pct(ttft, 90),
+        "ttft_p99_s": _pct(ttft, 99),
+        "route_us_p99": _pct(r.route_s, 99, 1e6, 1),
+        "route_us_p50": _pct(r.route_s, 50, 1e6, 1),
+        "index_mb": round(r.index_mb, 3),
+        "load": round(r.busy_s / num_nodes / span, 3),
+        "requests": len(counted),
+    }
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'nodes':>5} {'router':11} {'hit':>6} {'%orc':>5} {'computed':>11} {'p50 s':>8} "
-          f"{'p90 s':>8} {'p99 s':>8} {'aff/p90':>8} {'route us p50/p99':>16} {'idx MB':>7} "
-          f"{'load':>5}")
+    print(
+        f"{'nodes':>5} {'router':11} {'hit':>6} {'%orc':>5} {'computed':>11} {'p50 s':>8} "
+        f"{'p90 s':>8} {'p99 s':>8} {'aff/p90':>8} {'route us p50/p99':>16} {'idx MB':>7} "
+        f"{'load':>5}"
+    )
     for r in rows:
         peers = {x["router"]: x for x in rows if x["nodes"] == r["nodes"]}
         orc, aff = peers.get("oracle"), peers.get("affinity")
         vs_orc = f"{r['hit_rate'] / orc['hit_rate']:5.0%}" if orc else "    -"
         vs_aff = f"{aff['ttft_p90_s'] / r['ttft_p90_s']:8.2f}" if aff else "       -"
-        print(f"{r['nodes']:5d} {r['router']:11} {r['hit_rate']:6.1%} {vs_orc} "
-              f"{r['computed_tokens']:11d} {r['ttft_p50_s']:8.2f} {r['ttft_p90_s']:8.2f} "
-              f"{r['ttft_p99_s']:8.2f} {vs_aff} {r['route_us_p50']:8.0f}/{r['route_us_p99']:<7.0f} "
-              f"{r['index_mb']:7.2f} {r['load']:5.2f}")
+        print(
+            f"{r['nodes']:5d} {r['router']:11} {r['hit_rate']:6.1%} {vs_orc} "
+            f"{r['computed_tokens']:11d} {r['ttft_p50_s']:8.2f} {r['ttft_p90_s']:8.2f} "
+            f"{r['ttft_p99_s']:8.2f} {vs_aff} {r['route_us_p50']:8.0f}/{r['route_us_p99']:<7.0f} "
+            f"{r['index_mb']:7.2f} {r['load']:5.2f}"
+        )
 
 
 def verdict(rows: list[dict[str, Any]]) -> None:
@@ -370,13 +422,17 @@ def verdict(rows: list[dict[str, Any]]) -> None:
             continue
         if (o := by.get((wl, n, "oracle"))) is not None:
             share = p["hit_rate"] / o["hit_rate"]
-            text = (f"hit rate {wl}@{n}: precise {p['hit_rate']:.1%} is {share:.1%} of the "
-                    f"oracle's {o['hit_rate']:.1%} (>= 95%)")
+            text = (
+                f"hit rate {wl}@{n}: precise {p['hit_rate']:.1%} is {share:.1%} of the "
+                f"oracle's {o['hit_rate']:.1%} (>= 95%)"
+            )
             checks.append((share >= 0.95, text))
         if (a := by.get((wl, n, "affinity"))) is not None and wl in ("a", "c"):
             x = a["ttft_p90_s"] / p["ttft_p90_s"]
-            text = (f"p90 TTFT {wl}@{n}: affinity {a['ttft_p90_s']:.2f} s / precise "
-                    f"{p['ttft_p90_s']:.2f} s = {x:.2f}x (>= 5x)")
+            text = (
+                f"p90 TTFT {wl}@{n}: affinity {a['ttft_p90_s']:.2f} s / precise "
+                f"{p['ttft_p90_s']:.2f} s = {x:.2f}x (>= 5x)"
+            )
             checks.append((x >= 5, text))
         if n == 128:
             text = f"routing p99 {wl}@128: precise {p['route_us_p99']:.0f} us (< 200 us)"
@@ -386,32 +442,55 @@ def verdict(rows: list[dict[str, Any]]) -> None:
         print(f"  {'MET ' if ok else 'MISS'} {text}")
 
 
-def build_workloads(args: argparse.Namespace, cost: Cost,
-                    nodes: int) -> list[Callable[[], Workload]]:
-    sc = Scale(nodes, cost, args.load, args.page_size, args.seed, args.warmup_misses,
-               args.pool_pages)
+def build_workloads(
+    args: argparse.Namespace, cost: Cost, nodes: int
+) -> list[Callable[[], Workload]]:
+    sc = Scale(
+        nodes, cost, args.load, args.page_size, args.seed, args.warmup_misses, args.pool_pages
+    )
     measured, num_tenants = args.requests_per_node * nodes, max(2, round(150 * nodes / 128))
     if nodes >= 1000:  # small pools: 4 short contexts fit
-        small = Scale(nodes, cost, args.load, args.page_size, args.seed,
-                      min(args.warmup_misses, SMALL_RUN_WARMUP), args.small_pool)
+        small = Scale(
+            nodes,
+            cost,
+            args.load,
+            args.page_size,
+            args.seed,
+            min(args.warmup_misses, SMALL_RUN_WARMUP),
+            args.small_pool,
+        )
         ctx = args.small_pool * args.page_size // 4 - 100
-        return [lambda: tenants(small, measured=args.requests_1000, context=ctx,
-                                num_tenants=num_tenants)]
-    make = {"a": lambda: tenants(sc, measured=measured, context=args.context_tokens,
-                                 num_tenants=num_tenants),
-            "b": lambda: chat(sc, measured_conversations=args.conversations_per_node * nodes,
-                              think_s=args.think_s),
-            "c": lambda: templates(sc, measured=measured, num_templates=args.templates)}
+        return [
+            lambda: tenants(
+                small, measured=args.requests_1000, context=ctx, num_tenants=num_tenants
+            )
+        ]
+    make = {
+        "a": lambda: tenants(
+            sc, measured=measured, context=args.context_tokens, num_tenants=num_tenants
+        ),
+        "b": lambda: chat(
+            sc, measured_conversations=args.conversations_per_node * nodes, think_s=args.think_s
+        ),
+        "c": lambda: templates(sc, measured=measured, num_templates=args.templates),
+    }
     return [make[k] for k in args.workloads]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="8 and 32 nodes, short runs, one repeat per fitted point")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="8 and 32 nodes, short runs, one repeat per fitted point",
+    )
     ap.add_argument("--fit", action="store_true", help="fit the cost model (the default)")
-    ap.add_argument("--cost", type=Cost.parse, default=None,
-                    help="overhead_ms,us_per_token[,ns_per_token_ctx] instead of --fit")
+    ap.add_argument(
+        "--cost",
+        type=Cost.parse,
+        default=None,
+        help="overhead_ms,us_per_token[,ns_per_token_ctx] instead of --fit",
+    )
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 128, 1000])
     ap.add_argument("--workloads", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
     ap.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
@@ -421,10 +500,18 @@ def main() -> None:
     ap.add_argument("--context-tokens", type=int, default=6000)
     ap.add_argument("--templates", type=int, default=8)
     ap.add_argument("--think-s", type=float, default=1.0)
-    ap.add_argument("--load", type=float, default=0.5,
-                    help="share of the capacity if every shared prefix were cached")
-    ap.add_argument("--warmup-misses", type=float, default=20.0,
-                    help="the ramp (not counted), in misses of the workload's unit")
+    ap.add_argument(
+        "--load",
+        type=float,
+        default=0.5,
+        help="share of the capacity if every shared prefix were cached",
+    )
+    ap.add_argument(
+        "--warmup-misses",
+        type=float,
+        default=20.0,
+        help="the ramp (not counted), in misses of the workload's unit",
+    )
     ap.add_argument("--pool-pages", type=int, default=None, help="default: 4 units")
     ap.add_argument("--small-pool", type=int, default=64, help="pages a node at 1000 nodes")
     ap.add_argument("--page-size", type=int, default=16)
@@ -437,29 +524,47 @@ def main() -> None:
         args.requests_per_node, args.conversations_per_node = 25, 5
     wall = time.perf_counter()
     print(f"cpu: {runpy.run_path(os.path.join(_HERE, 'cpu_info.py'))['describe_cpu']()}")
-    cost = (args.cost if args.cost is not None and not args.fit
-            else fit_cost(repeats=1 if args.quick else 3))
+    cost = (
+        args.cost
+        if args.cost is not None and not args.fit
+        else fit_cost(repeats=1 if args.quick else 3)
+    )
     print(f"cost model: {cost.describe()}")
     rows: dict[str, list[dict[str, Any]]] = {}
     for nodes in args.nodes:
         for make in build_workloads(args, cost, nodes):
             w = make()
-            print(f"[{w.name}@{nodes}] {w.note}; {len(w.requests)} requests; pool {w.pool_pages}"
-                  f" pages; {w.rate:.1f}/s after a {w.warmup_s:.0f} s ramp", flush=True)
+            print(
+                f"[{w.name}@{nodes}] {w.note}; {len(w.requests)} requests; pool {w.pool_pages}"
+                f" pages; {w.rate:.1f}/s after a {w.warmup_s:.0f} s ramp",
+                flush=True,
+            )
             for router_name in args.routers:
                 started = time.perf_counter()
-                r = simulate(w, nodes, router_name, cost, page_size=args.page_size,
-                             event_delay_s=args.event_delay_ms / 1e3, node_load=args.node_load,
-                             seed=args.seed)
+                r = simulate(
+                    w,
+                    nodes,
+                    router_name,
+                    cost,
+                    page_size=args.page_size,
+                    event_delay_s=args.event_delay_ms / 1e3,
+                    node_load=args.node_load,
+                    seed=args.seed,
+                )
                 row = summarize(w, nodes, router_name, r)
                 row["wall_s"] = round(time.perf_counter() - started, 1)
                 rows.setdefault(w.name, []).append(row)
-                print(f"  {router_name:11} hit {row['hit_rate']:.1%} p90 {row['ttft_p90_s']:.2f} s"
-                      f" ({row['wall_s']} s)", flush=True)
+                print(
+                    f"  {router_name:11} hit {row['hit_rate']:.1%} p90 {row['ttft_p90_s']:.2f} s"
+                    f" ({row['wall_s']} s)",
+                    flush=True,
+                )
     for name, table in rows.items():
-        print(f"\nworkload {name}: ramp not counted; event delay {args.event_delay_ms} ms; node "
-              f"load {args.node_load}; %orc = hit rate / "
-              f"oracle's, aff/p90 = affinity's p90 TTFT / this row's")
+        print(
+            f"\nworkload {name}: ramp not counted; event delay {args.event_delay_ms} ms; node "
+            f"load {args.node_load}; %orc = hit rate / "
+            f"oracle's, aff/p90 = affinity's p90 TTFT / this row's"
+        )
         print_table(table)
     print()
     for table in rows.values():

@@ -31,8 +31,11 @@ class Cost:
     s_per_token_ctx: float = 0.0  # attention: per new token per token it attends to
 
     def service_s(self, prefix: int, computed: int) -> float:
-        return (self.overhead_s + computed * self.s_per_token
-                + self.s_per_token_ctx * computed * (prefix + computed / 2))
+        return (
+            self.overhead_s
+            + computed * self.s_per_token
+            + self.s_per_token_ctx * computed * (prefix + computed / 2)
+        )
 
     @staticmethod
     def parse(text: str) -> Cost:
@@ -40,8 +43,10 @@ class Cost:
         return Cost(v[0] / 1e3, v[1] / 1e6, (v[2] if len(v) > 2 else 0.0) / 1e9)
 
     def describe(self) -> str:
-        return (f"t = {self.overhead_s * 1e3:.1f} ms + {self.s_per_token * 1e6:.1f} us * n + "
-                f"{self.s_per_token_ctx * 1e9:.1f} ns * n * (prefix + n/2)")
+        return (
+            f"t = {self.overhead_s * 1e3:.1f} ms + {self.s_per_token * 1e6:.1f} us * n + "
+            f"{self.s_per_token_ctx * 1e9:.1f} ns * n * (prefix + n/2)"
+        )
 
 
 def fit_cost(repeats: int) -> Cost:
@@ -53,8 +58,9 @@ def fit_cost(repeats: int) -> Cost:
     from common.model.runner import ExtendRequest, ModelRunner
 
     torch.set_num_threads(1)
-    runner = ModelRunner.from_path(None, progress=False, dtype="float32",
-                                   max_total_tokens=4096 + 64)
+    runner = ModelRunner.from_path(
+        None, progress=False, dtype="float32", max_total_tokens=4096 + 64
+    )
     runner.warmup()
     rng = random.Random(0)
     points = [(0, 64), (0, 256), (0, 1024), (0, 2048), (2048, 64), (3968, 128)]
@@ -78,18 +84,25 @@ def fit_cost(repeats: int) -> Cost:
     linear, quad = Cost(float(a), float(b)), Cost(float(c0), float(c1), float(c2))  # as fitted
     share = max(quad.s_per_token_ctx * n * (p + n / 2) / tm for (p, n), tm in zip(points, times))
     used = quad if share >= 0.05 else linear
-    print(f"cost fit (built-in model, float32, 1 thread, median of {repeats}):\n"
-          f"  {'prefix':>6} {'new':>5} {'ms':>8} {'linear':>8} {'resid':>7} {'+attn':>8} "
-          f"{'resid':>7}")
+    print(
+        f"cost fit (built-in model, float32, 1 thread, median of {repeats}):\n"
+        f"  {'prefix':>6} {'new':>5} {'ms':>8} {'linear':>8} {'resid':>7} {'+attn':>8} "
+        f"{'resid':>7}"
+    )
     for (p, n), tm in zip(points, times):
         lin, qd = linear.service_s(0, n), quad.service_s(p, n)
-        print(f"  {p:6d} {n:5d} {tm * 1e3:8.1f} {lin * 1e3:8.1f} {(tm - lin) / tm:+7.1%} "
-              f"{qd * 1e3:8.1f} {(tm - qd) / tm:+7.1%}")
-    print(f"  linear, uncached points: {linear.describe()}\n  with attention, all points: "
-          f"{quad.describe()}\n  the attention term is up to {share:.0%} of a point: using "
-          f"{'it' if used is quad else 'the linear fit'}")
-    return Cost(max(used.overhead_s, 0.0), max(used.s_per_token, 1e-9),
-                max(used.s_per_token_ctx, 0.0))  # no negative terms
+        print(
+            f"  {p:6d} {n:5d} {tm * 1e3:8.1f} {lin * 1e3:8.1f} {(tm - lin) / tm:+7.1%} "
+            f"{qd * 1e3:8.1f} {(tm - qd) / tm:+7.1%}"
+        )
+    print(
+        f"  linear, uncached points: {linear.describe()}\n  with attention, all points: "
+        f"{quad.describe()}\n  the attention term is up to {share:.0%} of a point: using "
+        f"{'it' if used is quad else 'the linear fit'}"
+    )
+    return Cost(
+        max(used.overhead_s, 0.0), max(used.s_per_token, 1e-9), max(used.s_per_token_ctx, 0.0)
+    )  # no negative terms
 
 
 class Request(NamedTuple):
@@ -128,8 +141,9 @@ class Scale:
     def warmup_s(self, unit_tokens: int) -> float:
         return self.warmup_misses * self.cost.service_s(0, unit_tokens)
 
-    def arrivals(self, rng: np.random.Generator, rate: float, warmup_s: float,
-                 measured: int) -> list[float]:
+    def arrivals(
+        self, rng: np.random.Generator, rate: float, warmup_s: float, measured: int
+    ) -> list[float]:
         """Poisson arrivals at a rate ramping linearly from 0 to `rate` over warmup_s
         (cumulative rate inverted), then about `measured` more at `rate`."""
         warm = rate * warmup_s / 2  # expected arrivals during the ramp
@@ -147,29 +161,41 @@ def _tokens(rng: np.random.Generator, n: int) -> Tokens:
 def tenants(s: Scale, *, measured: int, context: int, num_tenants: int) -> Workload:
     rng = np.random.default_rng(s.seed)
     contexts = [_tokens(rng, context) for _ in range(num_tenants)]
-    rate = s.load * s.nodes / statistics.fmean(s.ideal_s(context + q, context)
-                                               for q in range(50, 101))
+    rate = (
+        s.load * s.nodes / statistics.fmean(s.ideal_s(context + q, context) for q in range(50, 101))
+    )
     warmup_s = s.warmup_s(context + 100)
     arrivals = s.arrivals(rng, rate, warmup_s, measured)
     weight = 1.0 / np.arange(1, num_tenants + 1) ** 1.1
     who = rng.choice(num_tenants, size=len(arrivals), p=weight / weight.sum())
-    reqs = [Request(t, (contexts[k], _tokens(rng, int(rng.integers(50, 101)))))
-            for t, k in zip(arrivals, who)]
-    return Workload("a", reqs, s.pool(context + 100), rate, warmup_s,
-                    f"{num_tenants} tenants x {context}-token context, Zipf 1.1")
+    reqs = [
+        Request(t, (contexts[k], _tokens(rng, int(rng.integers(50, 101)))))
+        for t, k in zip(arrivals, who)
+    ]
+    return Workload(
+        "a",
+        reqs,
+        s.pool(context + 100),
+        rate,
+        warmup_s,
+        f"{num_tenants} tenants x {context}-token context, Zipf 1.1",
+    )
 
 
 def _conversation(rng: np.random.Generator) -> list[int]:
     """Prompt lengths of a conversation's turns."""
-    adds = [int(rng.integers(200, 801))] + [int(rng.integers(30, 71) + rng.integers(30, 71))
-                                            for _ in range(int(rng.integers(2, 8)))]
+    adds = [int(rng.integers(200, 801))] + [
+        int(rng.integers(30, 71) + rng.integers(30, 71)) for _ in range(int(rng.integers(2, 8)))
+    ]
     return [int(n) for n in np.cumsum(adds)]
 
 
 def chat(s: Scale, *, measured_conversations: int, think_s: float) -> Workload:
     rng, pilot = np.random.default_rng(s.seed), np.random.default_rng(s.seed + 1)
-    work = statistics.fmean(sum(s.ideal_s(n, prev) for n, prev in zip(c, [0] + c[:-1]))
-                            for c in (_conversation(pilot) for _ in range(2000)))
+    work = statistics.fmean(
+        sum(s.ideal_s(n, prev) for n, prev in zip(c, [0] + c[:-1]))
+        for c in (_conversation(pilot) for _ in range(2000))
+    )
     rate, longest = s.load * s.nodes / work, 800 + 7 * 140  # conversations started per s
     warmup_s = s.warmup_s(longest)
     reqs = []
@@ -179,22 +205,41 @@ def chat(s: Scale, *, measured_conversations: int, think_s: float) -> Workload:
         gaps = np.cumsum(np.concatenate([[0.0], rng.exponential(think_s, len(lengths) - 1)]))
         reqs += [Request(start + float(t), (stream[:n],)) for t, n in zip(gaps, lengths)]
     reqs.sort(key=lambda r: r.arrival)
-    return Workload("b", reqs, s.pool(longest), len(reqs) / reqs[-1].arrival, warmup_s,
-                    f"conversations of 3-8 turns, think {think_s} s")
+    return Workload(
+        "b",
+        reqs,
+        s.pool(longest),
+        len(reqs) / reqs[-1].arrival,
+        warmup_s,
+        f"conversations of 3-8 turns, think {think_s} s",
+    )
 
 
 def templates(s: Scale, *, measured: int, num_templates: int) -> Workload:
     rng = np.random.default_rng(s.seed)
     header = _tokens(rng, 32)
-    bodies = [np.concatenate([header, _tokens(rng, int(n))])
-              for n in np.linspace(1000, 2000, num_templates)]
-    rate = s.load * s.nodes / statistics.fmean(s.ideal_s(len(b) + q, len(b))
-                                               for b in bodies for q in range(50, 101))
+    bodies = [
+        np.concatenate([header, _tokens(rng, int(n))])
+        for n in np.linspace(1000, 2000, num_templates)
+    ]
+    rate = (
+        s.load
+        * s.nodes
+        / statistics.fmean(s.ideal_s(len(b) + q, len(b)) for b in bodies for q in range(50, 101))
+    )
     unit = int(statistics.fmean(len(b) for b in bodies)) + 100
     warmup_s = s.warmup_s(unit)
     arrivals = s.arrivals(rng, rate, warmup_s, measured)
     which = rng.integers(0, num_templates, len(arrivals))
-    reqs = [Request(t, (bodies[k], _tokens(rng, int(rng.integers(50, 101)))))
-            for t, k in zip(arrivals, which)]
-    return Workload("c", reqs, s.pool(unit), rate, warmup_s,
-                    f"{num_templates} templates behind one 32-token header")
+    reqs = [
+        Request(t, (bodies[k], _tokens(rng, int(rng.integers(50, 101)))))
+        for t, k in zip(arrivals, which)
+    ]
+    return Workload(
+        "c",
+        reqs,
+        s.pool(unit),
+        rate,
+        warmup_s,
+        f"{num_templates} templates behind one 32-token header",
+    )

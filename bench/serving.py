@@ -193,7 +193,10 @@ def summarize(
         and (args.slo_tpot_ms is None or (r.tpot_s or 0.0) * 1000 <= args.slo_tpot_ms)
     ]
     errors = sorted({r.error for r in results if not r.is_ok})
-    mean = lambda v: sum(v) / len(v) if v else 0.0
+
+    def mean(v: list[float]) -> float:
+        return sum(v) / len(v) if v else 0.0
+
     duration = max(duration, 1e-9)
     return {
         "bench": "serving",

@@ -1,4 +1,4 @@
-"""Cost of CURVE on pdserve's zmq sockets: open PUSH/PULL vs CURVE (cluster keys, ZAP), side by side.
+"""Cost of CURVE on pdserve's zmq sockets: open PUSH/PULL vs CURVE (cluster keys, ZAP) side by side.
 
 Through common.ipc (PushPool.send, recv_messages: msgpack encode and decode included), a
 sender thread pushes N messages to a PULL socket in this process, with open sockets and
@@ -31,11 +31,19 @@ from common.ipc import PushPool, bind_pull, close_pull, recv_messages
 
 
 def _generate(num_tokens: int) -> msg.Message:
-    return msg.GenerateReq(rid="r" * 32, room=123456789, input_ids=list(range(num_tokens)),
-                           sampling={"max_new_tokens": 128, "temperature": 0.7}, priority=None,
-                           routing_key=None, prefill_node_id="prefill-0",
-                           decode_node_id="decode-0", reply_endpoint="tcp://10.0.0.1:5555",
-                           arrival_time=time.time(), return_logprob=False)
+    return msg.GenerateReq(
+        rid="r" * 32,
+        room=123456789,
+        input_ids=list(range(num_tokens)),
+        sampling={"max_new_tokens": 128, "temperature": 0.7},
+        priority=None,
+        routing_key=None,
+        prefill_node_id="prefill-0",
+        decode_node_id="decode-0",
+        reply_endpoint="tcp://10.0.0.1:5555",
+        arrival_time=time.time(),
+        return_logprob=False,
+    )
 
 
 CASES: dict[str, msg.Message] = {
@@ -97,10 +105,17 @@ def main() -> None:
         socket_auth.configure(None)
         open_us, curve_us = statistics.median(times["open"]), statistics.median(times["curve"])
         print(f"{name:<12} {size:>7} {open_us:>12.2f} {curve_us:>13.2f} {curve_us / open_us:>6.2f}")
-        lines.append({"bench": "socket_auth", "message": name, "bytes": size,
-                      "open_us": round(open_us, 3), "curve_us": round(curve_us, 3),
-                      "ratio_curve_vs_open": round(curve_us / open_us, 3),
-                      "extra_us": round(curve_us - open_us, 3)})
+        lines.append(
+            {
+                "bench": "socket_auth",
+                "message": name,
+                "bytes": size,
+                "open_us": round(open_us, 3),
+                "curve_us": round(curve_us, 3),
+                "ratio_curve_vs_open": round(curve_us / open_us, 3),
+                "extra_us": round(curve_us - open_us, 3),
+            }
+        )
     for line in lines:
         print(json.dumps(line))
 

@@ -59,8 +59,9 @@ class Node:
         self.manager = KVManager(name, role, NixlBackend(name), self.pool, lease_s=30.0)
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self.agent = nixl_agent(f"bare-{name}", nixl_agent_config(enable_prog_thread=False,
-                                                                  backends=["UCX"]))
+        self.agent = nixl_agent(
+            f"bare-{name}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
         base, n = self.pool.data_ptr(), self.pool.num_pages
         self.agent.register_memory([(base, n * PAGE_BYTES, 0, "")], "DRAM")
         import numpy as np
@@ -242,7 +243,9 @@ def measure(src: Remote, dst: Remote, tokens: int, reps: int, room_base: int) ->
                 lat[method].append(t1 - t0)
     med = {k: statistics.median(v) for k, v in lat.items()}
     return {
-        "bench": "transfer", "tokens": tokens, "bytes": nbytes,
+        "bench": "transfer",
+        "tokens": tokens,
+        "bytes": nbytes,
         "latency_ms": round(med["ours"] * 1e3, 3),
         "gbps": round(nbytes / med["ours"] / 1e9, 2),
         "bare_nixl_latency_ms": round(med["bare"] * 1e3, 3),
@@ -275,12 +278,17 @@ def main() -> None:
             r.proc.join(10)
             if r.proc.is_alive():
                 r.proc.kill()
-    print(f"{'tokens':>7} {'MB':>8} {'ours ms':>9} {'GB/s':>6} {'bare ms':>9} {'GB/s':>6} "
-          f"{'tcp ms':>9} {'GB/s':>6} {'ours/bare':>9}")
+    print(
+        f"{'tokens':>7} {'MB':>8} {'ours ms':>9} {'GB/s':>6} {'bare ms':>9} {'GB/s':>6} "
+        f"{'tcp ms':>9} {'GB/s':>6} {'ours/bare':>9}"
+    )
     for r in rows:
-        print(f"{r['tokens']:7d} {r['bytes'] / 1e6:8.1f} {r['latency_ms']:9.3f} {r['gbps']:6.2f} "
-              f"{r['bare_nixl_latency_ms']:9.3f} {r['bare_nixl_gbps']:6.2f} {r['tcp_latency_ms']:9.3f} "
-              f"{r['tcp_gbps']:6.2f} {r['ratio_vs_bare_nixl']:9.2f}")
+        print(
+            f"{r['tokens']:7d} {r['bytes'] / 1e6:8.1f} {r['latency_ms']:9.3f} {r['gbps']:6.2f} "
+            f"{r['bare_nixl_latency_ms']:9.3f} {r['bare_nixl_gbps']:6.2f} "
+            f"{r['tcp_latency_ms']:9.3f} "
+            f"{r['tcp_gbps']:6.2f} {r['ratio_vs_bare_nixl']:9.2f}"
+        )
     for r in rows:
         print(json.dumps(r))
 

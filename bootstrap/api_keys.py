@@ -1,4 +1,4 @@
-"""Who may call the public API: the keys of ``--api-key`` and ``--api-key-file``, apart from the cluster token.
+"""Who may call the public API: keys of ``--api-key`` and ``--api-key-file``, not the cluster token.
 
 The cluster token lets a process join the cluster and receive requests and KV, so no API
 client holds it. Clients present one of the API keys as ``Authorization: Bearer <key>``;
@@ -30,7 +30,9 @@ def read_key_file(path: Path) -> tuple[str, ...]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ApiKeyError(f"cannot read --api-key-file {path}: {exc}") from None
     keys = tuple(
-        line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
     )
     if not keys:
         raise ApiKeyError(f"--api-key-file {path} holds no key")
@@ -63,7 +65,9 @@ class ApiKeys:
         self._reload_if_changed()
         given = candidate.encode()
         # Compare against every key so the time taken does not tell which one matched.
-        matches = [hmac.compare_digest(given, key.encode()) for key in self._fixed + self._from_file]
+        matches = [
+            hmac.compare_digest(given, key.encode()) for key in self._fixed + self._from_file
+        ]
         return any(matches)
 
     def _reload_if_changed(self) -> None:

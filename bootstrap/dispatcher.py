@@ -1,4 +1,4 @@
-"""The gateway's zmq side: GenerateReq to both nodes of a pair; replies routed by rid to asyncio queues.
+"""The gateway's zmq side: GenerateReq to both nodes of a pair; replies go by rid to asyncio queues.
 
 One state machine, the life of a request at the gateway (one ``InflightReq`` each):
 
@@ -170,8 +170,12 @@ class Dispatcher:
         A request streaming from its decode node has its KV there (the first token comes
         only after the transfer completed): losing its prefill node does not touch it.
         """
-        hit = [r for r in self._reqs.values() if r.decode_id == node_id
-               or (r.prefill_id == node_id and r.state is ReqState.DISPATCHED)]
+        hit = [
+            r
+            for r in self._reqs.values()
+            if r.decode_id == node_id
+            or (r.prefill_id == node_id and r.state is ReqState.DISPATCHED)
+        ]
         for req in hit:
             req.queue.put_nowait(msg.ReqFailed(rid=req.rid, status=NODE_LOST_STATUS, error=reason))
             self.end(req, ReqState.FAILED, reason)

@@ -1,4 +1,4 @@
-"""Errors in OpenAI's JSON shape {"error": {"message", "type", "param", "code"}} and their handlers."""
+"""Errors in OpenAI's shape {"error": {"message", "type", "param", "code"}} and their handlers."""
 
 from __future__ import annotations
 
@@ -207,8 +207,9 @@ class CatchAll:
         try:
             await self.app(scope, receive, tracked)
         except Exception:
-            logger.exception("unexpected error serving %s %s", scope.get("method"),
-                             scope.get("path"))
+            logger.exception(
+                "unexpected error serving %s %s", scope.get("method"), scope.get("path")
+            )
             if started:
                 return  # the body was under way: nothing can be said any more
             response = JSONResponse(

@@ -1,4 +1,4 @@
-"""The public API (port --port): OpenAI completions and chat, SGLang /generate, models, nodes, health.
+"""The public API (on --port): OpenAI completions and chat, SGLang /generate, models, nodes, health.
 
 Per request: parse (strict types, 400), prepare (template, tokenize, lengths; 400), admit
 (429 when --max-queued-requests are in flight, 503 without nodes), then stream SSE from
@@ -175,8 +175,10 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         loop = asyncio.get_running_loop()
         try:
             result: PreparedRequest = await loop.run_in_executor(
-                tokenize_pool, lambda: service.page_hashes(prepare(
-                    body, service.tokenizer, service.context_length, routing_key)),
+                tokenize_pool,
+                lambda: service.page_hashes(
+                    prepare(body, service.tokenizer, service.context_length, routing_key)
+                ),
             )
         except APIError:
             count_request("rejected")
@@ -205,7 +207,9 @@ def build_api_app(service: BootstrapService) -> FastAPI:
             headers=_SSE_HEADERS,
         )
 
-    @app.post("/v1/chat/completions", dependencies=auth, response_model=None, responses=GENERATION_ERRORS)
+    @app.post(
+        "/v1/chat/completions", dependencies=auth, response_model=None, responses=GENERATION_ERRORS
+    )
     async def chat_completions(
         body: ChatCompletionRequest,
         request: Request,
@@ -218,19 +222,16 @@ def build_api_app(service: BootstrapService) -> FastAPI:
 
         def fmt(rid: str) -> OutputFormat:
             return ChatFormat(
-                rid,
-                service.model_name,
-                service.tokenizer,
-                include_usage=include_usage,
+                rid, service.model_name, service.tokenizer, include_usage=include_usage
             )
 
         return await serve(request, prepared, fmt, body.stream, marks)
 
-    @app.post("/v1/completions", dependencies=auth, response_model=None, responses=GENERATION_ERRORS)
+    @app.post(
+        "/v1/completions", dependencies=auth, response_model=None, responses=GENERATION_ERRORS
+    )
     async def completions(
-        body: CompletionRequest,
-        request: Request,
-        x_routing_key: str | None = Header(default=None),
+        body: CompletionRequest, request: Request, x_routing_key: str | None = Header(default=None)
     ) -> Response:
         marks = Marks.of(request)
         check_model(body.model)
@@ -239,26 +240,24 @@ def build_api_app(service: BootstrapService) -> FastAPI:
 
         def fmt(rid: str) -> OutputFormat:
             return CompletionFormat(
-                rid,
-                service.model_name,
-                service.tokenizer,
-                include_usage=include_usage,
+                rid, service.model_name, service.tokenizer, include_usage=include_usage
             )
 
         return await serve(request, prepared, fmt, body.stream, marks)
 
     @app.post("/generate", dependencies=auth, response_model=None, responses=GENERATION_ERRORS)
     async def generate(
-        body: GenerateRequest,
-        request: Request,
-        x_routing_key: str | None = Header(default=None),
+        body: GenerateRequest, request: Request, x_routing_key: str | None = Header(default=None)
     ) -> Response:
         marks = Marks.of(request)
         prepared = await prepared_or_400(prepare_generate, body, x_routing_key)
 
         def fmt(rid: str) -> OutputFormat:
             return GenerateFormat(
-                rid, service.model_name, service.tokenizer, include_usage=False,
+                rid,
+                service.model_name,
+                service.tokenizer,
+                include_usage=False,
                 arrival=marks.arrival,
             )
 

@@ -1,4 +1,4 @@
-"""Gateway metrics beyond common.metrics: router decisions, prefix-affinity hits, requests in flight.
+"""Gateway metrics beyond common.metrics: router decisions, prefix-affinity hits, inflight requests.
 
 Registered on ``common.metrics.REGISTRY`` with the ``role`` label like every pdserve metric.
 """
@@ -65,6 +65,7 @@ ROUTE_SECONDS: Final = Histogram(
     buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2),
     registry=metrics.REGISTRY,
 )
+
 
 def count_decision(decision: str, is_affinity_hit: bool) -> None:
     ROUTER_DECISIONS.labels(**metrics.role_labels(decision=decision)).inc()

@@ -72,7 +72,10 @@ def _finite(value: float) -> float | None:
 
 
 def _logprobs(chunk: msg.TokenChunk) -> list[TokenLogprob]:
-    """The chunk's logprobs; malformed alternatives are skipped, NaN becomes None (JSON has no NaN)."""
+    """The chunk's logprobs; malformed alternatives are skipped, NaN becomes None.
+
+    JSON has no NaN.
+    """
     if chunk.logprobs is None:
         return []
     tops = chunk.top_logprobs or [[] for _ in chunk.token_ids]
@@ -142,8 +145,11 @@ class Generation:
                             self._carried = following
                             break
                         more, is_stopped = self._on_chunk(following)
-                        delta = Delta(delta.text + more.text, delta.token_ids + more.token_ids,
-                                      delta.logprobs + more.logprobs)
+                        delta = Delta(
+                            delta.text + more.text,
+                            delta.token_ids + more.token_ids,
+                            delta.logprobs + more.logprobs,
+                        )
                     if delta.text or delta.token_ids:
                         yield delta
                     if is_stopped:  # a stop string matched here before the node saw it

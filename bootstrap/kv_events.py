@@ -1,4 +1,4 @@
-"""The gateway's KV event subscriber: one thread, one SUB socket to every prefill node, the KV index.
+"""The gateway's KV event subscriber: one thread, one SUB socket to all prefill nodes, the KV index.
 
     prefill ──KVEvents (PUB, CURVE)──▶ SUB thread ──apply──▶ KVIndex ◀──overlaps── router (loop)
        ▲                                   │
@@ -48,9 +48,14 @@ class PrefillSource:
 
 
 class KVEventSubscriber:
-    def __init__(self, gateway_id: str, *, ctx: zmq.Context | None = None,
-                 snapshot_retry_s: float = SNAPSHOT_RETRY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        gateway_id: str,
+        *,
+        ctx: zmq.Context | None = None,
+        snapshot_retry_s: float = SNAPSHOT_RETRY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.gateway_id = gateway_id
         self.index = KVIndex()
         self.snapshot_retry_s = snapshot_retry_s
@@ -105,8 +110,9 @@ class KVEventSubscriber:
             out = {}
             for node_id in node_ids:
                 node = self.index.node(node_id)
-                out[node_id] = ((node.queued_tokens if node is not None else 0)
-                                + self._since_report.get(node_id, 0))
+                out[node_id] = (
+                    node.queued_tokens if node is not None else 0
+                ) + self._since_report.get(node_id, 0)
             return out
 
     def note_dispatched(self, node_id: str, tokens: int) -> None:
@@ -167,11 +173,22 @@ class KVEventSubscriber:
                     else:
                         gaps = self.index.num_gaps
                         node = self.index.apply(
-                            m.node_id, m.instance_id, m.seq, stored=stored, removed=removed,
-                            is_snapshot=m.is_snapshot, queued_tokens=max(0, m.queued_tokens),
-                            max_pages=source.num_pages)
-                        outcome = ("snapshot" if m.is_snapshot
-                                   else "gap" if self.index.num_gaps > gaps else "applied")
+                            m.node_id,
+                            m.instance_id,
+                            m.seq,
+                            stored=stored,
+                            removed=removed,
+                            is_snapshot=m.is_snapshot,
+                            queued_tokens=max(0, m.queued_tokens),
+                            max_pages=source.num_pages,
+                        )
+                        outcome = (
+                            "snapshot"
+                            if m.is_snapshot
+                            else "gap"
+                            if self.index.num_gaps > gaps
+                            else "applied"
+                        )
                         # The report counts what reached the node before it was sent.
                         self._since_report[m.node_id] = 0
             gm.KV_EVENTS.labels(**metrics.role_labels(outcome=outcome)).inc()

@@ -53,9 +53,18 @@ class KVIndex:
 
     # ---- events --------------------------------------------------------------------------
 
-    def apply(self, node_id: str, instance_id: str, seq: int, *, stored: HashArray,
-              removed: HashArray, is_snapshot: bool, queued_tokens: int,
-              max_pages: int) -> NodeCache:
+    def apply(
+        self,
+        node_id: str,
+        instance_id: str,
+        seq: int,
+        *,
+        stored: HashArray,
+        removed: HashArray,
+        is_snapshot: bool,
+        queued_tokens: int,
+        max_pages: int,
+    ) -> NodeCache:
         """One batch of node ``node_id``'s events; returns its state (see needs_snapshot)."""
         node = self._nodes.get(node_id)
         if node is not None and node.instance_id != instance_id:

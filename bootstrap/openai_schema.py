@@ -102,7 +102,9 @@ class _OpenAISampling(_Body):
     # Echoed in every chunk of the answer: a long one would multiply the response size.
     model: str | None = Field(default=None, max_length=256)
     max_tokens: int | None = Field(
-        default=None, le=INT64_MAX, json_schema_extra=_served(minimum=1),
+        default=None,
+        le=INT64_MAX,
+        json_schema_extra=_served(minimum=1),
         description="unset: 16 (completions), the rest of the context (chat); prompt + "
         "max_tokens must fit the context length",
     )
@@ -113,34 +115,45 @@ class _OpenAISampling(_Body):
         default=None, json_schema_extra=_served(exclusiveMinimum=0, maximum=1)
     )
     top_k: int | None = Field(
-        default=None, le=INT64_MAX, json_schema_extra=_served(minimum=-1),
+        default=None,
+        le=INT64_MAX,
+        json_schema_extra=_served(minimum=-1),
         description="-1 or 0: disabled",
     )
     min_p: float | None = Field(default=None, json_schema_extra=_served(minimum=0, maximum=1))
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
     stop: str | list[str] | None = Field(
-        default=None, json_schema_extra=_served(
-            anyOf=[_STOP_TEXT, {"type": "array", "items": _STOP_TEXT, "maxItems": _MAX_STOPS},
-                   {"type": "null"}]
+        default=None,
+        json_schema_extra=_served(
+            anyOf=[
+                _STOP_TEXT,
+                {"type": "array", "items": _STOP_TEXT, "maxItems": _MAX_STOPS},
+                {"type": "null"},
+            ]
         ),
     )
     stop_token_ids: list[int] | None = Field(
-        default=None, json_schema_extra=_served(
-            anyOf=[{"type": "array", "items": _TOKEN_ID, "maxItems": _MAX_STOP_IDS},
-                   {"type": "null"}]
+        default=None,
+        json_schema_extra=_served(
+            anyOf=[
+                {"type": "array", "items": _TOKEN_ID, "maxItems": _MAX_STOP_IDS},
+                {"type": "null"},
+            ]
         ),
     )
     ignore_eos: bool = False
     n: int = Field(default=1, json_schema_extra=_served(enum=[1]), description="only 1 is served")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX,
-                                 description="prefill scheduling priority")
+    priority: int | None = Field(
+        default=None, ge=INT64_MIN, le=INT64_MAX, description="prefill scheduling priority"
+    )
     routing_key: str | None = Field(
         default=None, max_length=1024, description="prefix-affinity key (also header x-routing-key)"
     )
     cache_salt: str | None = Field(
-        default=None, max_length=1024,
+        default=None,
+        max_length=1024,
         description="prefix-cache isolation: requests share cached KV only with the same salt",
     )
     frequency_penalty: float | None = Field(
@@ -162,26 +175,40 @@ class CompletionRequest(_OpenAISampling):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        json_schema_extra=_served(anyOf=[
-            {"type": "string", "minLength": 1},
-            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
-             "maxItems": 1},
-            {"type": "array", "items": _TOKEN_ID, "minItems": 1},
-            {"type": "array", "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1},
-             "minItems": 1, "maxItems": 1},
-        ]),
+        json_schema_extra=_served(
+            anyOf=[
+                {"type": "string", "minLength": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1},
+                    "minItems": 1,
+                    "maxItems": 1,
+                },
+                {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+                    "minItems": 1,
+                    "maxItems": 1,
+                },
+            ]
+        ),
         description="one prompt: text or token ids (a batch of one is accepted)",
     )
     logprobs: int | None = Field(
-        default=None, json_schema_extra=_served(minimum=0, maximum=MAX_TOP_LOGPROBS),
+        default=None,
+        json_schema_extra=_served(minimum=0, maximum=MAX_TOP_LOGPROBS),
         description="top logprobs per token, 0-20",
     )
-    echo: bool = Field(default=False, json_schema_extra=_served(enum=[False]),
-                       description="not served")
-    best_of: int | None = Field(default=None, json_schema_extra=_served(enum=[1, None]),
-                                description="only 1 is served")
-    suffix: str | None = Field(default=None, json_schema_extra=_served(enum=["", None]),
-                               description="not served")
+    echo: bool = Field(
+        default=False, json_schema_extra=_served(enum=[False]), description="not served"
+    )
+    best_of: int | None = Field(
+        default=None, json_schema_extra=_served(enum=[1, None]), description="only 1 is served"
+    )
+    suffix: str | None = Field(
+        default=None, json_schema_extra=_served(enum=["", None]), description="not served"
+    )
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -193,73 +220,114 @@ class ChatCompletionRequest(_OpenAISampling):
     )
     logprobs: bool = False
     top_logprobs: int | None = Field(
-        default=None, json_schema_extra=_served(minimum=0, maximum=MAX_TOP_LOGPROBS),
+        default=None,
+        json_schema_extra=_served(minimum=0, maximum=MAX_TOP_LOGPROBS),
         description="needs logprobs: true",
     )
     # Fields that would change the output but are not served: a 400 names them, rather
     # than a silently different answer.
     tools: list[Any] | None = Field(
-        default=None, json_schema_extra=_served(anyOf=[{"type": "array", "maxItems": 0},
-                                                       {"type": "null"}]),
+        default=None,
+        json_schema_extra=_served(anyOf=[{"type": "array", "maxItems": 0}, {"type": "null"}]),
         description="not served (no tool calling): omit it or pass []",
     )
-    tool_choice: Any = Field(default=None, json_schema_extra=_served(enum=["none", None]),
-                             description='not served: omit it or pass "none"')
+    tool_choice: Any = Field(
+        default=None,
+        json_schema_extra=_served(enum=["none", None]),
+        description='not served: omit it or pass "none"',
+    )
     functions: list[Any] | None = Field(
-        default=None, json_schema_extra=_served(anyOf=[{"type": "array", "maxItems": 0},
-                                                       {"type": "null"}]),
+        default=None,
+        json_schema_extra=_served(anyOf=[{"type": "array", "maxItems": 0}, {"type": "null"}]),
         description="not served (no function calling)",
     )
-    function_call: Any = Field(default=None, json_schema_extra=_served(enum=["none", None]),
-                               description='not served: omit it or pass "none"')
+    function_call: Any = Field(
+        default=None,
+        json_schema_extra=_served(enum=["none", None]),
+        description='not served: omit it or pass "none"',
+    )
     response_format: Any = Field(
-        default=None, json_schema_extra=_served(anyOf=[
-            {"type": "object", "properties": {"type": {"enum": ["text"]}}, "required": ["type"]},
-            {"type": "null"},
-        ]),
+        default=None,
+        json_schema_extra=_served(
+            anyOf=[
+                {
+                    "type": "object",
+                    "properties": {"type": {"enum": ["text"]}},
+                    "required": ["type"],
+                },
+                {"type": "null"},
+            ]
+        ),
         description='only {"type": "text"} is served (no JSON mode or schema)',
     )
     modalities: list[Any] | None = Field(
-        default=None, json_schema_extra=_served(anyOf=[
-            {"type": "array", "items": {"enum": ["text"]}}, {"type": "null"}]),
+        default=None,
+        json_schema_extra=_served(
+            anyOf=[{"type": "array", "items": {"enum": ["text"]}}, {"type": "null"}]
+        ),
         description='only ["text"] is served',
     )
-    audio: Any = Field(default=None, json_schema_extra=_served(type="null"),
-                       description="not served")
-    prediction: Any = Field(default=None, json_schema_extra=_served(type="null"),
-                            description="not served")
+    audio: Any = Field(
+        default=None, json_schema_extra=_served(type="null"), description="not served"
+    )
+    prediction: Any = Field(
+        default=None, json_schema_extra=_served(type="null"), description="not served"
+    )
 
 
 class GenerateRequest(_Body):
     """POST /generate, SGLang's native shape: text or input_ids plus sampling_params."""
 
-    model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"required": ["text"], "properties": {"text": {"type": "string", "minLength": 1},
-                                              "input_ids": {"type": "null"}}},
-        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"},
-                                                   "text": {"type": "null"}}},
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {
+                    "required": ["text"],
+                    "properties": {
+                        "text": {"type": "string", "minLength": 1},
+                        "input_ids": {"type": "null"},
+                    },
+                },
+                {
+                    "required": ["input_ids"],
+                    "properties": {"input_ids": {"type": "array"}, "text": {"type": "null"}},
+                },
+            ]
+        }
+    )
 
     text: str | None = Field(default=None, description="exactly one of text and input_ids")
     input_ids: list[int] | None = Field(
-        default=None, json_schema_extra=_served(
+        default=None,
+        json_schema_extra=_served(
             anyOf=[{"type": "array", "items": _TOKEN_ID, "minItems": 1}, {"type": "null"}]
         ),
     )
     sampling_params: dict[str, Any] = Field(
-        default_factory=dict, json_schema_extra=_served(properties={
-            "max_new_tokens": {"type": "integer", "minimum": 1, "maximum": INT64_MAX},
-            "temperature": {"type": "number", "minimum": 0},
-            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-            "top_k": {"type": "integer", "minimum": -1, "maximum": INT64_MAX},
-            "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-            "seed": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": UINT64_MAX},
-                               {"type": "null"}]},
-            "stop": {"anyOf": [_STOP_TEXT, {"type": "array", "items": _STOP_TEXT,
-                                             "maxItems": _MAX_STOPS}]},
-            "stop_token_ids": {"type": "array", "items": _TOKEN_ID, "maxItems": _MAX_STOP_IDS},
-            "ignore_eos": {"type": "boolean"},
-        }),
+        default_factory=dict,
+        json_schema_extra=_served(
+            properties={
+                "max_new_tokens": {"type": "integer", "minimum": 1, "maximum": INT64_MAX},
+                "temperature": {"type": "number", "minimum": 0},
+                "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                "top_k": {"type": "integer", "minimum": -1, "maximum": INT64_MAX},
+                "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+                "seed": {
+                    "anyOf": [
+                        {"type": "integer", "minimum": 0, "maximum": UINT64_MAX},
+                        {"type": "null"},
+                    ]
+                },
+                "stop": {
+                    "anyOf": [
+                        _STOP_TEXT,
+                        {"type": "array", "items": _STOP_TEXT, "maxItems": _MAX_STOPS},
+                    ]
+                },
+                "stop_token_ids": {"type": "array", "items": _TOKEN_ID, "maxItems": _MAX_STOP_IDS},
+                "ignore_eos": {"type": "boolean"},
+            }
+        ),
         description="SGLang's sampling parameters; unknown keys are ignored",
     )
     stream: bool = False
@@ -270,6 +338,7 @@ class GenerateRequest(_Body):
     priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     routing_key: str | None = Field(default=None, max_length=1024)
     cache_salt: str | None = Field(
-        default=None, max_length=1024,
+        default=None,
+        max_length=1024,
         description="prefix-cache isolation: requests share cached KV only with the same salt",
     )

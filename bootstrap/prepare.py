@@ -150,8 +150,9 @@ MAX_ROUTING_KEY_CHARS = 1024  # the body's routing_key has the same bound (opena
 
 def _routing_key(body_key: str | None, header_key: str | None) -> str | None:
     if header_key is not None and len(header_key) > MAX_ROUTING_KEY_CHARS:
-        raise bad_request(f"the x-routing-key header is over {MAX_ROUTING_KEY_CHARS} characters",
-                          "x-routing-key")
+        raise bad_request(
+            f"the x-routing-key header is over {MAX_ROUTING_KEY_CHARS} characters", "x-routing-key"
+        )
     return body_key if body_key is not None else (header_key or None)
 
 
@@ -181,7 +182,10 @@ def prepare_completion(
     top = body.logprobs or 0
     sampling = _openai_sampling(body, max_tokens, top, tokenizer)
     return PreparedRequest(
-        input_ids, sampling, body.priority, _routing_key(body.routing_key, header_key),
+        input_ids,
+        sampling,
+        body.priority,
+        _routing_key(body.routing_key, header_key),
         body.cache_salt,
     )
 
@@ -217,7 +221,10 @@ def prepare_chat(
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     sampling = _openai_sampling(body, max_tokens, body.top_logprobs or 0, tokenizer)
     return PreparedRequest(
-        input_ids, sampling, body.priority, _routing_key(body.routing_key, header_key),
+        input_ids,
+        sampling,
+        body.priority,
+        _routing_key(body.routing_key, header_key),
         body.cache_salt,
     )
 
@@ -245,6 +252,9 @@ def prepare_generate(
         raise bad_request("max_new_tokens must be at least 1", "max_new_tokens")
     _check_lengths(len(input_ids), sampling.max_new_tokens, context_length, "input_ids")
     return PreparedRequest(
-        input_ids, sampling, body.priority, _routing_key(body.routing_key, header_key),
+        input_ids,
+        sampling,
+        body.priority,
+        _routing_key(body.routing_key, header_key),
         body.cache_salt,
     )

@@ -54,8 +54,12 @@ def build_registry_app(registry: NodeRegistry) -> FastAPI:
         return registry.auth_token is None or check_token(registry.auth_token, token)
 
     def answer(extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"lease_s": registry.lease_s, "gateway_id": registry.gateway_id,
-                "nodes": registry.table(), **(extra or {})}
+        return {
+            "lease_s": registry.lease_s,
+            "gateway_id": registry.gateway_id,
+            "nodes": registry.table(),
+            **(extra or {}),
+        }
 
     def refused(exc: RegistryError) -> JSONResponse:
         return APIError(exc.status, exc.message, code=exc.code).response()
@@ -98,8 +102,12 @@ def build_registry_app(registry: NodeRegistry) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "role": "bootstrap", "num_nodes": len(registry),
-                "gateway_id": registry.gateway_id}
+        return {
+            "status": "ok",
+            "role": "bootstrap",
+            "num_nodes": len(registry),
+            "gateway_id": registry.gateway_id,
+        }
 
     @app.get("/metrics")
     async def metrics_text() -> Response:

@@ -133,13 +133,16 @@ class PrefillCandidate(NamedTuple):
     queued_tokens: int = 0  # prefill tokens waiting on the node (precise routing's load)
 
 
-def prefill_candidates(node_ids: Iterable[str], pending: Callable[[str], int],
-                       queued: Mapping[str, int]) -> list[PrefillCandidate]:
+def prefill_candidates(
+    node_ids: Iterable[str], pending: Callable[[str], int], queued: Mapping[str, int]
+) -> list[PrefillCandidate]:
     """One candidate per node, as fast as tuples are made (the gateway builds hundreds
     per request; the NamedTuple constructor alone is slower)."""
     make = tuple.__new__
-    return [make(PrefillCandidate, (i, pending(i), queued.get(i, 0)))  # type: ignore[misc]
-            for i in node_ids]
+    return [
+        make(PrefillCandidate, (i, pending(i), queued.get(i, 0)))  # type: ignore[misc]
+        for i in node_ids
+    ]
 
 
 class DecodeCandidate(NamedTuple):
@@ -225,8 +228,10 @@ def choose_prefill_by_cache(
         held = overlaps.get(c.node_id, 0)
         if held > 0:
             cached = min(held * page_size, prompt_tokens)
-            costs[c.node_id] = (c.queued_tokens
-                                + recompute_weight * max(1, prompt_tokens - cached), -cached)
+            costs[c.node_id] = (
+                c.queued_tokens + recompute_weight * max(1, prompt_tokens - cached),
+                -cached,
+            )
         elif idle_queue is None or c.queued_tokens < idle_queue:
             idle_queue, idle = c.queued_tokens, [c.node_id]
         elif c.queued_tokens == idle_queue:
@@ -300,16 +305,15 @@ class Router:
         ``partners``: prefill id -> its colocated decode id; such a prefill is paired with
         that decode node only, and other prefills never with a colocated decode node."""
         partners = partners or {}
-        key = affinity_key(input_ids, routing_key, self.affinity_tokens, self.page_size,
-                           cache_salt)
-        prefill, kind = self._choose_prefill(key, len(input_ids), routing_key, prefills,
-                                             overlaps or {})
+        key = affinity_key(input_ids, routing_key, self.affinity_tokens, self.page_size, cache_salt)
+        prefill, kind = self._choose_prefill(
+            key, len(input_ids), routing_key, prefills, overlaps or {}
+        )
         if prefill.node_id in partners:
             decode_id = partners[prefill.node_id]
         else:
             colocated = set(partners.values())
-            decode_id = choose_decode([d for d in decodes if d.node_id not in colocated]
-                                      or decodes)
+            decode_id = choose_decode([d for d in decodes if d.node_id not in colocated] or decodes)
         is_hit = self._last_node_of_key.get(key) == prefill.node_id
         self._remember(key, prefill.node_id)
         return RouteDecision(
@@ -323,9 +327,14 @@ class Router:
             cached_pages=(overlaps or {}).get(prefill.node_id, 0),
         )
 
-    def _choose_prefill(self, key: int, prompt_tokens: int, routing_key: str | None,
-                        prefills: Sequence[PrefillCandidate],
-                        overlaps: Mapping[str, int]) -> tuple[PrefillChoice, str]:
+    def _choose_prefill(
+        self,
+        key: int,
+        prompt_tokens: int,
+        routing_key: str | None,
+        prefills: Sequence[PrefillCandidate],
+        overlaps: Mapping[str, int],
+    ) -> tuple[PrefillChoice, str]:
         if not prefills:
             raise ValueError("no prefill candidate")
         if self.mode == "round-robin":
@@ -340,13 +349,19 @@ class Router:
         if node_ids != self._ring.node_ids:
             self._ring = HashRing(sorted(node_ids), self.virtual_nodes)
         if self.mode == "precise" and overlaps and routing_key is None:
-            by_cache = choose_prefill_by_cache(overlaps, prefills, prompt_tokens,
-                                               self.page_size, self._ring, key)
+            by_cache = choose_prefill_by_cache(
+                overlaps, prefills, prompt_tokens, self.page_size, self._ring, key
+            )
             if by_cache is not None:
                 return by_cache, "cache"
         choice = choose_prefill(self._ring, key, prefills, self.epsilon)
-        kind = ("routing_key" if routing_key is not None
-                else "spilled" if choice.is_spilled else "affinity")
+        kind = (
+            "routing_key"
+            if routing_key is not None
+            else "spilled"
+            if choice.is_spilled
+            else "affinity"
+        )
         return choice, kind
 
     def _remember(self, key: int, node_id: str) -> None:

@@ -1,4 +1,4 @@
-"""Both HTTP apps on two uvicorn servers: the API on the service's event loop, the registry on a thread of its own.
+"""Two uvicorn servers: the API app on the service's event loop, the registry app on its own thread.
 
 The registry answers heartbeats from its own thread and event loop, so however busy the
 API loop is (thousands of streams, a huge body being parsed), no node misses a
@@ -78,8 +78,9 @@ class BootstrapServer:
         self.registry_port = registry_port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._registry_thread = threading.Thread(target=self._serve_registry,
-                                                 name="registry-http", daemon=True)
+        self._registry_thread = threading.Thread(
+            target=self._serve_registry, name="registry-http", daemon=True
+        )
 
     def _serve_registry(self) -> None:
         factory = uvloop.new_event_loop if uvloop is not None else None

@@ -58,16 +58,18 @@ def _live(views: list[NodeView]) -> list[NodeView]:
     return [v for v in views if v.is_healthy] or views
 
 
-def _pairable(prefills: list[NodeView], decodes: list[NodeView]
-              ) -> tuple[list[NodeView], dict[str, str]]:
+def _pairable(
+    prefills: list[NodeView], decodes: list[NodeView]
+) -> tuple[list[NodeView], dict[str, str]]:
     """The prefill nodes a request can go to, and each colocated one's decode partner: a
     colocated prefill whose partner is not live is left out; a plain prefill node needs a
     plain decode node."""
     live = {d.node_id for d in decodes}
     has_plain_decode = any(not d.colocated_with for d in decodes)
     partners = {p.node_id: p.colocated_with for p in prefills if p.colocated_with}
-    usable = [p for p in prefills
-              if (p.colocated_with in live if p.colocated_with else has_plain_decode)]
+    usable = [
+        p for p in prefills if (p.colocated_with in live if p.colocated_with else has_plain_decode)
+    ]
     return usable, {p: d for p, d in partners.items() if d in live}
 
 
@@ -103,8 +105,9 @@ class BootstrapService:
             mode=config.prefill_router,
         )
         # Precise routing: the index of what each prefill node caches, from its KV events.
-        self.kv_events = (KVEventSubscriber(settings.gateway_id)
-                          if config.prefill_router == "precise" else None)
+        self.kv_events = (
+            KVEventSubscriber(settings.gateway_id) if config.prefill_router == "precise" else None
+        )
         self.rooms = RoomAllocator()
         self.dispatcher = Dispatcher(
             settings.gateway_id,
@@ -148,8 +151,12 @@ class BootstrapService:
         if self.kv_events is None:
             return
         views = self.registry.views("prefill")
-        self.kv_events.sync(PrefillSource(v.node_id, v.instance_id, v.kv_events_endpoint,
-                                          v.request_endpoint, v.num_pages) for v in views)
+        self.kv_events.sync(
+            PrefillSource(
+                v.node_id, v.instance_id, v.kv_events_endpoint, v.request_endpoint, v.num_pages
+            )
+            for v in views
+        )
         sizes = {v.page_size for v in views if v.page_size}
         if len(sizes) == 1:
             self.router.page_size = sizes.pop()
@@ -159,8 +166,9 @@ class BootstrapService:
         thread, off the event loop)."""
         if self.kv_events is None:
             return prepared
-        hashes = page_hash.prompt_hashes(prepared.input_ids, self.router.page_size,
-                                         prepared.cache_salt)
+        hashes = page_hash.prompt_hashes(
+            prepared.input_ids, self.router.page_size, prepared.cache_salt
+        )
         return replace(prepared, page_hashes=hashes.tolist())
 
     def _on_node_lost(self, node_id: str, reason: str) -> None:
@@ -204,8 +212,12 @@ class BootstrapService:
                 raise APIError(503, f"no {role} node is registered", code="no_" + role + "_node")
         prefills, partners = _pairable(prefills, decodes)
         if not prefills:
-            raise APIError(503, "no prefill node has a decode node to pair with (a colocated "
-                           "node pairs only with its own other half)", code="no_decode_node")
+            raise APIError(
+                503,
+                "no prefill node has a decode node to pair with (a colocated "
+                "node pairs only with its own other half)",
+                code="no_decode_node",
+            )
         started = time.perf_counter()
         overlaps = None
         ids = [v.node_id for v in prefills]

@@ -1,1 +1,4 @@
-"""One process that prefills and decodes on one KV pool: the baseline disaggregation is measured against."""
+"""One process that prefills and decodes on one KV pool.
+
+The baseline disaggregation is measured against.
+"""

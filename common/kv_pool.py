@@ -128,8 +128,14 @@ class PageAllocator:
 class KVPool:
     """KV storage of shape [num_pages, layers, 2 (K, V), page_size, kv_heads, head_dim]."""
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu",
-                 *, spare_pages: int = 0):
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        device: str | torch.device = "cpu",
+        *,
+        spare_pages: int = 0,
+    ):
         """`spare_pages` more pages follow the `num_pages` the allocator hands out: ids
         num_pages, num_pages + 1, ... (`spare_page_ids`), never a request's, never described
         to peers; decode graphs' padding rows write there."""
@@ -145,9 +151,13 @@ class KVPool:
         # Rows of (page, layer, K|V) blocks of page_size * kv_heads * head_dim elements:
         # gathering KV by row index (2-D index_select) is one memcpy per block.
         layer_rows = total * layout.num_layers * 2
-        self.rows = self.buffer.view(layer_rows, layout.page_size * layout.num_kv_heads * layout.head_dim)
+        self.rows = self.buffer.view(
+            layer_rows, layout.page_size * layout.num_kv_heads * layout.head_dim
+        )
         # One token's K (or V) of one layer per row: the model scatters new KV here by index_copy_.
-        self.tokens = self.buffer.view(layer_rows * layout.page_size, layout.num_kv_heads * layout.head_dim)
+        self.tokens = self.buffer.view(
+            layer_rows * layout.page_size, layout.num_kv_heads * layout.head_dim
+        )
 
     @staticmethod
     def num_pages_for(

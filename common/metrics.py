@@ -157,8 +157,22 @@ INTER_TOKEN_LATENCY_SECONDS: Final = _histogram(
 )
 # Buckets from half a millisecond (a hop on loopback) to a minute (a long queue).
 _STAGE_BUCKETS: Final = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-    30.0, 60.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 REQUEST_STAGE_SECONDS: Final = _histogram(
     "pdserve_request_stage_seconds",
@@ -189,9 +203,7 @@ REQUESTS: Final = _counter(
 
 # --- bad input ---------------------------------------------------------------------------
 MALFORMED_MESSAGES: Final = _counter(
-    "pdserve_malformed_messages_total",
-    "Internal messages dropped as invalid, by socket.",
-    "socket",
+    "pdserve_malformed_messages_total", "Internal messages dropped as invalid, by socket.", "socket"
 )
 UNAUTHENTICATED_CONNECTIONS: Final = _counter(
     "pdserve_unauthenticated_connections_total",

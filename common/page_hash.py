@@ -97,8 +97,9 @@ def _as_tokens(tokens: Sequence[int] | bytes | npt.NDArray[np.int32]) -> npt.NDA
     return np.frombuffer(array.array("i", tokens), dtype=np.int32)
 
 
-def chain(tokens: Sequence[int] | bytes | npt.NDArray[np.int32], page_size: int,
-          parent: int) -> HashArray:
+def chain(
+    tokens: Sequence[int] | bytes | npt.NDArray[np.int32], page_size: int, parent: int
+) -> HashArray:
     """The hashes of the whole pages of ``tokens``, which follow a page hashed ``parent``
     (a root hash for the first page of a sequence)."""
     t = _as_tokens(tokens)
@@ -113,9 +114,10 @@ def chain(tokens: Sequence[int] | bytes | npt.NDArray[np.int32], page_size: int,
         return acc * pw[1:]  # type: ignore[no-any-return]
 
 
-def prompt_hashes(input_ids: Sequence[int], page_size: int,
-                  cache_salt: str | None = None) -> HashArray:
-    """The hashes of a prompt's whole pages, as the radix cache of a node holding them names them."""
+def prompt_hashes(
+    input_ids: Sequence[int], page_size: int, cache_salt: str | None = None
+) -> HashArray:
+    """Hashes of a prompt's whole pages, as the radix cache of a node holding them names them."""
     return chain(input_ids, page_size, root_hash(salt_key(cache_salt)))
 
 

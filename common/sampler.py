@@ -58,8 +58,10 @@ class Sampler:
             )
         for generator in generators:
             if generator is not None and generator.device != logits.device:
-                raise ValueError(f"a sampling generator on {generator.device} cannot draw for "
-                                 f"logits on {logits.device}")
+                raise ValueError(
+                    f"a sampling generator on {generator.device} cannot draw for "
+                    f"logits on {logits.device}"
+                )
         logits = logits.float()
         device = logits.device
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -102,8 +104,9 @@ def _filter_mask(
     """Boolean [B, V] mask of the tokens that top-k, top-p or min-p remove (vocab order)."""
     device = scaled.device
     # A top_k at or past the vocabulary keeps every token (and a huge one fits no tensor).
-    top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
-                          for p in params], device=device)
+    top_k = torch.tensor(
+        [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], device=device
+    )
     top_p = torch.tensor([p.top_p for p in params], device=device)
     min_p = torch.tensor([p.min_p for p in params], device=device)
     sorted_logits, sorted_index = scaled.sort(dim=-1, descending=True, stable=True)
@@ -132,8 +135,9 @@ def _sample_random(
     return torch.cat(draws)
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-              params: Sequence[SamplingParams]) -> SampleOutput:
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
+) -> SampleOutput:
     """The sampled tokens with the logprobs asked for, read back in one copy."""
     max_top = max(p.top_logprobs for p in params)
     if max_top == 0 and not any(p.logprobs for p in params):
@@ -143,13 +147,15 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     if max_top == 0:
         tokens, chosen_l = to_host([token_ids, chosen])
-        return SampleOutput(token_ids=[int(t) for t in tokens], logprobs=chosen_l,
-                            top_logprobs=None)
+        return SampleOutput(
+            token_ids=[int(t) for t in tokens], logprobs=chosen_l, top_logprobs=None
+        )
     values, indices = logprobs.topk(max_top, dim=-1)
     tokens, chosen_l, values_l, indices_l = to_host([token_ids, chosen, values, indices])
     top = [
-        list(zip((int(i) for i in indices_l[row][: p.top_logprobs]),
-                 values_l[row][: p.top_logprobs]))
+        list(
+            zip((int(i) for i in indices_l[row][: p.top_logprobs]), values_l[row][: p.top_logprobs])
+        )
         for row, p in enumerate(params)
     ]
     return SampleOutput(token_ids=[int(t) for t in tokens], logprobs=chosen_l, top_logprobs=top)

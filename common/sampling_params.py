@@ -49,8 +49,10 @@ class SamplingParams:
         if not (0.0 < self.top_p <= 1.0):
             _fail("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1 or self.top_k > INT64_MAX:
-            _fail("top_k", f"must be -1 or 0 (disabled) or a positive integer below 2**63, "
-                           f"got {self.top_k}")
+            _fail(
+                "top_k",
+                f"must be -1 or 0 (disabled) or a positive integer below 2**63, got {self.top_k}",
+            )
         if self.max_new_tokens > INT64_MAX:
             _fail("max_new_tokens", f"must be below 2**63, got {self.max_new_tokens}")
         if not (0.0 <= self.min_p <= 1.0):
@@ -67,8 +69,10 @@ class SamplingParams:
             if len(s) > MAX_STOP_CHARS:
                 _fail(f"stop[{i}]", f"must be at most {MAX_STOP_CHARS} characters, got {len(s)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            _fail("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} ids, "
-                                    f"got {len(self.stop_token_ids)}")
+            _fail(
+                "stop_token_ids",
+                f"must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+            )
         for i, tid in enumerate(self.stop_token_ids):
             if tid < 0 or (vocab_size is not None and tid >= vocab_size):
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"

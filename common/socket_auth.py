@@ -1,4 +1,4 @@
-"""Every zmq socket of a cluster authenticated and encrypted with CURVE keys derived from the cluster token.
+"""Every zmq socket of a cluster authenticated and encrypted with CURVE keys derived from its token.
 
 Why CURVE and not an HMAC per message: CurveZMQ authenticates the peer once per
 connection and then encrypts each frame under short-term session keys with a

@@ -68,8 +68,9 @@ NODE_MARKS: Final = PREFILL_MARKS + DECODE_MARKS
 MAX_MARKS: Final = 16
 
 
-def stage_seconds(marks: dict[str, float],
-                  stages: tuple[tuple[str, str, str], ...] = CHAIN + PARALLEL) -> dict[str, float]:
+def stage_seconds(
+    marks: dict[str, float], stages: tuple[tuple[str, str, str], ...] = CHAIN + PARALLEL
+) -> dict[str, float]:
     """Each stage whose two marks are present: its duration in seconds, at least 0."""
     out = {}
     for name, start, end in stages:
@@ -82,5 +83,8 @@ def forwarded(marks: dict[str, float] | None, allowed: tuple[str, ...]) -> dict[
     """The marks of ``allowed`` names from a peer's message; anything else is dropped."""
     if not marks or len(marks) > MAX_MARKS:
         return {}
-    return {k: float(v) for k, v in marks.items()
-            if k in allowed and isinstance(v, (int, float)) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in marks.items()
+        if k in allowed and isinstance(v, (int, float)) and math.isfinite(v)
+    }

@@ -33,8 +33,9 @@ def default_host_pages(pool: KVPool, host_total_bytes: int) -> int:
     memory, since pinned memory is locked."""
     if pool.device.type != "cuda":
         return pool.num_pages
-    return max(1, min(pool.num_pages,
-                      host_total_bytes // HOST_MEMORY_SHARE // pool.layout.bytes_per_page))
+    return max(
+        1, min(pool.num_pages, host_total_bytes // HOST_MEMORY_SHARE // pool.layout.bytes_per_page)
+    )
 
 
 class HostKVStore:
@@ -44,8 +45,9 @@ class HostKVStore:
     def __init__(self, pool: KVPool, num_pages: int) -> None:
         self.device = pool.device
         self.is_cuda = self.device.type == "cuda"
-        self.buffer = torch.empty((num_pages, *pool.layout.page_shape), dtype=pool.buffer.dtype,
-                                  pin_memory=self.is_cuda)
+        self.buffer = torch.empty(
+            (num_pages, *pool.layout.page_shape), dtype=pool.buffer.dtype, pin_memory=self.is_cuda
+        )
         self.allocator = PageAllocator(num_pages)
         self._pages: dict[str, list[int]] = {}
         self._pageable: dict[str, torch.Tensor] = {}  # when the host pool was full
@@ -59,8 +61,11 @@ class HostKVStore:
         if not self.allocator.can_allocate(len(pages)):
             # never lose a request: slower, but its KV is kept
             self.num_pageable_copies += 1
-            logger.warning("host KV pool full (%d pages free): request %s copied to pageable "
-                           "memory", self.allocator.num_free_pages, rid)
+            logger.warning(
+                "host KV pool full (%d pages free): request %s copied to pageable memory",
+                self.allocator.num_free_pages,
+                rid,
+            )
             self._pageable[rid] = pool.read_pages(pages).to("cpu")
             return
         host_pages = self.allocator.allocate(len(pages))
@@ -70,7 +75,8 @@ class HostKVStore:
             staged = pool.buffer.index_select(0, index)  # contiguous, in the copy's order
             for run in page_runs_of(host_pages):
                 self.buffer[run.start : run.start + run.length].copy_(
-                    staged[run.offset : run.offset + run.length], non_blocking=self.is_cuda)
+                    staged[run.offset : run.offset + run.length], non_blocking=self.is_cuda
+                )
             self._done(compute)
         self._pages[rid] = host_pages
 
@@ -81,8 +87,9 @@ class HostKVStore:
 
     def load(self, rid: str, pool: KVPool, pages: Sequence[int]) -> None:
         if len(pages) != self.num_pages_of(rid):
-            raise ValueError(f"request {rid}: {self.num_pages_of(rid)} pages in host memory, "
-                             f"{len(pages)} given")
+            raise ValueError(
+                f"request {rid}: {self.num_pages_of(rid)} pages in host memory, {len(pages)} given"
+            )
         if rid in self._pageable:
             pool.write_pages(pages, self._pageable.pop(rid))
             return
@@ -90,11 +97,13 @@ class HostKVStore:
         index = torch.tensor(list(pages), dtype=torch.long, device=self.device)
         with self._side() as compute:
             self._keep(index)
-            staged = torch.empty((len(pages), *pool.layout.page_shape),
-                                 dtype=pool.buffer.dtype, device=self.device)
+            staged = torch.empty(
+                (len(pages), *pool.layout.page_shape), dtype=pool.buffer.dtype, device=self.device
+            )
             for run in page_runs_of(host_pages):
                 staged[run.offset : run.offset + run.length].copy_(
-                    self.buffer[run.start : run.start + run.length], non_blocking=self.is_cuda)
+                    self.buffer[run.start : run.start + run.length], non_blocking=self.is_cuda
+                )
             pool.buffer.index_copy_(0, index, staged)
             self._done(compute)
         self.allocator.free(host_pages)

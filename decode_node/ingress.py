@@ -36,8 +36,9 @@ def check_request(g: msg.GenerateReq, limits: NodeLimits) -> SamplingParams | Re
     """The request's validated sampling params, or why it is refused (400)."""
     n = len(g.input_ids)
     if n == 0 or n >= limits.context_length:
-        return Rejection(400, f"prompt of {n} tokens; the context length is "
-                              f"{limits.context_length}")
+        return Rejection(
+            400, f"prompt of {n} tokens; the context length is {limits.context_length}"
+        )
     try:
         sampling = SamplingParams.from_wire(g.sampling)
         sampling.validate(limits.vocab_size)
@@ -46,9 +47,12 @@ def check_request(g: msg.GenerateReq, limits: NodeLimits) -> SamplingParams | Re
     # The request must be able to finish alone in this pool (the budget's guarantee).
     single = n + min(clipped_max_new_tokens(n, sampling, limits), CLIP_MAX_NEW_TOKENS)
     if pages_needed(single, limits.page_size) > limits.num_pages:
-        return Rejection(400, f"prompt of {n} tokens plus {single - n} new tokens does not fit "
-                              f"this decode node's KV pool of {limits.num_pages * limits.page_size}"
-                              " tokens; lower max_new_tokens")
+        return Rejection(
+            400,
+            f"prompt of {n} tokens plus {single - n} new tokens does not fit "
+            f"this decode node's KV pool of {limits.num_pages * limits.page_size}"
+            " tokens; lower max_new_tokens",
+        )
     return sampling
 
 
@@ -56,16 +60,25 @@ def clipped_max_new_tokens(n: int, sampling: SamplingParams, limits: NodeLimits)
     return min(sampling.max_new_tokens, limits.context_length - n)
 
 
-def build_request(g: msg.GenerateReq, sampling: SamplingParams, limits: NodeLimits,
-                  tokenizer: Tokenizer, device: torch.device, now: float) -> DecodeReq:
+def build_request(
+    g: msg.GenerateReq,
+    sampling: SamplingParams,
+    limits: NodeLimits,
+    tokenizer: Tokenizer,
+    device: torch.device,
+    now: float,
+) -> DecodeReq:
     """A DecodeReq in PREALLOC (the caller attaches its receiver)."""
     is_logprob = g.return_logprob or sampling.logprobs or sampling.top_logprobs > 0
     if is_logprob and not sampling.logprobs:
         sampling = replace(sampling, logprobs=True)
     return DecodeReq(
-        generate=g, sampling=sampling,
+        generate=g,
+        sampling=sampling,
         stop=StopChecker(sampling, tokenizer.eos_token_ids),
         max_new_tokens=clipped_max_new_tokens(len(g.input_ids), sampling, limits),
         detokenizer=IncrementalDetokenizer(tokenizer, g.input_ids) if sampling.stop else None,
         generator=None if sampling.is_greedy else make_generator(sampling.seed, device),
-        is_logprob=is_logprob, arrival=now)
+        is_logprob=is_logprob,
+        arrival=now,
+    )

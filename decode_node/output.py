@@ -25,26 +25,36 @@ def append_token(req: DecodeReq, token_id: int) -> FinishReason | None:
     return finish
 
 
-def token_chunk(req: DecodeReq, token_id: int, logprob: float | None,
-                top: list[tuple[int, float]] | None,
-                marks: dict[str, float] | None = None) -> msg.TokenChunk:
+def token_chunk(
+    req: DecodeReq,
+    token_id: int,
+    logprob: float | None,
+    top: list[tuple[int, float]] | None,
+    marks: dict[str, float] | None = None,
+) -> msg.TokenChunk:
     """One new token for the gateway, with its logprobs when the request asked for them
     (and, on the first, the request's marks)."""
     if not req.is_logprob:
-        return msg.TokenChunk(rid=req.rid, token_ids=[token_id], logprobs=None, top_logprobs=None,
-                              marks=marks)
+        return msg.TokenChunk(
+            rid=req.rid, token_ids=[token_id], logprobs=None, top_logprobs=None, marks=marks
+        )
     # A prefill node that did not compute the first token's logprob reports none: NaN.
     lp = float("nan") if logprob is None else float(logprob)
     tops = None
     if req.sampling.top_logprobs > 0:
         tops = [[[int(t), float(v)] for t, v in (top or [])]]
-    return msg.TokenChunk(rid=req.rid, token_ids=[token_id], logprobs=[lp], top_logprobs=tops,
-                          marks=marks)
+    return msg.TokenChunk(
+        rid=req.rid, token_ids=[token_id], logprobs=[lp], top_logprobs=tops, marks=marks
+    )
 
 
 def req_finished(req: DecodeReq, finish: FinishReason) -> msg.ReqFinished:
     return msg.ReqFinished(
-        rid=req.rid, finish_reason=finish.kind.value, matched_stop=finish.matched,
-        num_prompt_tokens=req.num_input_tokens, num_output_tokens=len(req.output_ids),
+        rid=req.rid,
+        finish_reason=finish.kind.value,
+        matched_stop=finish.matched,
+        num_prompt_tokens=req.num_input_tokens,
+        num_output_tokens=len(req.output_ids),
         # Prefix-cache hits happen on the prefill node; it reports them with the KV.
-        num_cached_tokens=min(req.num_cached_tokens, req.num_input_tokens))
+        num_cached_tokens=min(req.num_cached_tokens, req.num_input_tokens),
+    )

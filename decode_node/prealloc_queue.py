@@ -67,17 +67,25 @@ class DecodeBudget:
 
     def single_req_need(self, r: BudgetReq) -> int:
         """Tokens r needs to finish alone, beyond what retracting the running batch frees."""
-        return r.num_input_tokens + min(r.max_new_tokens, CLIP_MAX_NEW_TOKENS) - self.retractable_tokens
+        return (
+            r.num_input_tokens
+            + min(r.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+            - self.retractable_tokens
+        )
 
-    def allocatable_tokens(self, *, count_retracted: bool = True, use_single_need: bool = True) -> int:
+    def allocatable_tokens(
+        self, *, count_retracted: bool = True, use_single_need: bool = True
+    ) -> int:
         single = 0
         if use_single_need and self.running:
             single = max(self.single_req_need(r) for r in self.running)
         reserve = max(self.num_reserved_decode_tokens * self.num_active_reqs, single)
         retracted = 0
         if count_retracted:
-            retracted = sum(r.num_input_tokens + r.num_output_tokens + self.num_reserved_decode_tokens
-                            for r in self.retracted)
+            retracted = sum(
+                r.num_input_tokens + r.num_output_tokens + self.num_reserved_decode_tokens
+                for r in self.retracted
+            )
         return self.free_tokens - reserve - retracted
 
 
@@ -92,8 +100,7 @@ def admit_preallocated(candidates: Sequence[BudgetReq], budget: DecodeBudget) ->
         if slots is not None and len(admitted) >= slots:
             break
         required = budget.ceil_page(r.num_input_tokens) + budget.num_reserved_decode_tokens
-        fits = (required <= allocatable
-                and budget.single_req_need(r) <= allocatable)
+        fits = required <= allocatable and budget.single_req_need(r) <= allocatable
         if not fits and budget.is_idle and not admitted:
             # Nothing holds a page: the head runs if it can finish with the whole pool.
             single = r.num_input_tokens + min(r.max_new_tokens, CLIP_MAX_NEW_TOKENS)
@@ -113,8 +120,10 @@ def resume_retracted(budget: DecodeBudget) -> int:
     for r in budget.retracted:
         if slots is not None and num >= slots:
             break
-        required = (budget.ceil_page(r.num_input_tokens + r.num_output_tokens)
-                    + budget.num_reserved_decode_tokens)
+        required = (
+            budget.ceil_page(r.num_input_tokens + r.num_output_tokens)
+            + budget.num_reserved_decode_tokens
+        )
         fits = required <= allocatable
         if not fits and budget.num_active_reqs == 0 and num == 0:
             # Nothing else holds a page: the head comes back if its next step fits.
@@ -136,7 +145,9 @@ def priority_order_key(priority: int | None, low_values_first: bool) -> tuple[in
 class DecodePreallocQueue:
     """Requests whose destination pages are not allocated yet, in arrival order."""
 
-    def __init__(self, *, enable_priority: bool = False, low_priority_values_first: bool = False) -> None:
+    def __init__(
+        self, *, enable_priority: bool = False, low_priority_values_first: bool = False
+    ) -> None:
         self.queue: list[DecodeReq] = []
         self.enable_priority = enable_priority
         self.low_priority_values_first = low_priority_values_first
@@ -153,8 +164,11 @@ class DecodePreallocQueue:
     def most_urgent_ready(self) -> DecodeReq | None:
         """The first request in priority order (FIFO among equals) whose receiver waits
         for its pages; None if there is none."""
-        ready = [r for r in self.queue
-                 if r.receiver is not None and r.receiver.poll() is KVPoll.WaitingForInput]
+        ready = [
+            r
+            for r in self.queue
+            if r.receiver is not None and r.receiver.poll() is KVPoll.WaitingForInput
+        ]
         if not ready:
             return None
         low = self.low_priority_values_first
@@ -162,7 +176,9 @@ class DecodePreallocQueue:
 
     def pop_failed(self) -> list[DecodeReq]:
         """Requests whose handshake failed (bootstrap timeout, refused peer)."""
-        failed = [r for r in self.queue if r.receiver is not None and r.receiver.poll() is KVPoll.Failed]
+        failed = [
+            r for r in self.queue if r.receiver is not None and r.receiver.poll() is KVPoll.Failed
+        ]
         for r in failed:
             self.queue.remove(r)
         return failed
@@ -176,8 +192,12 @@ class DecodePreallocQueue:
             low = self.low_priority_values_first
             self.queue.sort(key=lambda r: priority_order_key(r.priority, low))  # stable: FIFO ties
         candidates = [
-            BudgetReq(r.num_input_tokens, 0, r.max_new_tokens,
-                      is_ready=r.receiver is not None and r.receiver.poll() is KVPoll.WaitingForInput)
+            BudgetReq(
+                r.num_input_tokens,
+                0,
+                r.max_new_tokens,
+                is_ready=r.receiver is not None and r.receiver.poll() is KVPoll.WaitingForInput,
+            )
             for r in self.queue
         ]
         chosen = [self.queue[i] for i in admit_preallocated(candidates, budget)]

@@ -1,5 +1,5 @@
-"""Priority preemption on the decode node (pure, no I/O): which running requests to retract so that a
-more urgent request waiting for pages is admitted now.
+"""Priority preemption on the decode node (pure, no I/O): which running requests to retract so that
+a more urgent request waiting for pages is admitted now.
 
 In a P/D system the place to preempt is the decode node: its pool holds the long-lived
 KV. With --enable-priority-scheduling (and not --disable-priority-preemption), when the
@@ -23,8 +23,9 @@ from decode_node.retract import RetractCandidate, retraction_order
 DEFAULT_PREEMPTION_THRESHOLD = 10  # SGLang's --priority-scheduling-preemption-threshold
 
 
-def is_more_urgent_by(priority: int | None, other: int | None, threshold: int,
-                      low_values_first: bool) -> bool:
+def is_more_urgent_by(
+    priority: int | None, other: int | None, threshold: int, low_values_first: bool
+) -> bool:
     """Whether ``priority`` is more urgent than ``other`` by more than ``threshold``."""
     if priority is None:
         return False
@@ -34,15 +35,23 @@ def is_more_urgent_by(priority: int | None, other: int | None, threshold: int,
     return gap > threshold
 
 
-def plan_preemption(head: BudgetReq, head_priority: int | None,
-                    running: Sequence[RetractCandidate], budget: DecodeBudget, threshold: int,
-                    low_values_first: bool = False) -> list[int] | None:
+def plan_preemption(
+    head: BudgetReq,
+    head_priority: int | None,
+    running: Sequence[RetractCandidate],
+    budget: DecodeBudget,
+    threshold: int,
+    low_values_first: bool = False,
+) -> list[int] | None:
     """Keys of the running requests to retract, in order, so that ``head`` is admitted;
     [] when it fits as things are; None when preempting what may be preempted cannot
     make it fit. ``budget`` must not count retracted requests (the caller decides whether
     they block ``head``)."""
-    eligible = [c for c in retraction_order(running, "priority", low_values_first)
-                if is_more_urgent_by(head_priority, c.priority, threshold, low_values_first)]
+    eligible = [
+        c
+        for c in retraction_order(running, "priority", low_values_first)
+        if is_more_urgent_by(head_priority, c.priority, threshold, low_values_first)
+    ]
     victims: list[RetractCandidate] = []
     for victim in [None, *eligible]:
         if victim is not None:
@@ -52,8 +61,11 @@ def plan_preemption(head: BudgetReq, head_priority: int | None,
             budget,
             num_free_pages=budget.num_free_pages + sum(v.num_pages for v in victims),
             num_active_reqs=budget.num_active_reqs - len(victims),
-            running=[BudgetReq(c.num_input_tokens, c.num_output_tokens, c.max_new_tokens)
-                     for c in running if c.key not in gone],
+            running=[
+                BudgetReq(c.num_input_tokens, c.num_output_tokens, c.max_new_tokens)
+                for c in running
+                if c.key not in gone
+            ],
             retracted=(),
         )
         if admit_preallocated([head], after) == [0]:

@@ -45,11 +45,13 @@ class DecodeState(Enum):
 
 _TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
     DecodeState.PREALLOC: frozenset({DecodeState.TRANSFER, DecodeState.FAILED}),
-    DecodeState.TRANSFER: frozenset({DecodeState.WAITING, DecodeState.FINISHED,
-                                     DecodeState.FAILED}),
+    DecodeState.TRANSFER: frozenset(
+        {DecodeState.WAITING, DecodeState.FINISHED, DecodeState.FAILED}
+    ),
     DecodeState.WAITING: frozenset({DecodeState.RUNNING, DecodeState.FAILED}),
-    DecodeState.RUNNING: frozenset({DecodeState.RETRACTED, DecodeState.FINISHED,
-                                    DecodeState.FAILED}),
+    DecodeState.RUNNING: frozenset(
+        {DecodeState.RETRACTED, DecodeState.FINISHED, DecodeState.FAILED}
+    ),
     DecodeState.RETRACTED: frozenset({DecodeState.WAITING, DecodeState.FAILED}),
     DecodeState.FINISHED: frozenset(),
     DecodeState.FAILED: frozenset(),

@@ -48,8 +48,9 @@ class RetractPlan:
     can_run: bool  # whether the remaining requests' next step fits
 
 
-def retraction_order(cands: Sequence[RetractCandidate], policy: str,
-                     low_priority_values_first: bool = False) -> list[RetractCandidate]:
+def retraction_order(
+    cands: Sequence[RetractCandidate], policy: str, low_priority_values_first: bool = False
+) -> list[RetractCandidate]:
     """Candidates in the order they are retracted: the first victim first."""
     if policy not in ("length", "priority"):
         raise ValueError(f"unknown retraction policy {policy!r}")
@@ -73,17 +74,23 @@ def pages_to_run(cands: Sequence[RetractCandidate], page_size: int, steps: int) 
     return sum(max(0, pages_needed(c.kv_len + steps, page_size) - c.num_pages) for c in cands)
 
 
-def retract_new_token_ratio(remaining: Sequence[RetractCandidate],
-                            steps: int = RETRACT_DECODE_STEPS) -> float:
+def retract_new_token_ratio(
+    remaining: Sequence[RetractCandidate], steps: int = RETRACT_DECODE_STEPS
+) -> float:
     """SGLang's estimate after a retraction: (decoded + steps * n) / (max_new + 1), at most 1."""
     decoded = sum(c.num_output_tokens for c in remaining)
     max_new = sum(c.max_new_tokens for c in remaining)
     return min(1.0, (decoded + steps * len(remaining)) / (max_new + 1))
 
 
-def plan_retraction(cands: Sequence[RetractCandidate], num_free_pages: int, page_size: int,
-                    policy: str, low_priority_values_first: bool = False,
-                    steps: int = RETRACT_DECODE_STEPS) -> RetractPlan:
+def plan_retraction(
+    cands: Sequence[RetractCandidate],
+    num_free_pages: int,
+    page_size: int,
+    policy: str,
+    low_priority_values_first: bool = False,
+    steps: int = RETRACT_DECODE_STEPS,
+) -> RetractPlan:
     """Which requests to retract so the next step fits; nothing when it already does."""
     if pages_to_run(cands, page_size, 1) <= num_free_pages:
         return RetractPlan([], None, True)
@@ -94,8 +101,11 @@ def plan_retraction(cands: Sequence[RetractCandidate], num_free_pages: int, page
         victim = remaining.pop(0)
         victims.append(victim.key)
         free += victim.num_pages
-    return RetractPlan(victims, retract_new_token_ratio(remaining, steps),
-                       pages_to_run(remaining, page_size, 1) <= free)
+    return RetractPlan(
+        victims,
+        retract_new_token_ratio(remaining, steps),
+        pages_to_run(remaining, page_size, 1) <= free,
+    )
 
 
 class NewTokenRatio:

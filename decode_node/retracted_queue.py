@@ -1,8 +1,8 @@
 """Retracted requests: their KV in host memory, their device pages freed, resumed first in order.
 
-    running ──retract()──▶ retracted_queue (KV copied to HostKVStore, device pages freed)
-    retracted_queue ──resume(n)──▶ waiting (pages allocated, KV written back, host copy dropped)
-    retracted_queue ──remove()──▶ gone (abort: the host copy is dropped)
+running ──retract()──▶ retracted_queue (KV copied to HostKVStore, device pages freed)
+retracted_queue ──resume(n)──▶ waiting (pages allocated, KV written back, host copy dropped)
+retracted_queue ──remove()──▶ gone (abort: the host copy is dropped)
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ class RetractedQueue:
             raise AssertionError("host KV copies and retracted requests disagree")
         for r in self.queue:
             if r.pages or r.state is not DecodeState.RETRACTED:
-                raise AssertionError(f"retracted request {r.rid} is {r.state.value} "
-                                     f"with {len(r.pages)} device pages")
+                raise AssertionError(
+                    f"retracted request {r.rid} is {r.state.value} with {len(r.pages)} device pages"
+                )
             if self.host.num_pages_of(r.rid) != pages_needed(r.kv_len, self.pool.page_size):
                 raise AssertionError(f"retracted request {r.rid}: host copy has the wrong size")
 

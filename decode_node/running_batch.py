@@ -15,9 +15,15 @@ from decode_node.retract import RetractCandidate, RetractPlan, plan_retraction
 class RunningBatch:
     """Continuous batching: waiting requests join between steps, up to max_running_requests."""
 
-    def __init__(self, runner: ModelRunner, max_running_requests: int, *,
-                 retraction_policy: str = "length", enable_priority: bool = False,
-                 low_priority_values_first: bool = False) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_running_requests: int,
+        *,
+        retraction_policy: str = "length",
+        enable_priority: bool = False,
+        low_priority_values_first: bool = False,
+    ) -> None:
         self.runner = runner
         self.sampler = Sampler()
         self.max_running_requests = max_running_requests
@@ -41,10 +47,24 @@ class RunningBatch:
 
     def plan_retraction(self, num_free_pages: int) -> tuple[list[DecodeReq], RetractPlan]:
         """Victims (in order) so the next step fits, and the plan they come from."""
-        cands = [RetractCandidate(i, r.num_input_tokens, r.num_output_tokens, r.max_new_tokens,
-                                  len(r.pages), r.priority) for i, r in enumerate(self.reqs)]
-        plan = plan_retraction(cands, num_free_pages, self.runner.page_size,
-                               self.retraction_policy, self.low_priority_values_first)
+        cands = [
+            RetractCandidate(
+                i,
+                r.num_input_tokens,
+                r.num_output_tokens,
+                r.max_new_tokens,
+                len(r.pages),
+                r.priority,
+            )
+            for i, r in enumerate(self.reqs)
+        ]
+        plan = plan_retraction(
+            cands,
+            num_free_pages,
+            self.runner.page_size,
+            self.retraction_policy,
+            self.low_priority_values_first,
+        )
         return [self.reqs[k] for k in plan.victims], plan
 
     def step(self, allocator: PageAllocator) -> tuple[list[DecodeReq], SampleOutput]:
@@ -58,10 +78,10 @@ class RunningBatch:
             need = pages_needed(r.seq_len, self.runner.page_size) - len(r.pages)
             if need > 0:
                 r.pages += allocator.allocate(need)
-        logits = self.runner.decode([r.output_ids[-1] for r in batch], [r.seq_len for r in batch],
-                                    [r.pages for r in batch])
-        out = self.sampler.sample(logits, [r.sampling for r in batch],
-                                  [r.generator for r in batch])
+        logits = self.runner.decode(
+            [r.output_ids[-1] for r in batch], [r.seq_len for r in batch], [r.pages for r in batch]
+        )
+        out = self.sampler.sample(logits, [r.sampling for r in batch], [r.generator for r in batch])
         return batch, out
 
     def remove(self, r: DecodeReq) -> bool:

@@ -68,12 +68,19 @@ def default_max_running_requests(num_pages: int, page_size: int) -> int:
 
 
 class DecodeScheduler:
-    def __init__(self, config: DecodeConfig, runner: ModelRunner, kv: KVManager,
-                 request_socket: zmq.Socket, tokenizer: Tokenizer,
-                 prefill_endpoint_for: Callable[[str], str | None], *,
-                 clock: Callable[[], float] = time.monotonic,
-                 prefill_lookup_timeout_s: float = PREFILL_LOOKUP_TIMEOUT_S,
-                 prefill_endpoints: Callable[[], list[str]] = list) -> None:
+    def __init__(
+        self,
+        config: DecodeConfig,
+        runner: ModelRunner,
+        kv: KVManager,
+        request_socket: zmq.Socket,
+        tokenizer: Tokenizer,
+        prefill_endpoint_for: Callable[[str], str | None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        prefill_lookup_timeout_s: float = PREFILL_LOOKUP_TIMEOUT_S,
+        prefill_endpoints: Callable[[], list[str]] = list,
+    ) -> None:
         self.config = config
         self.runner = runner
         self.kv = kv
@@ -88,22 +95,28 @@ class DecodeScheduler:
         self.pool = runner.pool
         self.allocator = runner.pool.allocator
         self.page_size = runner.page_size
-        self.limits = NodeLimits(runner.context_length, runner.spec.vocab_size, self.page_size,
-                                 self.allocator.num_pages)
+        self.limits = NodeLimits(
+            runner.context_length, runner.spec.vocab_size, self.page_size, self.allocator.num_pages
+        )
         max_running = config.max_running_requests or default_max_running_requests(
-            self.allocator.num_pages, self.page_size)
+            self.allocator.num_pages, self.page_size
+        )
         # Request slots for everything holding KV (running, preallocated, retracted):
         # SGLang's req_to_token pool plus its pre-allocation slots.
         self.max_held_requests = 2 * max_running
         self.prealloc_queue = DecodePreallocQueue(
             enable_priority=config.enable_priority_scheduling,
-            low_priority_values_first=config.schedule_low_priority_values_first)
+            low_priority_values_first=config.schedule_low_priority_values_first,
+        )
         self.transfer_queue = DecodeTransferQueue()
         self.waiting_queue: list[DecodeReq] = []
         self.running = RunningBatch(
-            runner, max_running, retraction_policy=config.retraction_policy,
+            runner,
+            max_running,
+            retraction_policy=config.retraction_policy,
             enable_priority=config.enable_priority_scheduling,
-            low_priority_values_first=config.schedule_low_priority_values_first)
+            low_priority_values_first=config.schedule_low_priority_values_first,
+        )
         self.retracted_queue = RetractedQueue(self.pool)
         self.release_queue = ReleaseQueue(self.allocator)
         self.reqs: dict[str, DecodeReq] = {}  # by rid, every live request this node holds
@@ -111,16 +124,18 @@ class DecodeScheduler:
         self.push = PushPool(zmq.Context.instance())
         self.stats = DecodeStats(self)
         self.gateway_watch = GatewayWatch()
-        self.failures = RequestFailures(self.reqs, self._end, self.push, self.stats,
-                                        self.gateway_watch, notify_aborts=True)
+        self.failures = RequestFailures(
+            self.reqs, self._end, self.push, self.stats, self.gateway_watch, notify_aborts=True
+        )
         kv.on_late_write = self._on_late_write
 
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self) -> bool:
         """One iteration; returns whether a decode step ran (callers sleep briefly if not)."""
-        self.failures.drain(self.request_socket, "decode_requests",
-                            lambda g: self._add_request(g, time.time()))
+        self.failures.drain(
+            self.request_socket, "decode_requests", lambda g: self._add_request(g, time.time())
+        )
         self.failures.abort_orphans(self.clock())
         self._warm_peers()
         self._process_prealloc()
@@ -153,12 +168,15 @@ class DecodeScheduler:
     def _add_request(self, g: msg.GenerateReq, received: float) -> None:
         checked = self._check(g)
         if isinstance(checked, Rejection):
-            self.push.send(g.reply_endpoint, msg.ReqFailed(rid=g.rid, status=checked.status,
-                                                           error=checked.error))
+            self.push.send(
+                g.reply_endpoint,
+                msg.ReqFailed(rid=g.rid, status=checked.status, error=checked.error),
+            )
             self.stats.finished("rejected")
             return
-        req = build_request(g, checked, self.limits, self.tokenizer, self.runner.device,
-                            self.clock())
+        req = build_request(
+            g, checked, self.limits, self.tokenizer, self.runner.device, self.clock()
+        )
         req.marks[stages.DECODE_RECEIVED] = received
         self.reqs[g.rid] = req
         self.prealloc_queue.add(req)
@@ -189,22 +207,30 @@ class DecodeScheduler:
         """A request whose prefill node left the node table holds nothing and fails now,
         before it is given pages that no transfer would ever fill."""
         for r in list(self.prealloc_queue.queue):
-            if r.receiver is not None and self.prefill_endpoint_for(
-                    r.generate.prefill_node_id) is None:
+            if (
+                r.receiver is not None
+                and self.prefill_endpoint_for(r.generate.prefill_node_id) is None
+            ):
                 self._fail(r, 503, f"prefill node {r.generate.prefill_node_id!r} is lost")
 
     # ---- prealloc and transfer -----------------------------------------------------------------
 
     def _budget(self) -> DecodeBudget:
-        num_held = (len(self.transfer_queue) + len(self.waiting_queue) + len(self.running)
-                    + len(self.retracted_queue))
+        num_held = (
+            len(self.transfer_queue)
+            + len(self.waiting_queue)
+            + len(self.running)
+            + len(self.retracted_queue)
+        )
         return DecodeBudget(
-            page_size=self.page_size, num_free_pages=self.allocator.num_free_pages,
+            page_size=self.page_size,
+            num_free_pages=self.allocator.num_free_pages,
             num_reserved_decode_tokens=self.config.num_reserved_decode_tokens,
             num_active_reqs=len(self.running) + len(self.transfer_queue) + len(self.waiting_queue),
             running=[_budget_req(r) for r in self.running],
             retracted=[_budget_req(r) for r in self.retracted_queue],
-            num_free_slots=max(0, self.max_held_requests - num_held))
+            num_free_slots=max(0, self.max_held_requests - num_held),
+        )
 
     def _process_prealloc(self) -> None:
         for r in [r for r in self.prealloc_queue.queue if r.receiver is None]:
@@ -223,8 +249,9 @@ class DecodeScheduler:
 
     @property
     def is_preemption_on(self) -> bool:
-        return (self.config.enable_priority_scheduling
-                and not self.config.disable_priority_preemption)
+        return (
+            self.config.enable_priority_scheduling and not self.config.disable_priority_preemption
+        )
 
     def _preallocate(self, r: DecodeReq) -> None:
         assert r.receiver is not None
@@ -242,16 +269,30 @@ class DecodeScheduler:
             return
         threshold = self.config.priority_scheduling_preemption_threshold
         low = self.config.schedule_low_priority_values_first
-        if not all(is_more_urgent_by(head.priority, r.priority, threshold, low)
-                   for r in self.retracted_queue):
+        if not all(
+            is_more_urgent_by(head.priority, r.priority, threshold, low)
+            for r in self.retracted_queue
+        ):
             return  # a retracted request at least as urgent comes back first
         running = list(self.running)
         victims = plan_preemption(
             BudgetReq(head.num_input_tokens, 0, head.max_new_tokens),
             head.priority,
-            [RetractCandidate(i, r.num_input_tokens, r.num_output_tokens, r.max_new_tokens,
-                              len(r.pages), r.priority) for i, r in enumerate(running)],
-            replace(self._budget(), retracted=()), threshold, low)
+            [
+                RetractCandidate(
+                    i,
+                    r.num_input_tokens,
+                    r.num_output_tokens,
+                    r.max_new_tokens,
+                    len(r.pages),
+                    r.priority,
+                )
+                for i, r in enumerate(running)
+            ],
+            replace(self._budget(), retracted=()),
+            threshold,
+            low,
+        )
         if victims is None:
             return
         for key in victims:
@@ -280,8 +321,7 @@ class DecodeScheduler:
             if r.max_new_tokens == 0:
                 self._finish(r, FinishReason.length())
                 continue
-            finish = self._emit(r, aux.first_token_id, aux.first_logprob, aux.top_logprobs,
-                                r.marks)
+            finish = self._emit(r, aux.first_token_id, aux.first_logprob, aux.top_logprobs, r.marks)
             if finish is not None:
                 self._finish(r, finish)
                 continue
@@ -304,14 +344,17 @@ class DecodeScheduler:
             return False
         for i, r in enumerate(batch):
             try:
-                finish = self._emit(r, out.token_ids[i], out.logprobs[i] if out.logprobs else None,
-                                    out.top_logprobs[i] if out.top_logprobs else None)
+                finish = self._emit(
+                    r,
+                    out.token_ids[i],
+                    out.logprobs[i] if out.logprobs else None,
+                    out.top_logprobs[i] if out.top_logprobs else None,
+                )
                 if finish is not None:
                     self.running.remove(r)
                     self._finish(r, finish)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-                self.failures.isolate(r.rid, r.generate.reply_endpoint, "emitting its token",
-                                      exc)
+                self.failures.isolate(r.rid, r.generate.reply_endpoint, "emitting its token", exc)
         self.stats.decode_step(self.clock(), len(batch))
         return True
 
@@ -342,9 +385,14 @@ class DecodeScheduler:
 
     # ---- output --------------------------------------------------------------------------------
 
-    def _emit(self, r: DecodeReq, token_id: int, logprob: float | None,
-              top: list[tuple[int, float]] | None,
-              marks: dict[str, float] | None = None) -> FinishReason | None:
+    def _emit(
+        self,
+        r: DecodeReq,
+        token_id: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        marks: dict[str, float] | None = None,
+    ) -> FinishReason | None:
         finish = append_token(r, token_id)
         now = self.clock()
         self.stats.token(None if r.last_token_at is None else now - r.last_token_at)
@@ -371,8 +419,12 @@ class DecodeScheduler:
         hit = set(pages)
         for r in [r for r in self.reqs.values() if r.room != room and hit.intersection(r.pages)]:
             logger.error("request %s: its KV pages may hold a late write of room %d", r.rid, room)
-            self._fail(r, 500, "KV integrity: a late write from a paused prefill node may have "
-                               "landed in this request's pages; retry")
+            self._fail(
+                r,
+                500,
+                "KV integrity: a late write from a paused prefill node may have "
+                "landed in this request's pages; retry",
+            )
 
     def fail_all(self, status: int, error: str) -> None:
         """Fail every request this node holds (the drain timeout passed); the gateway hears."""
@@ -382,8 +434,9 @@ class DecodeScheduler:
         """Abort a request by rid or room wherever it is; the gateway gets ReqFailed 499."""
         self.failures.abort(rid, room, reason)
 
-    def _end(self, r: DecodeReq, status: int, error: str, *, notify: bool,
-             peer_reason: str) -> None:
+    def _end(
+        self, r: DecodeReq, status: int, error: str, *, notify: bool, peer_reason: str
+    ) -> None:
         """How RequestFailures ends a request here: _fail (its receiver tells the prefill
         side `error`; `peer_reason` is the prefill side's word for its own sender)."""
         self._fail(r, status, error, notify)
@@ -412,43 +465,58 @@ class DecodeScheduler:
         r.advance(DecodeState.FAILED)
         self.reqs.pop(r.rid, None)
         if notify:
-            self.push.send(r.generate.reply_endpoint, msg.ReqFailed(rid=r.rid, status=status,
-                                                                    error=error))
+            self.push.send(
+                r.generate.reply_endpoint, msg.ReqFailed(rid=r.rid, status=status, error=error)
+            )
         self.stats.finished("aborted" if status == 499 else "error")
 
     # ---- introspection -------------------------------------------------------------------------
 
     def load(self) -> dict[str, int | float]:
         """What a heartbeat reports (the router reads free_pages for least-load choice)."""
-        return {"free_pages": self.allocator.num_free_pages,
-                "kv_pages_held": self.stats.num_held_pages(),
-                "running": len(self.running), "waiting": len(self.waiting_queue),
-                "prealloc": len(self.prealloc_queue), "transfer": len(self.transfer_queue),
-                "retracted": len(self.retracted_queue),
-                "new_token_ratio": self.new_token_ratio.value}
+        return {
+            "free_pages": self.allocator.num_free_pages,
+            "kv_pages_held": self.stats.num_held_pages(),
+            "running": len(self.running),
+            "waiting": len(self.waiting_queue),
+            "prealloc": len(self.prealloc_queue),
+            "transfer": len(self.transfer_queue),
+            "retracted": len(self.retracted_queue),
+            "new_token_ratio": self.new_token_ratio.value,
+        }
 
     def check_integrity(self) -> None:
-        """Every page is either free or held exactly once; every request sits in its state's queue."""
+        """Every page is free or held exactly once; every request sits in its state's queue."""
         self.allocator.check_integrity()
         held = [p for r in self.reqs.values() for p in r.pages] + self.release_queue.all_pages()
         if len(set(held)) != len(held):
             raise AssertionError("a page is held twice")
         if len(held) != self.allocator.num_used_pages:
             raise AssertionError(f"{len(held)} pages held but {self.allocator.num_used_pages} used")
-        queues = {DecodeState.PREALLOC: self.prealloc_queue.queue,
-                  DecodeState.TRANSFER: self.transfer_queue.queue,
-                  DecodeState.WAITING: self.waiting_queue, DecodeState.RUNNING: self.running.reqs,
-                  DecodeState.RETRACTED: self.retracted_queue.queue}
+        queues = {
+            DecodeState.PREALLOC: self.prealloc_queue.queue,
+            DecodeState.TRANSFER: self.transfer_queue.queue,
+            DecodeState.WAITING: self.waiting_queue,
+            DecodeState.RUNNING: self.running.reqs,
+            DecodeState.RETRACTED: self.retracted_queue.queue,
+        }
         if sum(len(q) for q in queues.values()) != len(self.reqs):
             raise AssertionError("queues and the request table disagree")
         for state, queue in queues.items():
             for r in queue:
                 if r.state is not state or self.reqs.get(r.rid) is not r:
-                    raise AssertionError(f"request {r.rid} in the {state.value} queue is {r.state.value}")
-                need = {DecodeState.PREALLOC: 0, DecodeState.RETRACTED: 0,
-                        DecodeState.TRANSFER: pages_needed(r.num_input_tokens, self.page_size)}
+                    raise AssertionError(
+                        f"request {r.rid} in the {state.value} queue is {r.state.value}"
+                    )
+                need = {
+                    DecodeState.PREALLOC: 0,
+                    DecodeState.RETRACTED: 0,
+                    DecodeState.TRANSFER: pages_needed(r.num_input_tokens, self.page_size),
+                }
                 if state in need and len(r.pages) != need[state]:
-                    raise AssertionError(f"request {r.rid} ({state.value}) holds {len(r.pages)} pages")
+                    raise AssertionError(
+                        f"request {r.rid} ({state.value}) holds {len(r.pages)} pages"
+                    )
                 if len(r.pages) < need.get(state, pages_needed(r.kv_len, self.page_size)):
                     raise AssertionError(f"request {r.rid} holds too few pages for its KV")
         self.retracted_queue.check_integrity()

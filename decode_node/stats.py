@@ -17,12 +17,17 @@ THROUGHPUT_WINDOW_S: Final = 5.0
 
 # Not in common/metrics.py yet (owned by the lead); same registry and role label.
 DECODE_TOKENS: Final = Counter(
-    "pdserve_decode_tokens_total", "Output tokens produced by decode steps.", ("role",),
-    registry=metrics.REGISTRY)
+    "pdserve_decode_tokens_total",
+    "Output tokens produced by decode steps.",
+    ("role",),
+    registry=metrics.REGISTRY,
+)
 DECODE_THROUGHPUT: Final = Gauge(
     "pdserve_decode_throughput_tokens_per_second",
-    f"Decode tokens per second over the last {THROUGHPUT_WINDOW_S:g} s.", ("role",),
-    registry=metrics.REGISTRY)
+    f"Decode tokens per second over the last {THROUGHPUT_WINDOW_S:g} s.",
+    ("role",),
+    registry=metrics.REGISTRY,
+)
 
 QUEUES: Final = ("prealloc", "transfer", "waiting", "running", "retracted")
 
@@ -83,9 +88,13 @@ class DecodeStats:
 
     def update(self) -> None:
         s = self.s
-        lengths = {"prealloc": len(s.prealloc_queue), "transfer": len(s.transfer_queue),
-                   "waiting": len(s.waiting_queue), "running": len(s.running),
-                   "retracted": len(s.retracted_queue)}
+        lengths = {
+            "prealloc": len(s.prealloc_queue),
+            "transfer": len(s.transfer_queue),
+            "waiting": len(s.waiting_queue),
+            "running": len(s.running),
+            "retracted": len(s.retracted_queue),
+        }
         for q, n in lengths.items():
             self._queues[q].set(n)
         self._used.set(s.allocator.num_used_pages)

@@ -1,10 +1,10 @@
 """Decode transfer queue (requests whose KV is arriving) and the release queue for failed rooms.
 
-    prealloc ─▶ transfer_queue ─┬─ Success ─▶ commit first token + aux ─▶ waiting queue
-                                └─ Failed  ─▶ ReqFailed now; pages ─▶ release_queue
-    release_queue: (receiver, pages) of failed or aborted rooms; the pages go back to the
-    allocator only once receiver.is_release_safe() (no write can still land in them),
-    and are never handed to anything else before that.
+prealloc ─▶ transfer_queue ─┬─ Success ─▶ commit first token + aux ─▶ waiting queue
+                            └─ Failed  ─▶ ReqFailed now; pages ─▶ release_queue
+release_queue: (receiver, pages) of failed or aborted rooms; the pages go back to the
+allocator only once receiver.is_release_safe() (no write can still land in them),
+and are never handed to anything else before that.
 """
 
 from __future__ import annotations

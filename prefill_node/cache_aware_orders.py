@@ -23,9 +23,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from common.token_keys import TOKEN_BYTES
-from prefill_node.request import Req
 from prefill_node.radix_cache import RadixCache
 from prefill_node.radix_node import TreeNode
+from prefill_node.request import Req
 
 _RID = attrgetter("rid")
 _BEHIND = TreeNode(b"", [], None, -1)  # dfs-weight's stand-in node of deprioritized requests

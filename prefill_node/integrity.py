@@ -1,4 +1,6 @@
-"""The prefill scheduler's request check: each request's state against the queue holding it, each used page's owner.
+"""The prefill scheduler's request check.
+
+It checks each request's state against the queue holding it, and each used page's owner.
 
 Between two steps a request the node holds sits in exactly the place its state names
 (req_state.py): the bootstrap queue, the waiting queue, the chunked slot (the one
@@ -51,7 +53,7 @@ class PrefillQueues(Protocol):
 
 
 def check_requests(s: PrefillQueues) -> None:
-    """Raise AssertionError where a request's state and its queue, or a page and its owner, disagree."""
+    """Raise AssertionError where a request's state and queue, or a page and its owner, disagree."""
     waiting = [s.states.get(req.rid) for req in s.waiting_queue]
     if any(r is None or r.req is not req for r, req in zip(waiting, s.waiting_queue)):
         raise AssertionError("the waiting queue holds a request the node does not")
@@ -59,35 +61,40 @@ def check_requests(s: PrefillQueues) -> None:
         PrefillState.BOOTSTRAP: s.bootstrap_queue.queue,
         PrefillState.WAITING: [r for r in waiting if r is not None],
         PrefillState.PREFILLING: [s.chunked] if s.chunked is not None else [],
-        PrefillState.TRANSFERRING: s.inflight_queue.queue}
+        PrefillState.TRANSFERRING: s.inflight_queue.queue,
+    }
     if sum(len(q) for q in queues.values()) != len(s.states):
         raise AssertionError("queues and the request table disagree")
     for state, queue in queues.items():
         for r in queue:
             if r.state is not state or s.states.get(r.rid) is not r:
-                raise AssertionError(f"request {r.rid} in the {state.value} queue is "
-                                     f"{r.state.value}")
+                raise AssertionError(
+                    f"request {r.rid} in the {state.value} queue is {r.state.value}"
+                )
             _check_pages(r, s.page_size)
     owned = [p for r in s.states.values() for p in r.own_pages + r.duplicate_pages]
     if len(set(owned)) != len(owned):
         raise AssertionError("a page is owned twice")
     cached = s.tree.num_pages if s.tree is not None else 0
     if len(owned) + cached != s.allocator.num_used_pages:
-        raise AssertionError(f"{len(owned)} pages owned and {cached} cached but "
-                             f"{s.allocator.num_used_pages} used")
+        raise AssertionError(
+            f"{len(owned)} pages owned and {cached} cached but {s.allocator.num_used_pages} used"
+        )
 
 
 def _check_pages(r: PrefillReq, page_size: int) -> None:
-    """What r holds fits its state: nothing before admission, the pages of what it computed after."""
+    """What r holds fits its state: nothing before admission, pages of what it computed after."""
     if r.state in (PrefillState.BOOTSTRAP, PrefillState.WAITING):
         if r.pages or r.duplicate_pages or r.locked_node is not None:
             raise AssertionError(f"request {r.rid} ({r.state.value}) holds pages")
         return
     if len(r.pages) != pages_needed(r.num_computed, page_size):
-        raise AssertionError(f"request {r.rid} holds {len(r.pages)} pages for "
-                             f"{r.num_computed} tokens")
+        raise AssertionError(
+            f"request {r.rid} holds {len(r.pages)} pages for {r.num_computed} tokens"
+        )
     if r.num_prefix_pages > len(r.pages):
         raise AssertionError(f"request {r.rid} has more prefix pages than pages")
     if r.state is PrefillState.TRANSFERRING and r.num_computed != r.req.num_input_tokens:
-        raise AssertionError(f"request {r.rid} transfers {r.num_computed} of "
-                             f"{r.req.num_input_tokens} tokens")
+        raise AssertionError(
+            f"request {r.rid} transfers {r.num_computed} of {r.req.num_input_tokens} tokens"
+        )

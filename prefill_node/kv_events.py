@@ -1,4 +1,4 @@
-"""A prefill node's KV events: its radix cache's stored and evicted pages, published to every gateway.
+"""A prefill node's KV events: its radix cache's stored and evicted pages, published to gateways.
 
 The cache tells the publisher each page it stores or evicts (by chained page hash,
 common/page_hash.py); the loop calls ``flush`` once per step, which sends at most one
@@ -38,10 +38,18 @@ PUB_SNDHWM = 1000  # batches queued per subscriber before PUB drops (a gap, then
 class KVEventPublisher:
     """The cache's event sink (prefill_node.radix_node.CacheEvents) and the PUB socket."""
 
-    def __init__(self, node_id: str, instance_id: str, num_pages: int, endpoint: str, *,
-                 ctx: zmq.Context | None = None, interval_s: float = DEFAULT_INTERVAL_S,
-                 keepalive_s: float = DEFAULT_KEEPALIVE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        instance_id: str,
+        num_pages: int,
+        endpoint: str,
+        *,
+        ctx: zmq.Context | None = None,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        keepalive_s: float = DEFAULT_KEEPALIVE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.node_id, self.instance_id = node_id, instance_id
         self.num_pages = num_pages
         self.interval_s, self.keepalive_s = interval_s, keepalive_s
@@ -75,8 +83,13 @@ class KVEventPublisher:
 
     # ---- the loop ------------------------------------------------------------------------
 
-    def flush(self, queued_tokens: Callable[[], int], snapshot: Callable[[], HashArray],
-              *, force: bool = False) -> msg.KVEvents | None:
+    def flush(
+        self,
+        queued_tokens: Callable[[], int],
+        snapshot: Callable[[], HashArray],
+        *,
+        force: bool = False,
+    ) -> msg.KVEvents | None:
         """Send what is due now (``force``: any change now, whatever the interval);
         returns the message sent (None: nothing was due)."""
         now = self.clock()
@@ -93,18 +106,27 @@ class KVEventPublisher:
             self.seq += 1
             self.num_batches += 1
             self._last_batch = now
-            return self._send(now, page_hash.pack(stored), page_hash.pack(removed), False,
-                              queued_tokens())
+            return self._send(
+                now, page_hash.pack(stored), page_hash.pack(removed), False, queued_tokens()
+            )
         if now - self._last_sent >= self.keepalive_s:
             return self._send(now, b"", b"", False, queued_tokens())
         return None
 
-    def _send(self, now: float, stored: bytes, removed: bytes, is_snapshot: bool,
-              queued_tokens: int) -> msg.KVEvents:
+    def _send(
+        self, now: float, stored: bytes, removed: bytes, is_snapshot: bool, queued_tokens: int
+    ) -> msg.KVEvents:
         count_refused(self._sock, "kv_events")  # here, not on every loop step
-        event = msg.KVEvents(node_id=self.node_id, instance_id=self.instance_id, seq=self.seq,
-                             stored=stored, removed=removed, is_snapshot=is_snapshot,
-                             queued_tokens=queued_tokens, num_pages=self.num_pages)
+        event = msg.KVEvents(
+            node_id=self.node_id,
+            instance_id=self.instance_id,
+            seq=self.seq,
+            stored=stored,
+            removed=removed,
+            is_snapshot=is_snapshot,
+            queued_tokens=queued_tokens,
+            num_pages=self.num_pages,
+        )
         try:
             self._sock.send(msg.encode(event), zmq.NOBLOCK)
         except zmq.Again:  # PUB never blocks; kept for a socket option change

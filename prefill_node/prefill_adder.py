@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from prefill_node.request import Req
 from prefill_node.radix_node import TreeNode
+from prefill_node.request import Req
 
 CLIP_MAX_NEW_TOKENS = 4096
 
@@ -59,9 +59,17 @@ def ceil_page(n: int, page: int) -> int:
 
 
 class PrefillAdder:
-    def __init__(self, page_size: int, free_tokens: int, tree_cache: LockingCache | None, *,
-                 max_prefill_tokens: int, chunked_prefill_size: int | None,
-                 prefill_max_requests: int | None = None, running_reserved_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        free_tokens: int,
+        tree_cache: LockingCache | None,
+        *,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+        prefill_max_requests: int | None = None,
+        running_reserved_tokens: int = 0,
+    ) -> None:
         self.page_size = page_size
         self.free_tokens = free_tokens
         self.tree_cache = tree_cache
@@ -83,22 +91,34 @@ class PrefillAdder:
     def budget_state(self) -> AddReqResult:
         if self.rem_total_tokens <= 0:
             return AddReqResult.NO_TOKEN
-        if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
+        if self.rem_input_tokens <= 0 or (
+            self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0
+        ):
             return AddReqResult.OTHER
         return AddReqResult.CONTINUE
 
-    def add_chunked_req(self, req: Req, num_computed: int, chunk_limit: int | None = None) -> Req | None:
-        """Continue the chunked request first; returns it if it is still unfinished after this round."""
+    def add_chunked_req(
+        self, req: Req, num_computed: int, chunk_limit: int | None = None
+    ) -> Req | None:
+        """Continue the chunked request first; returns it if still unfinished after this round."""
         end = self._truncate(num_computed, req.num_input_tokens, chunk_limit)
         if end <= num_computed:
             return req
         self._charge(PrefillChunk(req, num_computed, end), reserved=0)
         return req if end < req.num_input_tokens else None
 
-    def add_one_req(self, req: Req, prefix_len: int, last_node: TreeNode | None = None,
-                    chunk_limit: int | None = None) -> AddReqResult:
+    def add_one_req(
+        self,
+        req: Req,
+        prefix_len: int,
+        last_node: TreeNode | None = None,
+        chunk_limit: int | None = None,
+    ) -> AddReqResult:
         """Admit a new request whose first `prefix_len` tokens are cached (at `last_node`)."""
-        if self.prefill_max_requests is not None and len(self.can_run_list) >= self.prefill_max_requests:
+        if (
+            self.prefill_max_requests is not None
+            and len(self.can_run_list) >= self.prefill_max_requests
+        ):
             return AddReqResult.OTHER
         extend = req.num_input_tokens - prefix_len
         reserved = min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)

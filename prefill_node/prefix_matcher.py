@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import filterfalse
 
-from prefill_node.request import Req
 from prefill_node.radix_cache import RadixCache
 from prefill_node.radix_node import EV_ADD, EV_SPLIT, MatchResult, TreeNode
+from prefill_node.request import Req
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
 """The bootstrap and inflight queues around the prefill scheduler (request states: req_state.py).
 
-    GenerateReq ─▶ bootstrap_queue ─▶ waiting_queue ─▶ (chunked) prefill ─▶ inflight_queue ─▶ done
-                   sender Bootstrapping  sorted by the     KV sent after      until the sender
-                   until the decode      policy, admitted   every chunk        reports Success
-                   node's pages arrive   by PrefillAdder
+GenerateReq ─▶ bootstrap_queue ─▶ waiting_queue ─▶ (chunked) prefill ─▶ inflight_queue ─▶ done
+               sender Bootstrapping  sorted by the     KV sent after      until the sender
+               until the decode      policy, admitted   every chunk        reports Success
+               node's pages arrive   by PrefillAdder
 """
 
 from __future__ import annotations

@@ -46,8 +46,9 @@ _MAX_LOG = 1 << 16  # events kept for revalidating matches
 class RadixCache:
     """Page-granular prefix cache. Sizes are in pages; the ``*_size()`` methods in tokens."""
 
-    def __init__(self, page_size: int, allocator: PageFreer | None = None,
-                 events: CacheEvents | None = None) -> None:
+    def __init__(
+        self, page_size: int, allocator: PageFreer | None = None, events: CacheEvents | None = None
+    ) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {page_size}")
         self.page_size = page_size
@@ -95,8 +96,9 @@ class RadixCache:
             return token_ids
         return token_key(token_ids)
 
-    def match_prefix(self, token_ids: Sequence[int] | bytes,
-                     namespace: bytes | None = None) -> MatchResult:
+    def match_prefix(
+        self, token_ids: Sequence[int] | bytes, namespace: bytes | None = None
+    ) -> MatchResult:
         """The longest cached prefix in whole pages, within ``namespace`` (a cache salt's
         ``salt_key``; None: the shared one). Pure: changes nothing (not even LRU)."""
         key = self._as_key(token_ids)
@@ -129,8 +131,12 @@ class RadixCache:
             pages, pos // TOKEN_BYTES, node, self.version, self.generation, extend_key, is_partial
         )
 
-    def insert(self, token_ids: Sequence[int] | bytes, page_ids: Sequence[int],
-               namespace: bytes | None = None) -> int:
+    def insert(
+        self,
+        token_ids: Sequence[int] | bytes,
+        page_ids: Sequence[int],
+        namespace: bytes | None = None,
+    ) -> int:
         """Cache the whole pages of ``token_ids`` whose KV is in ``page_ids`` (one id per page,
         extra ids ignored); return how many leading tokens were cached already.
 
@@ -427,8 +433,9 @@ class RadixCache:
             parent = node.parent
             _require(parent is not None and not node.is_evicted, f"{node} detached")
             assert parent is not None
-            _require(parent.children.get(self._child_key(node)) is node,
-                     f"{node} not under its key")
+            _require(
+                parent.children.get(self._child_key(node)) is node, f"{node} not under its key"
+            )
             is_namespace = node in self._namespace_of
             _require(
                 (len(node.key) > 0 or (is_namespace and parent is self.root))

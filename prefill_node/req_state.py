@@ -44,8 +44,9 @@ class PrefillState(Enum):
 _TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
     PrefillState.BOOTSTRAP: frozenset({PrefillState.WAITING, PrefillState.FAILED}),
     PrefillState.WAITING: frozenset({PrefillState.PREFILLING, PrefillState.FAILED}),
-    PrefillState.PREFILLING: frozenset({PrefillState.WAITING, PrefillState.TRANSFERRING,
-                                        PrefillState.FAILED}),
+    PrefillState.PREFILLING: frozenset(
+        {PrefillState.WAITING, PrefillState.TRANSFERRING, PrefillState.FAILED}
+    ),
     PrefillState.TRANSFERRING: frozenset({PrefillState.FINISHED, PrefillState.FAILED}),
     PrefillState.FINISHED: frozenset(),
     PrefillState.FAILED: frozenset(),
@@ -54,7 +55,10 @@ _TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
 
 @dataclass(eq=False)
 class PrefillReq:
-    """What the prefill node holds for one request besides the policy's Req. Hashable by identity."""
+    """What the prefill node holds for one request besides the policy's Req.
+
+    Hashable by identity.
+    """
 
     req: Req
     generate: msg.GenerateReq

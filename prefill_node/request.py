@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from common.token_keys import TOKEN_BYTES, salt_key, token_key
 
+
 class PrefixMatch(Protocol):
     """What a request keeps of its radix-cache match (``prefill_node.radix_cache.MatchResult``)."""
 

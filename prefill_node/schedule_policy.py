@@ -34,7 +34,6 @@ from typing import Any
 
 from common import metrics
 from common.config import PrefillConfig
-from prefill_node.request import Req
 from prefill_node.cache_aware_orders import (
     CacheAwareOrder,
     DfsWeightOrder,
@@ -45,6 +44,7 @@ from prefill_node.cache_aware_orders import (
 from prefill_node.in_batch_dedup import InBatchDedup
 from prefill_node.prefix_matcher import PrefixMatcher, RefreshResult
 from prefill_node.radix_cache import MatchResult, RadixCache
+from prefill_node.request import Req
 
 WAITING_PREFIX_REFRESH_INTERVAL = 32  # rounds between waiting-prefix touches
 _INF = float("inf")
@@ -331,8 +331,9 @@ class SchedulePolicy:
             self.tree_cache.touch_paths(list(map(_LAST_NODE, queue)))
 
 
-def _cache_aware_order(policy: Policy, tree: RadixCache | None,
-                       lpm_length_aware: bool = False) -> CacheAwareOrder | None:
+def _cache_aware_order(
+    policy: Policy, tree: RadixCache | None, lpm_length_aware: bool = False
+) -> CacheAwareOrder | None:
     if policy is CacheAwarePolicy.LPM:
         assert tree is not None
         return StaticKeyOrder(_lpm_key_for(tree.page_size, lpm_length_aware))

@@ -55,17 +55,27 @@ QUEUED_TOKENS_TTL_S = 0.05  # how stale the queued tokens in the KV events may b
 
 
 class PrefillScheduler:
-    def __init__(self, config: PrefillConfig, runner: ModelRunner, kv: KVManager,
-                 request_socket: zmq.Socket, *, clock: Callable[[], float] = time.monotonic,
-                 events: KVEventPublisher | None = None) -> None:
+    def __init__(
+        self,
+        config: PrefillConfig,
+        runner: ModelRunner,
+        kv: KVManager,
+        request_socket: zmq.Socket,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        events: KVEventPublisher | None = None,
+    ) -> None:
         self.config = config
         self.runner = runner
         self.kv = kv
         self.allocator = runner.pool.allocator
         self.page_size = runner.page_size
         self.events = None if config.disable_radix_cache else events
-        self.tree = None if config.disable_radix_cache else RadixCache(
-            self.page_size, self.allocator, events=self.events)
+        self.tree = (
+            None
+            if config.disable_radix_cache
+            else RadixCache(self.page_size, self.allocator, events=self.events)
+        )
         self.policy = SchedulePolicy.from_config(config, self.tree)
         self.request_socket = request_socket
         self.push = PushPool(zmq.Context.instance())
@@ -80,16 +90,21 @@ class PrefillScheduler:
         self.stats = PrefillStats(self)
         self.gateway_watch = GatewayWatch()
         # A prefill abort tells the decode side (through the sender), not the gateway.
-        self.failures = RequestFailures(self.states, self._end, self.push, self.stats,
-                                        self.gateway_watch, notify_aborts=False)
+        self.failures = RequestFailures(
+            self.states, self._end, self.push, self.stats, self.gateway_watch, notify_aborts=False
+        )
         self._queued, self._queued_at = 0, -float("inf")  # queued_tokens' last answer
 
     # ---- the loop -----------------------------------------------------------------------------
 
     def step(self) -> bool:
         """One iteration; returns whether any model work ran (callers sleep briefly if not)."""
-        self.failures.drain(self.request_socket, "prefill_requests",
-                            lambda g: self._add_request(g, time.time()), self._on_message)
+        self.failures.drain(
+            self.request_socket,
+            "prefill_requests",
+            lambda g: self._add_request(g, time.time()),
+            self._on_message,
+        )
         self.kv.poll()
         self.failures.abort_orphans(self.clock())
         ready, failed = self.bootstrap_queue.pop_bootstrapped()
@@ -155,10 +170,15 @@ class PrefillScheduler:
             error = f"prompt of {n} tokens does not fit this node's KV pool"
         elif self._is_queue_full():
             error, status = "the prefill node's queue is full; retry later", 503
-        elif (g.priority is not None and not self.config.enable_priority_scheduling
-              and self.config.abort_on_priority_when_disabled):
-            error = ("priority given but priority scheduling is disabled "
-                     "(--abort-on-priority-when-disabled)")
+        elif (
+            g.priority is not None
+            and not self.config.enable_priority_scheduling
+            and self.config.abort_on_priority_when_disabled
+        ):
+            error = (
+                "priority given but priority scheduling is disabled "
+                "(--abort-on-priority-when-disabled)"
+            )
             status = 503  # SGLang's status for it (the seeds)
         try:
             sampling = SamplingParams.from_wire(g.sampling)
@@ -172,11 +192,23 @@ class PrefillScheduler:
             self.stats.finished("rejected")
             return
         # A prefill node computes exactly one token: no decode room to reserve.
-        req = Req(rid=g.rid, room=g.room, origin_input_ids=list(g.input_ids), max_new_tokens=1,
-                  priority=g.priority, routing_key=g.routing_key, arrival_time=g.arrival_time,
-                  cache_salt=g.cache_salt)
-        s = PrefillReq(req, g, sampling, self.kv.create_sender(g.room, n),
-                       marks={stages.PREFILL_RECEIVED: received})
+        req = Req(
+            rid=g.rid,
+            room=g.room,
+            origin_input_ids=list(g.input_ids),
+            max_new_tokens=1,
+            priority=g.priority,
+            routing_key=g.routing_key,
+            arrival_time=g.arrival_time,
+            cache_salt=g.cache_salt,
+        )
+        s = PrefillReq(
+            req,
+            g,
+            sampling,
+            self.kv.create_sender(g.room, n),
+            marks={stages.PREFILL_RECEIVED: received},
+        )
         self.states[g.rid] = s
         self.bootstrap_queue.add(s)
         self.stats.prompt_tokens(n)
@@ -194,17 +226,23 @@ class PrefillScheduler:
             return []
         self.policy.calc_priority(self.waiting_queue, None, self.processed_tokens)
         adder = PrefillAdder(
-            self.page_size, self.allocator.num_free_pages * self.page_size, self.tree,
+            self.page_size,
+            self.allocator.num_free_pages * self.page_size,
+            self.tree,
             max_prefill_tokens=self.config.max_prefill_tokens,
             chunked_prefill_size=self.config.effective_chunked_prefill_size,
-            prefill_max_requests=self.config.prefill_max_requests)
+            prefill_max_requests=self.config.prefill_max_requests,
+        )
         limit = None
         if self.chunked is not None:
             s = self.chunked
             if adder.rem_chunk_tokens is not None:
                 limit = self.policy.shortest_prefill_chunk_limit(
-                    s.req.num_input_tokens - s.num_computed, self.waiting_queue,
-                    adder.rem_chunk_tokens, self.page_size)
+                    s.req.num_input_tokens - s.num_computed,
+                    self.waiting_queue,
+                    adder.rem_chunk_tokens,
+                    self.page_size,
+                )
             still_chunked = adder.add_chunked_req(s.req, s.num_computed, limit)
             self.chunked = s if still_chunked is not None else None
             # shortest-prefill-first capped the chunk to leave room for shorter requests:
@@ -221,8 +259,11 @@ class PrefillScheduler:
                     continue
                 result = adder.add_one_req(req, prefix, node)
                 if adder.can_run_list and adder.can_run_list[-1].req is req:
-                    pages = match.page_ids[: prefix // self.page_size] if (
-                        match is not None and node is not None) else []
+                    pages = (
+                        match.page_ids[: prefix // self.page_size]
+                        if (match is not None and node is not None)
+                        else []
+                    )
                     self._admit(req, pages, adder.can_run_list[-1])
                 if result is not AddReqResult.CONTINUE:
                     break
@@ -245,8 +286,12 @@ class PrefillScheduler:
         if len(req.key) < num_bytes + TOKEN_BYTES:
             return False
         head = req.key[:num_bytes]
-        return any(c.end >= prefix + self.page_size and c.req.key[:num_bytes] == head
-                   and c.req.namespace == req.namespace for c in chunks)
+        return any(
+            c.end >= prefix + self.page_size
+            and c.req.key[:num_bytes] == head
+            and c.req.namespace == req.namespace
+            for c in chunks
+        )
 
     def _admit(self, req: Req, prefix_pages: list[int], chunk: PrefillChunk) -> None:
         self.waiting_queue.remove(req)
@@ -282,9 +327,12 @@ class PrefillScheduler:
     def _run(self, chunks: list[PrefillChunk]) -> None:
         reqs = [self.states[c.req.rid] for c in chunks]
         try:
-            out = self.runner.extend([ExtendRequest(c.req.origin_input_ids[c.start : c.end],
-                                                    c.start, s.pages)
-                                      for c, s in zip(chunks, reqs)])
+            out = self.runner.extend(
+                [
+                    ExtendRequest(c.req.origin_input_ids[c.start : c.end], c.start, s.pages)
+                    for c, s in zip(chunks, reqs)
+                ]
+            )
         except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the node goes on
             for s in reqs:
                 self.failures.isolate(s.rid, s.generate.reply_endpoint, "prefilling it", exc)
@@ -295,11 +343,11 @@ class PrefillScheduler:
             try:
                 self._finish_chunk(c, s, out.logits[i : i + 1], out.done)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-                self.failures.isolate(s.rid, s.generate.reply_endpoint, "finishing its chunk",
-                                      exc)
+                self.failures.isolate(s.rid, s.generate.reply_endpoint, "finishing its chunk", exc)
 
-    def _finish_chunk(self, c: PrefillChunk, s: PrefillReq, logits: torch.Tensor,
-                      done: WorkDone) -> None:
+    def _finish_chunk(
+        self, c: PrefillChunk, s: PrefillReq, logits: torch.Tensor, done: WorkDone
+    ) -> None:
         """Cache and send what chunk `c` computed; its last chunk samples the first token.
         `done` marks the end of the forward that wrote the chunk's KV: the sender posts no
         write before it has completed (on CUDA the forward only queued its kernels)."""
@@ -315,11 +363,19 @@ class PrefillScheduler:
         logprob = sample.logprobs[0] if sample.logprobs else None
         s.marks[stages.PREFILL_COMPUTED] = time.time()
         self.stats.stages(stages.stage_seconds(s.marks, stages.PREFILL_STAGES))
-        s.sender.send(s.pages, c.end, AuxData(first_token_id=sample.token_ids[0],
-                                              room_echo=s.req.room, first_logprob=logprob,
-                                              top_logprobs=list(top), marks=dict(s.marks),
-                                              num_cached_tokens=s.num_cached_tokens),
-                      ready=done)
+        s.sender.send(
+            s.pages,
+            c.end,
+            AuxData(
+                first_token_id=sample.token_ids[0],
+                room_echo=s.req.room,
+                first_logprob=logprob,
+                top_logprobs=list(top),
+                marks=dict(s.marks),
+                num_cached_tokens=s.num_cached_tokens,
+            ),
+            ready=done,
+        )
         s.advance(PrefillState.TRANSFERRING)
         self.inflight_queue.add(s)
 
@@ -346,9 +402,13 @@ class PrefillScheduler:
         match = self.tree.match_prefix(key, s.req.namespace)
         # Pages another request cached first are duplicates: ours may still be the source
         # of a write in flight, so they are freed only when the request ends.
-        s.duplicate_pages += [own for own, cached in zip(s.pages[s.num_prefix_pages:num_whole],
-                                                         match.page_ids[s.num_prefix_pages:])
-                              if own != cached]
+        s.duplicate_pages += [
+            own
+            for own, cached in zip(
+                s.pages[s.num_prefix_pages : num_whole], match.page_ids[s.num_prefix_pages :]
+            )
+            if own != cached
+        ]
         self.tree.inc_lock_ref(match.last_node)
         if s.locked_node is not None:
             self.tree.dec_lock_ref(s.locked_node)
@@ -371,8 +431,9 @@ class PrefillScheduler:
         """Abort a request by rid or room wherever it is; its decode side hears, not the gateway."""
         self.failures.abort(rid, room, reason)
 
-    def _end(self, s: PrefillReq, status: int, error: str, *, notify: bool,
-             peer_reason: str) -> None:
+    def _end(
+        self, s: PrefillReq, status: int, error: str, *, notify: bool, peer_reason: str
+    ) -> None:
         """How RequestFailures ends a request here: its decode side first, then _fail."""
         s.sender.abort(peer_reason)
         self._fail(s, status, error, notify)
@@ -392,8 +453,9 @@ class PrefillScheduler:
         self._release(s)
         self._forget(s)
         if notify:
-            self.push.send(s.generate.reply_endpoint, msg.ReqFailed(rid=s.rid, status=status,
-                                                                     error=error))
+            self.push.send(
+                s.generate.reply_endpoint, msg.ReqFailed(rid=s.rid, status=status, error=error)
+            )
         self.stats.finished("aborted" if status == 499 else "error")
 
     def _release(self, s: PrefillReq) -> None:
@@ -409,7 +471,7 @@ class PrefillScheduler:
         s.sender.clear()
 
     def check_integrity(self) -> None:
-        """Every request sits in its state's queue; every used page is cached or one request's own."""
+        """Each request sits in its state's queue; each used page is cached or one request's own."""
         self.allocator.check_integrity()
         if self.tree is not None:
             self.tree.check_integrity()

@@ -37,8 +37,10 @@ class PrefillStats:
     def __init__(self, scheduler: PrefillView) -> None:
         self.s = scheduler
         role = "prefill"
-        self._queues = {q: metrics.QUEUE_REQUESTS.labels(role=role, queue=q)
-                        for q in ("bootstrap", "waiting", "inflight")}
+        self._queues = {
+            q: metrics.QUEUE_REQUESTS.labels(role=role, queue=q)
+            for q in ("bootstrap", "waiting", "inflight")
+        }
         self._used = metrics.KV_PAGES_USED.labels(role=role)
         self._held = metrics.KV_PAGES_HELD.labels(role=role)
         metrics.KV_PAGES_TOTAL.labels(role=role).set(scheduler.allocator.num_pages)

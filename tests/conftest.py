@@ -22,6 +22,7 @@ def _cuda_present() -> bool:
 if not _cuda_present():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
 @pytest.fixture(params=["cpu", "cuda"])
 def device(request):
     """A torch device the test runs on: cpu always, cuda where torch sees a GPU."""
@@ -30,4 +31,3 @@ def device(request):
     if request.param == "cuda" and not _cuda_present():
         pytest.skip("torch sees no CUDA device")
     return torch.device(request.param)
-

@@ -79,7 +79,9 @@ class TransferBackend(ABC):
         """Forget a peer (after it died or left); later writes to it fail."""
 
     @abstractmethod
-    def write(self, peer: str, pairs: Sequence[tuple[int, int]], notification: bytes = b"") -> object:
+    def write(
+        self, peer: str, pairs: Sequence[tuple[int, int]], notification: bytes = b""
+    ) -> object:
         """Start writing local pages into the peer's pages; returns a handle to poll.
 
         `pairs` are (local page, remote page); consecutive runs go as one descriptor.

@@ -50,12 +50,18 @@ MARGIN_FRACTION = 0.1
 
 
 def writer_fence_end(sent_at: float, lease_s: float) -> float:
-    """The last instant (writer's clock) a write may be posted under a grant of a renewal sent at `sent_at`."""
+    """The last instant (writer's clock) a write may be posted.
+
+    That is, under a grant of a renewal sent at `sent_at`.
+    """
     return sent_at + lease_s * (1.0 - MARGIN_FRACTION)
 
 
 def receiver_fence_end(granted_at: float, lease_s: float) -> float:
-    """The first instant (receiver's clock) the pages of a room granted at `granted_at` may be reused."""
+    """The first instant (receiver's clock) the pages of a room may be reused.
+
+    That is, of a room granted at `granted_at`.
+    """
     return granted_at + lease_s
 
 

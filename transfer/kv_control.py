@@ -66,8 +66,11 @@ def layout_mismatch(mine: KVLayout, theirs: dict) -> str | None:
         other = KVLayout.from_dict(theirs)
     except (KeyError, TypeError) as exc:
         return f"malformed KV layout ({exc})"
-    diffs = [f"{name} {getattr(mine, name)} != {getattr(other, name)}"
-             for name in KVLayout.__dataclass_fields__ if getattr(mine, name) != getattr(other, name)]
+    diffs = [
+        f"{name} {getattr(mine, name)} != {getattr(other, name)}"
+        for name in KVLayout.__dataclass_fields__
+        if getattr(mine, name) != getattr(other, name)
+    ]
     return "incompatible KV pools: " + ", ".join(diffs) if diffs else None
 
 
@@ -106,26 +109,44 @@ class ControlDispatcher:
                 reason = f"cannot load the peer's transfer metadata: {exc}"
                 kind = FailureReason.PEER_UNREACHABLE
         if reason is not None:
-            logger.warning("refused peer %s at %s: %s", hello.node_id, hello.control_endpoint, reason)
+            logger.warning(
+                "refused peer %s at %s: %s", hello.node_id, hello.control_endpoint, reason
+            )
             m.metrics.refused(kind)
-            m.send(hello.control_endpoint, msg.PeerHelloAck(
-                node_id=m.node_id, control_endpoint=m.control_endpoint, accepted=False,
-                reason=reason, instance_id=m.instance_id))
+            m.send(
+                hello.control_endpoint,
+                msg.PeerHelloAck(
+                    node_id=m.node_id,
+                    control_endpoint=m.control_endpoint,
+                    accepted=False,
+                    reason=reason,
+                    instance_id=m.instance_id,
+                ),
+            )
             return
         old = m.peer_by_node.get(hello.node_id)
         if old is not None and old.instance_id and old.instance_id != hello.instance_id:
             # The decode process restarted: the pages we were writing belong to a dead process.
             for s in [s for s in m.senders.values() if s.peer_node == hello.node_id]:
-                if s.fail(FailureReason.PEER_RESTARTED, f"decode node {hello.node_id} restarted", now):
+                if s.fail(
+                    FailureReason.PEER_RESTARTED, f"decode node {hello.node_id} restarted", now
+                ):
                     m.metrics.dropped("peer_restarted")
         peer.node_id, peer.metadata = hello.node_id, hello.backend_metadata
         peer.instance_id = hello.instance_id
         peer.ready(now)
         m.peer_by_node[hello.node_id] = peer
         m.vouch_to(peer.endpoint)
-        m.send(hello.control_endpoint, msg.PeerHelloAck(
-            node_id=m.node_id, control_endpoint=m.control_endpoint, accepted=True, reason="",
-            instance_id=m.instance_id))
+        m.send(
+            hello.control_endpoint,
+            msg.PeerHelloAck(
+                node_id=m.node_id,
+                control_endpoint=m.control_endpoint,
+                accepted=True,
+                reason="",
+                instance_id=m.instance_id,
+            ),
+        )
 
     def _refusal(self, hello: msg.PeerHello) -> tuple[str | None, str]:
         """Why a peer's hello is refused (and the failure kind), or (None, "")."""
@@ -133,10 +154,15 @@ class ControlDispatcher:
         if m.auth_token is not None and hello.auth_token != m.auth_token:
             return "bad or missing cluster token", FailureReason.UNAUTHORIZED
         if hello.protocol_version != msg.PROTOCOL_VERSION:
-            return (f"protocol version {hello.protocol_version} != {msg.PROTOCOL_VERSION}",
-                    FailureReason.INCOMPATIBLE)
+            return (
+                f"protocol version {hello.protocol_version} != {msg.PROTOCOL_VERSION}",
+                FailureReason.INCOMPATIBLE,
+            )
         if hello.backend != m.backend_kind:
-            return f"transfer backend {hello.backend} != {m.backend_kind}", FailureReason.INCOMPATIBLE
+            return (
+                f"transfer backend {hello.backend} != {m.backend_kind}",
+                FailureReason.INCOMPATIBLE,
+            )
         mismatch = layout_mismatch(m.pool.layout, hello.kv_layout)
         return (mismatch, FailureReason.INCOMPATIBLE) if mismatch else (None, "")
 
@@ -147,9 +173,15 @@ class ControlDispatcher:
             # tell it to shake hands again (it resends the request afterwards).
             m.metrics.dropped("unknown_peer")
             if req.control_endpoint:
-                m.send(req.control_endpoint, msg.PeerReset(
-                    node_id=m.node_id, instance_id=m.instance_id,
-                    control_endpoint=m.control_endpoint, rooms=[req.room]))
+                m.send(
+                    req.control_endpoint,
+                    msg.PeerReset(
+                        node_id=m.node_id,
+                        instance_id=m.instance_id,
+                        control_endpoint=m.control_endpoint,
+                        rooms=[req.room],
+                    ),
+                )
             return
         sender = m.senders.get(req.room)
         if sender is None:
@@ -214,8 +246,9 @@ class ControlDispatcher:
         waiting = [r for r in mine if r.status.state is KVPoll.Bootstrapping]
         if not ack.accepted:
             peer.failed(now, ack.reason)
-            kind = (FailureReason.UNAUTHORIZED if "token" in ack.reason
-                    else FailureReason.INCOMPATIBLE)
+            kind = (
+                FailureReason.UNAUTHORIZED if "token" in ack.reason else FailureReason.INCOMPATIBLE
+            )
             for r in waiting + [r for r in mine if r.needs_resend]:
                 r.fail(kind, ack.reason, now)
             return
@@ -232,8 +265,11 @@ class ControlDispatcher:
     def _peer_restarted(self, peer: Peer, now: float) -> None:
         """The prefill process behind `peer` is a new one: rooms the old one was writing fail."""
         for r in list(self.m.receivers.values()):
-            if r.peer_endpoint == peer.endpoint and r.status.state is KVPoll.Transferring \
-                    and r.fence.has_grant:
+            if (
+                r.peer_endpoint == peer.endpoint
+                and r.status.state is KVPoll.Transferring
+                and r.fence.has_grant
+            ):
                 r.fail(FailureReason.PEER_RESTARTED, "the prefill node restarted mid-transfer", now)
 
     def _on_PeerReset(self, reset: msg.PeerReset, now: float) -> None:
@@ -246,8 +282,12 @@ class ControlDispatcher:
             self._peer_restarted(peer, now)
         for room in reset.rooms:
             r = m.receivers.get(room)
-            if r is not None and r.peer_endpoint == peer.endpoint \
-                    and r.status.state is KVPoll.Transferring and not r.fence.has_grant:
+            if (
+                r is not None
+                and r.peer_endpoint == peer.endpoint
+                and r.status.state is KVPoll.Transferring
+                and not r.fence.has_grant
+            ):
                 r.needs_resend = True
         if peer.state is not PeerState.CONNECTING:
             self.send_hello(peer, now)
@@ -258,11 +298,14 @@ class ControlDispatcher:
         if receiver is None or peer is None or peer.endpoint != receiver.peer_endpoint:
             self.m.metrics.dropped("unexpected_message")
             return
-        aux = AuxData(first_token_id=done.first_token_id, room_echo=done.room_echo,
-                      first_logprob=done.first_logprob,
-                      top_logprobs=[(int(t), float(lp)) for t, lp in done.top_logprobs],
-                      marks=stages.forwarded(done.marks, stages.PREFILL_MARKS),
-                      num_cached_tokens=max(0, done.num_cached_tokens))
+        aux = AuxData(
+            first_token_id=done.first_token_id,
+            room_echo=done.room_echo,
+            first_logprob=done.first_logprob,
+            top_logprobs=[(int(t), float(lp)) for t, lp in done.top_logprobs],
+            marks=stages.forwarded(done.marks, stages.PREFILL_MARKS),
+            num_cached_tokens=max(0, done.num_cached_tokens),
+        )
         receiver.on_done(aux, done.num_pages, now)
 
     def _on_TransferFailed(self, failed: msg.TransferFailed, now: float) -> None:
@@ -294,16 +337,28 @@ class ControlDispatcher:
         for r in m.receivers.values():
             if r.peer_endpoint == peer.endpoint and not r.fence.has_grant:
                 r.writer_alive(now)
-        m.send(peer.endpoint, msg.LeaseGrant(
-            node_id=m.node_id, instance_id=m.instance_id, seq=renew.seq, lease_s=m.lease_s,
-            granted=granted, released=released))
+        m.send(
+            peer.endpoint,
+            msg.LeaseGrant(
+                node_id=m.node_id,
+                instance_id=m.instance_id,
+                seq=renew.seq,
+                lease_s=m.lease_s,
+                granted=granted,
+                released=released,
+            ),
+        )
 
     def _on_LateWrite(self, late: msg.LateWrite, now: float) -> None:
         if self._known(late.node_id, late.instance_id) is None:
             self.m.metrics.dropped(FailureReason.UNAUTHORIZED)
             return
-        logger.error("room %d: a write of %s may have landed after its fence (pages %s)",
-                     late.room, late.node_id, late.dst_pages[:16])
+        logger.error(
+            "room %d: a write of %s may have landed after its fence (pages %s)",
+            late.room,
+            late.node_id,
+            late.dst_pages[:16],
+        )
         self.m.metrics.late_write()
         self.m.on_late_write(late.room, list(late.dst_pages))
 
@@ -321,17 +376,29 @@ class ControlDispatcher:
     def send_hello(self, peer: Peer, now: float) -> None:
         m = self.m
         peer.state, peer.hello_sent_at = PeerState.CONNECTING, now
-        m.send(peer.endpoint, msg.PeerHello(
-            node_id=m.node_id, role=m.role, control_endpoint=m.control_endpoint,
-            backend=m.backend_kind, backend_metadata=m.backend.local_metadata(),
-            kv_layout=m.pool.layout.to_dict(), num_pages=m.pool.num_pages,
-            protocol_version=msg.PROTOCOL_VERSION, auth_token=m.auth_token,
-            instance_id=m.instance_id))
+        m.send(
+            peer.endpoint,
+            msg.PeerHello(
+                node_id=m.node_id,
+                role=m.role,
+                control_endpoint=m.control_endpoint,
+                backend=m.backend_kind,
+                backend_metadata=m.backend.local_metadata(),
+                kv_layout=m.pool.layout.to_dict(),
+                num_pages=m.pool.num_pages,
+                protocol_version=msg.PROTOCOL_VERSION,
+                auth_token=m.auth_token,
+                instance_id=m.instance_id,
+            ),
+        )
 
     def resend_hellos(self, now: float) -> None:
         """Re-send a lost or unanswered hello; the rooms' bootstrap timeout bounds the wait."""
-        waiting = {r.peer_endpoint for r in self.m.receivers.values()
-                   if r.status.state is KVPoll.Bootstrapping or r.needs_resend}
+        waiting = {
+            r.peer_endpoint
+            for r in self.m.receivers.values()
+            if r.status.state is KVPoll.Bootstrapping or r.needs_resend
+        }
         for endpoint in waiting:
             peer = self.m.peers[endpoint]
             stale = peer.state is PeerState.CONNECTING and now - peer.hello_sent_at > HELLO_RESEND_S

@@ -51,12 +51,23 @@ HOUSEKEEPING_INTERVAL_S = 0.005
 
 
 class KVManager:
-    def __init__(self, node_id: str, role: str, backend: TransferBackend, pool: KVPool, *,
-                 backend_kind: str = "nixl",
-                 control_endpoint: str = "tcp://127.0.0.1:0", auth_token: str | None = None,
-                 bootstrap_timeout_s: float = 300.0, waiting_timeout_s: float = 300.0,
-                 lease_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
-                 zmq_context: zmq.Context | None = None, instance_id: str | None = None) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        role: str,
+        backend: TransferBackend,
+        pool: KVPool,
+        *,
+        backend_kind: str = "nixl",
+        control_endpoint: str = "tcp://127.0.0.1:0",
+        auth_token: str | None = None,
+        bootstrap_timeout_s: float = 300.0,
+        waiting_timeout_s: float = 300.0,
+        lease_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        zmq_context: zmq.Context | None = None,
+        instance_id: str | None = None,
+    ) -> None:
         self.node_id, self.role = node_id, role
         self.instance_id = instance_id or uuid.uuid4().hex
         self.backend, self.pool = backend, pool
@@ -149,10 +160,18 @@ class KVManager:
         self.metrics.transferred(nbytes, self.clock() - start)
 
     def send_transfer_request(self, receiver: KVReceiver) -> None:
-        self.send(receiver.peer_endpoint, msg.TransferRequest(
-            room=receiver.room, node_id=self.node_id, dst_pages=receiver.dst_pages,
-            aux_slot=receiver.aux_slot, lease_s=self.lease_s, instance_id=self.instance_id,
-            control_endpoint=self.control_endpoint))
+        self.send(
+            receiver.peer_endpoint,
+            msg.TransferRequest(
+                room=receiver.room,
+                node_id=self.node_id,
+                dst_pages=receiver.dst_pages,
+                aux_slot=receiver.aux_slot,
+                lease_s=self.lease_s,
+                instance_id=self.instance_id,
+                control_endpoint=self.control_endpoint,
+            ),
+        )
 
     def flush_writes(self, sender: KVSender) -> None:
         self._writer.flush(sender)
@@ -164,9 +183,16 @@ class KVManager:
     def notify_peer_aborted(self, receiver: KVReceiver) -> None:
         peer = self.peers.get(receiver.peer_endpoint)
         if peer is not None and peer.state is PeerState.READY:
-            self.send(peer.endpoint, msg.AbortReq(node_id=self.node_id, room=receiver.room,
-                                                   rid=None, reason="aborted by the decode node",
-                                                   instance_id=self.instance_id))
+            self.send(
+                peer.endpoint,
+                msg.AbortReq(
+                    node_id=self.node_id,
+                    room=receiver.room,
+                    rid=None,
+                    reason="aborted by the decode node",
+                    instance_id=self.instance_id,
+                ),
+            )
 
     # ---- the poll loop ----------------------------------------------------------------------
 
@@ -188,22 +214,27 @@ class KVManager:
             self.metrics.rooms(self.senders.values(), self.receivers.values())
 
     def drain_control(self, now: float) -> None:
-        for message in recv_messages(self._sock, socket_name=self.metrics.socket,
-                                     max_frames=1000):
+        for message in recv_messages(self._sock, socket_name=self.metrics.socket, max_frames=1000):
             self._control.handle(message, now)
 
     def _check_timeouts(self, now: float) -> None:
         for sender in list(self.senders.values()):
             state, age = sender.status.state, now - sender.status.since
             if state is KVPoll.Bootstrapping and age > self.bootstrap_timeout_s:
-                sender.fail(FailureReason.BOOTSTRAP_TIMEOUT,
-                            f"no TransferRequest from the decode node in {self.bootstrap_timeout_s:g} s",
-                            now)
+                sender.fail(
+                    FailureReason.BOOTSTRAP_TIMEOUT,
+                    f"no TransferRequest from the decode node in {self.bootstrap_timeout_s:g} s",
+                    now,
+                )
             elif state in (KVPoll.WaitingForInput, KVPoll.Transferring) and (
-                    now - max(sender.fence.until, sender.attached_at) > self.lease_s):
+                now - max(sender.fence.until, sender.attached_at) > self.lease_s
+            ):
                 # No grant for a whole lease past the fence (or since the request came).
-                sender.fail(FailureReason.LEASE_EXPIRED,
-                            "the decode node stopped granting the room's lease", now)
+                sender.fail(
+                    FailureReason.LEASE_EXPIRED,
+                    "the decode node stopped granting the room's lease",
+                    now,
+                )
             elif state is KVPoll.Transferring and age > self.waiting_timeout_s:
                 sender.fail(FailureReason.TRANSFER_TIMEOUT, "writes did not complete", now)
             if sender.status.state is KVPoll.Failed and state is not KVPoll.Failed:
@@ -211,23 +242,34 @@ class KVManager:
         for receiver in list(self.receivers.values()):
             state, age = receiver.status.state, now - receiver.status.since
             if state in (KVPoll.Bootstrapping, KVPoll.WaitingForInput) and (
-                    now - receiver.status.created > self.bootstrap_timeout_s):
-                receiver.fail(FailureReason.BOOTSTRAP_TIMEOUT,
-                              f"not bootstrapped in {self.bootstrap_timeout_s:g} s", now)
+                now - receiver.status.created > self.bootstrap_timeout_s
+            ):
+                receiver.fail(
+                    FailureReason.BOOTSTRAP_TIMEOUT,
+                    f"not bootstrapped in {self.bootstrap_timeout_s:g} s",
+                    now,
+                )
             elif state is KVPoll.Transferring and now > receiver.lease_deadline:
                 receiver.fail(FailureReason.LEASE_EXPIRED, "the prefill node stopped renewing", now)
             elif state is KVPoll.Transferring and age > self.waiting_timeout_s:
-                receiver.fail(FailureReason.WAITING_TIMEOUT,
-                              f"no KV in {self.waiting_timeout_s:g} s", now)
+                receiver.fail(
+                    FailureReason.WAITING_TIMEOUT, f"no KV in {self.waiting_timeout_s:g} s", now
+                )
                 self.notify_peer_aborted(receiver)
         for room, (req, at) in list(self.early_requests.items()):
             if now - at > self.bootstrap_timeout_s:  # the request for it never reached us
                 del self.early_requests[room]
                 peer = self.peer_by_node.get(req.node_id)
                 if peer is not None:
-                    self.send(peer.endpoint, msg.TransferFailed(
-                        room=room, node_id=self.node_id, reason="prefill never got this request",
-                        instance_id=self.instance_id))
+                    self.send(
+                        peer.endpoint,
+                        msg.TransferFailed(
+                            room=room,
+                            node_id=self.node_id,
+                            reason="prefill never got this request",
+                            instance_id=self.instance_id,
+                        ),
+                    )
         for room, at in list(self.early_aborts.items()):
             if now - at > self.bootstrap_timeout_s:
                 del self.early_aborts[room]

@@ -57,7 +57,7 @@ class RoomState:
 
     @property
     def failure_reason(self) -> str | None:
-        """"reason: detail" once Failed, else None."""
+        """ "reason: detail" once Failed, else None."""
         if self.state is not KVPoll.Failed:
             return None
         return f"{self.reason}: {self.detail}" if self.detail else self.reason

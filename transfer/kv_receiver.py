@@ -110,13 +110,19 @@ class KVReceiver:
         if self.status.state is not KVPoll.Transferring:
             return
         if aux.room_echo != self.room:
-            self.fail(FailureReason.ROOM_ECHO_MISMATCH,
-                      f"aux data names room {aux.room_echo}, expected {self.room}", now)
+            self.fail(
+                FailureReason.ROOM_ECHO_MISMATCH,
+                f"aux data names room {aux.room_echo}, expected {self.room}",
+                now,
+            )
             self.is_abort_acked = True  # the writer is done with this room
             return
         if num_pages != len(self.dst_pages):
-            self.fail(FailureReason.BAD_REQUEST,
-                      f"{num_pages} pages written, {len(self.dst_pages)} expected", now)
+            self.fail(
+                FailureReason.BAD_REQUEST,
+                f"{num_pages} pages written, {len(self.dst_pages)} expected",
+                now,
+            )
             self.is_abort_acked = True
             return
         self.aux = aux
@@ -139,7 +145,9 @@ class KVReceiver:
     def is_release_safe(self) -> bool:
         """Whether no write into this room's destination pages can still land."""
         state = self.status.state
-        if state is KVPoll.Success or (state is KVPoll.Failed and not self.failed_while_transferring):
+        if state is KVPoll.Success or (
+            state is KVPoll.Failed and not self.failed_while_transferring
+        ):
             return True
         if state is not KVPoll.Failed:
             return False

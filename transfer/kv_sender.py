@@ -96,24 +96,32 @@ class KVSender:
     def failure_reason(self) -> str | None:
         return self.status.failure_reason
 
-    def on_transfer_request(self, peer_node: str, dst_pages: list[int], aux_slot: int,
-                            now: float) -> None:
+    def on_transfer_request(
+        self, peer_node: str, dst_pages: list[int], aux_slot: int, now: float
+    ) -> None:
         """The decode side is ready: it sent destination pages for this room."""
         if self.status.state is not KVPoll.Bootstrapping:
             return
         needed = pages_needed(self.num_tokens, self.manager.page_size)
         if len(dst_pages) != needed:
-            self.fail(FailureReason.BAD_REQUEST,
-                      f"decode sent {len(dst_pages)} pages for {self.num_tokens} tokens "
-                      f"({needed} pages)", now)
+            self.fail(
+                FailureReason.BAD_REQUEST,
+                f"decode sent {len(dst_pages)} pages for {self.num_tokens} tokens ({needed} pages)",
+                now,
+            )
             return
         self.peer_node, self.dst_pages, self.aux_slot = peer_node, list(dst_pages), aux_slot
         self.attached_at = now
         self.status.advance(KVPoll.WaitingForInput, now)
         self.manager.observe_bootstrap(self)
 
-    def send(self, page_ids: list[int], num_computed_tokens: int, aux: AuxData | None = None,
-             ready: WorkDone = COMPLETED) -> None:
+    def send(
+        self,
+        page_ids: list[int],
+        num_computed_tokens: int,
+        aux: AuxData | None = None,
+        ready: WorkDone = COMPLETED,
+    ) -> None:
         """Send the pages of the first `num_computed_tokens` tokens not sent yet.
 
         `page_ids` are this request's local pages in order. With `aux` (the last chunk),
@@ -128,8 +136,10 @@ class KVSender:
             raise RuntimeError(f"room {self.room}: send() after the last chunk")
         is_last = aux is not None
         if is_last and num_computed_tokens != self.num_tokens:
-            raise ValueError(f"room {self.room}: last chunk ends at {num_computed_tokens} "
-                             f"of {self.num_tokens} tokens")
+            raise ValueError(
+                f"room {self.room}: last chunk ends at {num_computed_tokens} "
+                f"of {self.num_tokens} tokens"
+            )
         ps = self.manager.page_size
         end = pages_needed(num_computed_tokens, ps) if is_last else num_computed_tokens // ps
         pairs = [(page_ids[i], self.dst_pages[i]) for i in range(self.num_sent_pages, end)]

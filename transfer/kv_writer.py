@@ -73,8 +73,12 @@ class KVWriter:
             return
         sender.is_fence_held = False
         if peer is None or peer.agent is None or not self._ensure_agent(peer, now):
-            self.fail(sender, FailureReason.PEER_UNREACHABLE,
-                      f"no transfer path to {sender.peer_node}", now)
+            self.fail(
+                sender,
+                FailureReason.PEER_UNREACHABLE,
+                f"no transfer path to {sender.peer_node}",
+                now,
+            )
             return
         # Only pages whose kernels have completed (on CUDA a forward returns with them
         # queued); the rest wait for KVManager.poll's next flush.
@@ -86,8 +90,11 @@ class KVWriter:
         # The TransferDone rides on the last write when the backend carries notifications
         # and no earlier write is still in flight; otherwise _finish_notification sends it
         # once every write is done.
-        if (is_last and m.backend.carries_notifications
-                and not any(self._pending(h) for h in sender.handles)):
+        if (
+            is_last
+            and m.backend.carries_notifications
+            and not any(self._pending(h) for h in sender.handles)
+        ):
             notification = self._done_bytes(sender)
         if pairs or is_last:
             try:
@@ -125,8 +132,12 @@ class KVWriter:
                 continue
             states = [m.backend.poll(h) for h in sender.handles]
             if XferState.PENDING in states and not sender.fence.is_open(now):
-                self.fail(sender, FailureReason.LEASE_EXPIRED,
-                          "writes still in flight when the lease fence passed", now)
+                self.fail(
+                    sender,
+                    FailureReason.LEASE_EXPIRED,
+                    "writes still in flight when the lease fence passed",
+                    now,
+                )
                 continue  # reported as late below
             if XferState.ERROR in states:
                 peer = m.peer_by_node.get(sender.peer_node or "")
@@ -141,8 +152,11 @@ class KVWriter:
             if sender.status.advance(KVPoll.Success, now):
                 m.metrics.transferred(sender.num_bytes, now - (sender.first_send_at or now))
         for sender in list(self.stopping):
-            pending = [pages for h, pages in zip(sender.handles, sender.posted_dst_pages)
-                       if self._pending(h)]
+            pending = [
+                pages
+                for h, pages in zip(sender.handles, sender.posted_dst_pages)
+                if self._pending(h)
+            ]
             if not pending:
                 self.stopping.remove(sender)
                 self.notify_failed(sender)
@@ -158,27 +172,41 @@ class KVWriter:
     def notify_failed(self, sender: KVSender) -> None:
         peer = self.m.peer_by_node.get(sender.peer_node or "")
         if peer is not None:
-            self.m.send(peer.endpoint, msg.TransferFailed(
-                room=sender.room, node_id=self.m.node_id,
-                reason=sender.failure_reason or "failed", instance_id=self.m.instance_id))
+            self.m.send(
+                peer.endpoint,
+                msg.TransferFailed(
+                    room=sender.room,
+                    node_id=self.m.node_id,
+                    reason=sender.failure_reason or "failed",
+                    instance_id=self.m.instance_id,
+                ),
+            )
 
     def _report_late(self, sender: KVSender, dst_pages: list[int]) -> None:
         peer = self.m.peer_by_node.get(sender.peer_node or "")
-        logger.error("room %d: a write may land after its fence; telling %s", sender.room,
-                     sender.peer_node)
+        logger.error(
+            "room %d: a write may land after its fence; telling %s", sender.room, sender.peer_node
+        )
         self.m.metrics.late_write()
         if peer is not None:
-            self.m.send(peer.endpoint, msg.LateWrite(
-                node_id=self.m.node_id, instance_id=self.m.instance_id, room=sender.room,
-                dst_pages=dst_pages))
+            self.m.send(
+                peer.endpoint,
+                msg.LateWrite(
+                    node_id=self.m.node_id,
+                    instance_id=self.m.instance_id,
+                    room=sender.room,
+                    dst_pages=dst_pages,
+                ),
+            )
 
     def _finish_notification(self, sender: KVSender, now: float) -> None:
         """All data is in place: deliver TransferDone (as a notification, or on the socket)."""
         m = self.m
         peer = m.peer_by_node.get(sender.peer_node or "")
         if peer is None or peer.agent is None:
-            self.fail(sender, FailureReason.PEER_UNREACHABLE, "peer forgotten before completion",
-                      now)
+            self.fail(
+                sender, FailureReason.PEER_UNREACHABLE, "peer forgotten before completion", now
+            )
             return
         data = self._done_bytes(sender)
         if m.backend.carries_notifications:
@@ -195,12 +223,20 @@ class KVWriter:
     def _done_bytes(self, sender: KVSender) -> bytes:
         aux = sender.aux
         assert aux is not None
-        return msg.encode(msg.TransferDone(
-            room=sender.room, node_id=self.m.node_id, first_token_id=aux.first_token_id,
-            first_logprob=aux.first_logprob, top_logprobs=[[t, lp] for t, lp in aux.top_logprobs],
-            room_echo=aux.room_echo, num_pages=len(sender.dst_pages),
-            instance_id=self.m.instance_id, marks=aux.marks or None,
-            num_cached_tokens=aux.num_cached_tokens))
+        return msg.encode(
+            msg.TransferDone(
+                room=sender.room,
+                node_id=self.m.node_id,
+                first_token_id=aux.first_token_id,
+                first_logprob=aux.first_logprob,
+                top_logprobs=[[t, lp] for t, lp in aux.top_logprobs],
+                room_echo=aux.room_echo,
+                num_pages=len(sender.dst_pages),
+                instance_id=self.m.instance_id,
+                marks=aux.marks or None,
+                num_cached_tokens=aux.num_cached_tokens,
+            )
+        )
 
     def _write_failed(self, sender: KVSender, peer: Peer | None, error: str, now: float) -> None:
         self.fail(sender, FailureReason.WRITE_ERROR, error, now)

@@ -30,8 +30,15 @@ logger = logging.getLogger(__name__)
 
 
 class LeaseRenewer:
-    def __init__(self, node_id: str, instance_id: str, lease_s: float, ctx: zmq.Context,
-                 clock: Callable[[], float], idle_s: float | None = None) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        instance_id: str,
+        lease_s: float,
+        ctx: zmq.Context,
+        clock: Callable[[], float],
+        idle_s: float | None = None,
+    ) -> None:
         self.node_id, self.instance_id = node_id, instance_id
         self.lease_s = lease_s
         self.idle_s = idle_s if idle_s is not None else 30 * lease_s
@@ -75,8 +82,12 @@ class LeaseRenewer:
     def _send(self, push: PushPool, endpoint: str, rooms: list[int]) -> None:
         seq = self.log.record(endpoint, self.clock())  # dated before it leaves
         try:
-            push.send(endpoint, msg.LeaseRenew(node_id=self.node_id, rooms=rooms,
-                                               instance_id=self.instance_id, seq=seq))
+            push.send(
+                endpoint,
+                msg.LeaseRenew(
+                    node_id=self.node_id, rooms=rooms, instance_id=self.instance_id, seq=seq
+                ),
+            )
         except zmq.ZMQError as exc:
             logger.warning("lease renewal to %s failed: %s", endpoint, exc)
 

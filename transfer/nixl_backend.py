@@ -115,16 +115,19 @@ class NixlBackend(TransferBackend):
 
     carries_notifications = True
 
-    def __init__(
-        self, name: str, *, device: str = "cpu", ucx_error_handling: str = "peer"
-    ) -> None:
+    def __init__(self, name: str, *, device: str = "cpu", ucx_error_handling: str = "peer") -> None:
         # The UCX context is made with the agent, before the pool exists: the transports
         # follow the device the pool will be on, which register_pool then holds it to.
         env = ucx_env_for(device, os.environ, bundled_ucx_module_dir(torch.version.cuda))
         if "UCX_TLS" in env and "UCX_TLS" in os.environ:
-            logger.warning("%s: UCX_TLS=%s lacks UCX's CUDA transports, which a KV pool on "
-                           "%s needs; using UCX_TLS=%s", name, os.environ["UCX_TLS"], device,
-                           env["UCX_TLS"])
+            logger.warning(
+                "%s: UCX_TLS=%s lacks UCX's CUDA transports, which a KV pool on "
+                "%s needs; using UCX_TLS=%s",
+                name,
+                os.environ["UCX_TLS"],
+                device,
+                env["UCX_TLS"],
+            )
         os.environ.update(env)
         try:
             # Imported here so UCX's variables are set before the library is first loaded.

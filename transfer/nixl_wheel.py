@@ -75,13 +75,19 @@ def bundled_ucx_module_dir(cuda: str | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m transfer.nixl_wheel",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--cuda", default=None,
-                        help="a CUDA version such as 13.0 (default: the installed torch's; "
-                             "none for a CPU build)")
-    parser.add_argument("--nixl-version", default=NIXL_VERSION,
-                        help=f"the NIXL release to pin (default: {NIXL_VERSION})")
+    parser = argparse.ArgumentParser(
+        prog="python -m transfer.nixl_wheel", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--cuda",
+        default=None,
+        help="a CUDA version such as 13.0 (default: the installed torch's; none for a CPU build)",
+    )
+    parser.add_argument(
+        "--nixl-version",
+        default=NIXL_VERSION,
+        help=f"the NIXL release to pin (default: {NIXL_VERSION})",
+    )
     args = parser.parse_args(argv)
     if args.cuda is not None:
         cuda: str | None = None if args.cuda == "none" else args.cuda

@@ -1,4 +1,4 @@
-"""Peer table of a KVManager: handshake state and retry back-off per remote node (never a blacklist)."""
+"""A KVManager's peer table: handshake state, retry back-off per remote node (never a blacklist)."""
 
 from __future__ import annotations
 
@@ -43,4 +43,6 @@ class Peer:
         self.last_error = ""
 
     def may_retry(self, now: float) -> bool:
-        return self.state is PeerState.NEW or (self.state is PeerState.BACKOFF and now >= self.retry_at)
+        return self.state is PeerState.NEW or (
+            self.state is PeerState.BACKOFF and now >= self.retry_at
+        )

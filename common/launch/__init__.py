@@ -1,1 +1,4 @@
-"""The `pdserve` command: its subcommands, the launcher that starts every role as a process, offline generation."""
+"""The `pdserve` command: its subcommands, the launcher, offline generation.
+
+The launcher starts every role as a process.
+"""

@@ -1,4 +1,4 @@
-"""Offline generation on one ModelRunner: one request, streamed text (used by `pdserve generate`)."""
+"""Offline generation on one ModelRunner: one request, streamed text (for `pdserve generate`)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,17 @@ class OfflineResult:
     finish_reason: FinishReason
 
 
-def generate_stream(runner: ModelRunner, tokenizer: Tokenizer, prompt_ids: list[int],
-                    params: SamplingParams) -> Iterator[str | OfflineResult]:
+def generate_stream(
+    runner: ModelRunner, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams
+) -> Iterator[str | OfflineResult]:
     """Yield text pieces as they are produced, then one OfflineResult."""
     params.validate(runner.spec.vocab_size)
     budget = min(len(prompt_ids) + params.max_new_tokens, runner.context_length)
     if len(prompt_ids) >= budget:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the context "
-                         f"({runner.context_length})")
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens leaves no room in the context "
+            f"({runner.context_length})"
+        )
     pages = runner.pool.allocator.allocate(pages_needed(budget, runner.page_size))
     sampler, gen = Sampler(), make_generator(params.seed, runner.device)
     stop = StopChecker(params, tokenizer.eos_token_ids)

@@ -2,5 +2,9 @@
 
 from typing import Final
 
-ROLE_MODULES: Final = {"prefill": "prefill_node", "decode": "decode_node", "bootstrap": "bootstrap",
-                       "colocated": "colocated_node"}
+ROLE_MODULES: Final = {
+    "prefill": "prefill_node",
+    "decode": "decode_node",
+    "bootstrap": "bootstrap",
+    "colocated": "colocated_node",
+}

@@ -1,11 +1,6 @@
 """Wire messages: frozen dataclasses, one explicit tag registry, msgpack/JSON codec, version."""
 
-from common.messages.base import (
-    PROTOCOL_VERSION,
-    MalformedMessage,
-    Message,
-    is_supported_protocol,
-)
+from common.messages.base import PROTOCOL_VERSION, MalformedMessage, Message, is_supported_protocol
 from common.messages.cluster import Deregister, Heartbeat, RegisterNode
 from common.messages.codec import (
     MESSAGE_TYPES,

@@ -27,7 +27,10 @@ import torch.nn.functional as F
 from common.config import ATTENTION_BACKENDS
 from common.kv_pool import KVPool
 from common.model.cpu.paged_attention import (
-    PagedDecodeAttention, PagedPrefillAttention, paged_decode_attention, paged_prefill_attention,
+    PagedDecodeAttention,
+    PagedPrefillAttention,
+    paged_decode_attention,
+    paged_prefill_attention,
 )
 from common.model.spec import ModelSpec
 
@@ -82,14 +85,23 @@ class AttentionBackend(ABC):
         batch.meta = {}
 
     @abstractmethod
-    def decode(self, q: torch.Tensor, pool: KVPool, batch: AttentionBatch,
-               layer: int) -> torch.Tensor:
+    def decode(
+        self, q: torch.Tensor, pool: KVPool, batch: AttentionBatch, layer: int
+    ) -> torch.Tensor:
         """q [B, heads, head_dim], one token per sequence (its KV already in the pool);
         returns [B, heads * head_dim]."""
 
     @abstractmethod
-    def extend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool,
-               batch: AttentionBatch, layer: int, out: torch.Tensor | None) -> torch.Tensor:
+    def extend(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        pool: KVPool,
+        batch: AttentionBatch,
+        layer: int,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
         """q [T, heads, head_dim], the spans' new tokens; k_new [T, kv_heads, head_dim] and
         v_new [T, kv_size] are theirs, already written to the pool. Causal within a span,
         after its cached prefix. Returns [T, heads * head_dim] (in `out` if given)."""
@@ -119,11 +131,14 @@ class TorchAttention(AttentionBackend):
         batch.meta["decode_bias"] = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
         n = batch.read_rows.numel()
         # buffers reused across layers keep the gathered KV in cache (4x faster than fresh ones)
-        batch.meta["gather_out"] = (pool.rows.new_empty(n, pool.rows.shape[1]),
-                                    pool.rows.new_empty(n, pool.rows.shape[1]))
+        batch.meta["gather_out"] = (
+            pool.rows.new_empty(n, pool.rows.shape[1]),
+            pool.rows.new_empty(n, pool.rows.shape[1]),
+        )
 
-    def decode(self, q: torch.Tensor, pool: KVPool, batch: AttentionBatch,
-               layer: int) -> torch.Tensor:
+    def decode(
+        self, q: torch.Tensor, pool: KVPool, batch: AttentionBatch, layer: int
+    ) -> torch.Tensor:
         assert isinstance(batch.read_rows, torch.Tensor) and batch.meta is not None
         bias = batch.meta["decode_bias"]
         gather_out = batch.meta["gather_out"]
@@ -134,33 +149,59 @@ class TorchAttention(AttentionBackend):
         # with an additive mask runs 1.3-1.7x faster than with enable_gqa and a bool mask.
         bsz = q.shape[0]
         qg = q.reshape(bsz, self.spec.num_kv_heads, self.num_groups, self.spec.head_dim)
-        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=bias, scale=self.scale)
+        out = F.scaled_dot_product_attention(
+            qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=self.scale
+        )
         return out.reshape(bsz, self.q_size)
 
-    def extend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool,
-               batch: AttentionBatch, layer: int, out: torch.Tensor | None) -> torch.Tensor:
+    def extend(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        pool: KVPool,
+        batch: AttentionBatch,
+        layer: int,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
         assert batch.spans is not None and batch.meta is not None
         outs = []
-        for i, ((start, num_new, total, prefix), rows) in enumerate(zip(batch.spans,
-                                                                        batch.meta["rows"])):
-            outs.append(self._span(q, k_new, v_new, pool, batch, layer, i, start, num_new,
-                                   total, prefix, rows))
+        for i, ((start, num_new, total, prefix), rows) in enumerate(
+            zip(batch.spans, batch.meta["rows"])
+        ):
+            outs.append(
+                self._span(
+                    q, k_new, v_new, pool, batch, layer, i, start, num_new, total, prefix, rows
+                )
+            )
         result = torch.cat(outs) if len(outs) > 1 else outs[0]
         if out is None:
             return result
         return out.copy_(result)
 
-    def _span(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool,
-              batch: AttentionBatch, layer: int, i: int, start: int, num_new: int, total: int,
-              prefix: int, rows: torch.Tensor) -> torch.Tensor:
+    def _span(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        pool: KVPool,
+        batch: AttentionBatch,
+        layer: int,
+        i: int,
+        start: int,
+        num_new: int,
+        total: int,
+        prefix: int,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
         # The new tokens' K/V are at hand: only a cached prefix is read from the pages.
         k = k_new[start : start + num_new]
         v = v_new[start : start + num_new].reshape(num_new, *k.shape[1:])
         qr = q[start : start + num_new].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if prefix == 0:
-            out = F.scaled_dot_product_attention(qr, self._heads(k), self._heads(v),
-                                                 is_causal=True, scale=self.scale)
+            out = F.scaled_dot_product_attention(
+                qr, self._heads(k), self._heads(v), is_causal=True, scale=self.scale
+            )
         else:
             num_pages = -(-prefix // pool.page_size)
             pk, pv = self._gather(pool, rows[:num_pages], layer)
@@ -169,28 +210,40 @@ class TorchAttention(AttentionBackend):
             else:
                 k, v = torch.cat([pk[:prefix], k]), torch.cat([pv[:prefix], v])
                 mask = self._prefix_mask(batch, i, prefix, total, q)
-                out = F.scaled_dot_product_attention(qr, self._heads(k), self._heads(v),
-                                                     attn_mask=mask, scale=self.scale)
+                out = F.scaled_dot_product_attention(
+                    qr, self._heads(k), self._heads(v), attn_mask=mask, scale=self.scale
+                )
         return out[0].transpose(0, 1).reshape(num_new, self.q_size)
 
-    def _gather(self, pool: KVPool, rows: torch.Tensor, layer: int,
-                out: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(
+        self,
+        pool: KVPool,
+        rows: torch.Tensor,
+        layer: int,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the pages in `rows` for one layer: each [..., pages * page_size,
         kv_heads, head_dim]."""
-        shape = (*rows.shape[:-1], rows.shape[-1] * pool.page_size, self.spec.num_kv_heads,
-                 self.spec.head_dim)
+        shape = (
+            *rows.shape[:-1],
+            rows.shape[-1] * pool.page_size,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+        )
         base = rows.reshape(-1) + 2 * layer
         if out is None:
-            return (pool.rows.index_select(0, base).view(shape),
-                    pool.rows.index_select(0, base + 1).view(shape))
+            return (
+                pool.rows.index_select(0, base).view(shape),
+                pool.rows.index_select(0, base + 1).view(shape),
+            )
         torch.index_select(pool.rows, 0, base, out=out[0])
         torch.index_select(pool.rows, 0, base + 1, out=out[1])
         return out[0].view(shape), out[1].view(shape)
 
     @staticmethod
-    def _prefix_mask(batch: AttentionBatch, i: int, prefix: int, total: int,
-                     q: torch.Tensor) -> torch.Tensor:
+    def _prefix_mask(
+        batch: AttentionBatch, i: int, prefix: int, total: int, q: torch.Tensor
+    ) -> torch.Tensor:
         """Causal after a cached prefix (CUDA; the CPU splits the pass, `_after_prefix`):
         new token j sees keys 0..prefix + j. Additive (0 or -inf) in the model's dtype and
         built once per forward, not per layer: SDPA turns a bool mask into this on every call
@@ -212,8 +265,14 @@ class TorchAttention(AttentionBackend):
         enable_gqa run the math kernel (12x slower at 4096 tokens, quadratic memory)."""
         return x.transpose(0, 1).repeat_interleave(self.num_groups, dim=0).unsqueeze(0)
 
-    def _after_prefix(self, qr: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      prefix_k: torch.Tensor, prefix_v: torch.Tensor) -> torch.Tensor:
+    def _after_prefix(
+        self,
+        qr: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        prefix_k: torch.Tensor,
+        prefix_v: torch.Tensor,
+    ) -> torch.Tensor:
         """Attention of new tokens after a cached prefix (a later chunk, a cache hit), CPU.
 
         As two flash passes merged by their log-sum-exps: the prefix's keys, all visible,
@@ -223,8 +282,9 @@ class TorchAttention(AttentionBackend):
         """
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         out_new, lse_new = flash(qr, self._heads(k), self._heads(v), 0.0, True, scale=self.scale)
-        out_pre, lse_pre = flash(qr, self._heads(prefix_k), self._heads(prefix_v), 0.0, False,
-                                 scale=self.scale)
+        out_pre, lse_pre = flash(
+            qr, self._heads(prefix_k), self._heads(prefix_v), 0.0, False, scale=self.scale
+        )
         top = torch.maximum(lse_new, lse_pre)
         w_new = (lse_new - top).exp_().unsqueeze(-1)
         w_pre = (lse_pre - top).exp_().unsqueeze(-1)
@@ -254,16 +314,26 @@ class CpuKernelAttention(TorchAttention):
             return
         super().prepare(pool, batch)
 
-    def decode(self, q: torch.Tensor, pool: KVPool, batch: AttentionBatch,
-               layer: int) -> torch.Tensor:
+    def decode(
+        self, q: torch.Tensor, pool: KVPool, batch: AttentionBatch, layer: int
+    ) -> torch.Tensor:
         if self.decode_kernel is None:
             return super().decode(q, pool, batch, layer)
         assert isinstance(batch.read_rows, torch.Tensor) and batch.seq_lens is not None
-        return self.decode_kernel(pool.rows, batch.read_rows, batch.seq_lens, layer, q,
-                                  pool.page_size, self.scale)
+        return self.decode_kernel(
+            pool.rows, batch.read_rows, batch.seq_lens, layer, q, pool.page_size, self.scale
+        )
 
-    def extend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool,
-               batch: AttentionBatch, layer: int, out: torch.Tensor | None) -> torch.Tensor:
+    def extend(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        pool: KVPool,
+        batch: AttentionBatch,
+        layer: int,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
         if self.prefill_kernel is None:
             return super().extend(q, k_new, v_new, pool, batch, layer, out)
         assert batch.spans is not None and isinstance(batch.read_rows, list)
@@ -271,8 +341,16 @@ class CpuKernelAttention(TorchAttention):
         result = q.new_empty(q.shape[0], self.q_size) if out is None else out
         for (start, num_new, _, prefix), rows in zip(batch.spans, batch.read_rows):
             end = start + num_new
-            self.prefill_kernel(pool.rows, rows, layer, q[start:end], prefix, result[start:end],
-                                pool.page_size, self.scale)
+            self.prefill_kernel(
+                pool.rows,
+                rows,
+                layer,
+                q[start:end],
+                prefix,
+                result[start:end],
+                pool.page_size,
+                self.scale,
+            )
         return result
 
 
@@ -307,22 +385,49 @@ class TritonAttention(AttentionBackend):
         batch.meta["q_starts"], batch.meta["num_new"], batch.meta["prefixes"] = spans_d.unbind(1)
         batch.meta["max_new"] = max(s[1] for s in batch.spans)
 
-    def decode(self, q: torch.Tensor, pool: KVPool, batch: AttentionBatch,
-               layer: int) -> torch.Tensor:
+    def decode(
+        self, q: torch.Tensor, pool: KVPool, batch: AttentionBatch, layer: int
+    ) -> torch.Tensor:
         assert isinstance(batch.read_rows, torch.Tensor) and batch.seq_lens is not None
         return self._kernels.paged_decode_attention(
-            pool.rows, batch.read_rows, batch.seq_lens, layer, q, pool.page_size, self.scale,
-            self.spec.num_kv_heads)
+            pool.rows,
+            batch.read_rows,
+            batch.seq_lens,
+            layer,
+            q,
+            pool.page_size,
+            self.scale,
+            self.spec.num_kv_heads,
+        )
 
-    def extend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool,
-               batch: AttentionBatch, layer: int, out: torch.Tensor | None) -> torch.Tensor:
+    def extend(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        pool: KVPool,
+        batch: AttentionBatch,
+        layer: int,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
         meta = batch.meta
         assert meta is not None
         max_new = meta["max_new"]
         assert isinstance(max_new, int)
         return self._kernels.paged_extend_attention(
-            pool.rows, meta["table"], meta["q_starts"], meta["num_new"], meta["prefixes"],
-            max_new, layer, q, pool.page_size, self.scale, self.spec.num_kv_heads, out=out)
+            pool.rows,
+            meta["table"],
+            meta["q_starts"],
+            meta["num_new"],
+            meta["prefixes"],
+            max_new,
+            layer,
+            q,
+            pool.page_size,
+            self.scale,
+            self.spec.num_kv_heads,
+            out=out,
+        )
 
 
 def triton_usable() -> bool:
@@ -333,29 +438,40 @@ def triton_usable() -> bool:
     return triton_available()
 
 
-def make_attention_backend(name: str, spec: ModelSpec, dtype: torch.dtype,
-                           device: torch.device, *, cpu_kernels: bool = True) -> AttentionBackend:
+def make_attention_backend(
+    name: str,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    cpu_kernels: bool = True,
+) -> AttentionBackend:
     """The backend `name` (one of ATTENTION_BACKENDS) for this model on `device`.
 
     auto: triton on CUDA (torch there when Triton is missing, with a warning), cpu on the CPU
     (torch with cpu_kernels off). An explicit name that cannot run here is an error."""
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; expected one of "
-                         f"{list(ATTENTION_BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; expected one of {list(ATTENTION_BACKENDS)}"
+        )
     if name == "auto":
         if device.type == "cuda":
             if triton_usable():
                 name = "triton"
             else:
-                logger.warning("Triton is not importable: attention on CUDA runs on gathered "
-                               "pages (SDPA), several times slower")
+                logger.warning(
+                    "Triton is not importable: attention on CUDA runs on gathered "
+                    "pages (SDPA), several times slower"
+                )
                 name = "torch"
         else:
             name = "cpu" if cpu_kernels else "torch"
     if name == "triton":
         if not triton_usable():
-            raise ValueError("--attention-backend triton needs Triton (and CUDA, or "
-                             "TRITON_INTERPRET=1 for tests)")
+            raise ValueError(
+                "--attention-backend triton needs Triton (and CUDA, or "
+                "TRITON_INTERPRET=1 for tests)"
+            )
         return TritonAttention(spec, dtype, device)
     if name == "cpu":
         if device.type != "cpu":

@@ -72,8 +72,9 @@ class DecodeGraphs:
         self.runner = runner
         self.buckets = graph_buckets(max_bs)
         self.max_bs = n = self.buckets[-1]
-        self.width = pages_needed(min(runner.context_length, GRAPH_MAX_CONTEXT),
-                                  runner.page_size)  # pages per row
+        self.width = pages_needed(
+            min(runner.context_length, GRAPH_MAX_CONTEXT), runner.page_size
+        )  # pages per row
         self.is_captured = False
         self._capture = capture and runner.device.type == "cuda"
         device = runner.device
@@ -122,8 +123,12 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.runner.device)
         self.is_captured = True
 
-    def run(self, token_ids: Sequence[int], seq_lens: Sequence[int],
-            page_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    def run(
+        self,
+        token_ids: Sequence[int],
+        seq_lens: Sequence[int],
+        page_tables: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
         """One decode step through the bucket's graph (eagerly without one): [bs, vocab]."""
         bs = len(token_ids)
         bucket = bucket_for(bs, self.buckets)
@@ -143,8 +148,13 @@ class DecodeGraphs:
         with torch.inference_mode():
             return self._forward(bucket)[:bs]
 
-    def _fill(self, token_ids: Sequence[int], seq_lens: Sequence[int],
-              page_tables: Sequence[Sequence[int]], bucket: int) -> int:
+    def _fill(
+        self,
+        token_ids: Sequence[int],
+        seq_lens: Sequence[int],
+        page_tables: Sequence[Sequence[int]],
+        bucket: int,
+    ) -> int:
         """Write a step's inputs into the host buffer, padding rows up to `bucket`; returns
         the page-table columns in use."""
         n, ps, stride = self.max_bs, self.runner.page_size, self.runner.layer_stride
@@ -161,12 +171,15 @@ class DecodeGraphs:
         if bs:
             # every row's pages at once: (page index, row) coordinates of one flat list
             used = pages_used[:bs]
-            flat = np.fromiter(itertools.chain.from_iterable(
-                p[:u] for p, u in zip(page_tables, used.tolist())), dtype=np.int64,
-                count=int(used.sum()))
+            flat = np.fromiter(
+                itertools.chain.from_iterable(p[:u] for p, u in zip(page_tables, used.tolist())),
+                dtype=np.int64,
+                count=int(used.sum()),
+            )
             first = np.cumsum(used) - used  # each row's first page in `flat`
-            table[np.arange(flat.size) - np.repeat(first, used),
-                  np.repeat(np.arange(bs), used)] = flat * stride
+            table[np.arange(flat.size) - np.repeat(first, used), np.repeat(np.arange(bs), used)] = (
+                flat * stride
+            )
             last = lens[:bs] - 1  # each row's new token: its page and slot
             h[2 * n : 2 * n + bs] = flat[first + last // ps] * (stride * ps) + last % ps
         table[:width, bs:bucket] = self._scratch_row

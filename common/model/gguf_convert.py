@@ -66,9 +66,7 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     rows = w.shape[0]
     head_dim = rows // num_heads
     rest = w.shape[1:]
-    return (
-        w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest).copy()
-    )
+    return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest).copy()
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

@@ -1,4 +1,7 @@
-"""Llama-family transformer (Llama, Mistral, Qwen2) whose attention reads and writes the paged KV pool."""
+"""Llama-family transformer whose attention reads and writes the paged KV pool.
+
+The family: Llama, Mistral, Qwen2.
+"""
 
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ from common.model.cpu.gemm import (
     AMX,
     PACKED,
     PANELS,
+    PREFILL_LAYERS,
     ROW_MAJOR,
     WEIGHT_MAJOR,
-    PREFILL_LAYERS,
     KernelChooser,
     LinearWeight,
     linear,
@@ -49,7 +52,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     F.rms_norm computes x * rsqrt(mean(x^2) + eps) as one op, bit-equal to the four it
     replaces; given bfloat16 it computes in float32 and rounds once, bit-equal to casting
-    around it as transformers does (tests/unit/common/model/test_rms_norm.py), two copies fewer per norm.
+    around it as transformers does (tests/unit/common/model/test_rms_norm.py), two copies fewer
+    per norm.
     """
     return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
@@ -68,9 +72,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> tor
 class LlamaModel:
     """Weights plus the forward pass; KV lives in the KVPool passed to `forward`."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, *, pack: bool = False,
-                 cpu_kernels: bool = False, attention_backend: str = "auto") -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        pack: bool = False,
+        cpu_kernels: bool = False,
+        attention_backend: str = "auto",
+    ) -> None:
         """`pack`: keep a oneDNN-packed copy of each matrix (twice the weight memory) for the
         kernel choice of common.model.cpu.gemm (three times in float32 with AVX-512 or AVX2 and
         `cpu_kernels`: the panel copy too; warm-up's choice drops the copies no row count
@@ -130,8 +142,9 @@ class LlamaModel:
                 LayerWeights(
                     qkv=lw(torch.cat([w(a + f"{n}_proj.weight") for n in ("q", "k", "v")]), bias),
                     o=lw(w(a + "o_proj.weight")),
-                    gate_up=lw(torch.cat([w(p + "mlp.gate_proj.weight"),
-                                          w(p + "mlp.up_proj.weight")])),
+                    gate_up=lw(
+                        torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+                    ),
                     down=lw(w(p + "mlp.down_proj.weight")),
                     attn_norm=w(p + "input_layernorm.weight"),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
@@ -147,8 +160,9 @@ class LlamaModel:
         self.sin_rot = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.attention = make_attention_backend(attention_backend, spec, dtype, device,
-                                                cpu_kernels=cpu_kernels)
+        self.attention = make_attention_backend(
+            attention_backend, spec, dtype, device, cpu_kernels=cpu_kernels
+        )
         self.fused: FusedOps | TritonFusedOps | None = None
         if self.attention.name == "triton":
             # RoPE with the KV store, the residual add with RMSNorm, silu with its product:
@@ -159,8 +173,14 @@ class LlamaModel:
         elif cpu_kernels:
             self.fused = fused_ops(device, dtype)
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, pool: KVPool,
-                batch: AttentionBatch, out_rows: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        pool: KVPool,
+        batch: AttentionBatch,
+        out_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Run the layers over all new tokens; return final hidden states of `out_rows` (or all).
 
         The caller (ModelRunner._check_span) keeps positions within the context length and
@@ -182,9 +202,15 @@ class LlamaModel:
             self.chooser.record(num_tokens, kernel, self._gemm_s)
         return h if out_rows is None else h[out_rows]
 
-    def _layers(self, x: torch.Tensor, positions: torch.Tensor,
-                trig: tuple[torch.Tensor, torch.Tensor] | None, pool: KVPool,
-                batch: AttentionBatch, kernel: str) -> torch.Tensor:
+    def _layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        trig: tuple[torch.Tensor, torch.Tensor] | None,
+        pool: KVPool,
+        batch: AttentionBatch,
+        kernel: str,
+    ) -> torch.Tensor:
         """The layers over the embedded tokens x (the residual stream, updated in place
         where the fused steps run); returns the final norm's output."""
         x, h = self._add_norm(x, None, self.layers[0].attn_norm)
@@ -204,8 +230,9 @@ class LlamaModel:
         outside a CPU prefill pass: the step then allocates its output."""
         return self._ws.take(role, *shape) if self._ws is not None else None
 
-    def _add_norm(self, x: torch.Tensor, y: torch.Tensor | None,
-                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(
+        self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream x + y (x itself when y is None) and its RMSNorm by `weight`."""
         eps = self.spec.rms_norm_eps
         if self.fused is not None:
@@ -215,9 +242,15 @@ class LlamaModel:
             x = x + y
         return x, rms_norm(x, weight, eps)
 
-    def _rope_store(self, qkv: torch.Tensor, positions: torch.Tensor,
-                    trig: tuple[torch.Tensor, torch.Tensor] | None, pool: KVPool,
-                    batch: AttentionBatch, layer: int) -> tuple[torch.Tensor, ...]:
+    def _rope_store(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        trig: tuple[torch.Tensor, torch.Tensor] | None,
+        pool: KVPool,
+        batch: AttentionBatch,
+        layer: int,
+    ) -> tuple[torch.Tensor, ...]:
         """q and k rotated, k and v written to this layer's pool slots; returns q, k
         [tokens, heads or kv_heads, head_dim] and v [tokens, kv_size] (a view of qkv)."""
         spec = self.spec
@@ -225,10 +258,20 @@ class LlamaModel:
         qk_size = self.q_size + self.kv_size
         k_offset, v_offset = 2 * layer * pool.page_size, pool.page_size
         if self.fused is not None:
-            qk = self.fused.rope_store(qkv, positions, self.cos, self.sin_rot, pool.tokens,
-                                       batch.write_slots, k_offset, v_offset, spec.num_heads,
-                                       spec.num_kv_heads, spec.head_dim,
-                                       out=self._out("qk", n, heads, spec.head_dim))
+            qk = self.fused.rope_store(
+                qkv,
+                positions,
+                self.cos,
+                self.sin_rot,
+                pool.tokens,
+                batch.write_slots,
+                k_offset,
+                v_offset,
+                spec.num_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                out=self._out("qk", n, heads, spec.head_dim),
+            )
             v = qkv[:, qk_size:]
         else:
             assert trig is not None
@@ -260,8 +303,9 @@ class LlamaModel:
         self.head_chooser.record(rows, kernel, self._gemm_s)
         return out.float()
 
-    def _linear(self, x: torch.Tensor, w: LinearWeight, kernel: str,
-                role: str | None = None) -> torch.Tensor:
+    def _linear(
+        self, x: torch.Tensor, w: LinearWeight, kernel: str, role: str | None = None
+    ) -> torch.Tensor:
         """A product, its seconds added to this pass's total (CPU ops run synchronously);
         row_major's output in this pass's buffer for `role`, if it has one."""
         buf = None
@@ -280,18 +324,33 @@ class LlamaModel:
             return
         products = self.layer_products()
         per_layer = len(products) // len(self.layers)
-        measure(self.chooser, products, self.dtype,
-                prefill_products=products[:per_layer * PREFILL_LAYERS],
-                keep_all_copies=keep_all_copies)
-        measure(self.head_chooser, [(self.lm_head, self.spec.hidden_size)], self.dtype,
-                keep_all_copies=keep_all_copies)
+        measure(
+            self.chooser,
+            products,
+            self.dtype,
+            prefill_products=products[: per_layer * PREFILL_LAYERS],
+            keep_all_copies=keep_all_copies,
+        )
+        measure(
+            self.head_chooser,
+            [(self.lm_head, self.spec.hidden_size)],
+            self.dtype,
+            keep_all_copies=keep_all_copies,
+        )
 
     def layer_products(self) -> list[tuple[LinearWeight, int]]:
         """One pass's products in the layers, each with its input width."""
         hidden, inter = self.spec.hidden_size, self.layers[0].down.weight.shape[1]
-        return [p for layer in self.layers
-                for p in ((layer.qkv, hidden), (layer.o, self.q_size),
-                          (layer.gate_up, hidden), (layer.down, inter))]
+        return [
+            p
+            for layer in self.layers
+            for p in (
+                (layer.qkv, hidden),
+                (layer.o, self.q_size),
+                (layer.gate_up, hidden),
+                (layer.down, inter),
+            )
+        ]
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The matrices and vectors one forward reads (the LM head's once, tied or not)."""
@@ -302,8 +361,15 @@ class LlamaModel:
             out += [layer.attn_norm, layer.mlp_norm]
         return out
 
-    def _attention(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, pool: KVPool,
-                   batch: AttentionBatch, layer: int) -> torch.Tensor:
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        pool: KVPool,
+        batch: AttentionBatch,
+        layer: int,
+    ) -> torch.Tensor:
         """Attention of this layer over the new tokens' k_new [tokens, kv_heads, head_dim] and
         v_new [tokens, kv_size], just written to the pool, and the cached KV."""
         if batch.is_decode:

@@ -1,4 +1,4 @@
-"""Resolve a model path and load its weights (HF safetensors, sharded or not; GGUF via conversion)."""
+"""Resolve a model path, load its weights (HF safetensors, sharded or not; GGUF via conversion)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_state_dict(model_dir: Path, dtype: torch.dtype, progress: bool = True) -> dict[str, torch.Tensor]:
+def load_state_dict(
+    model_dir: Path, dtype: torch.dtype, progress: bool = True
+) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint by HF name, cast to dtype, on the CPU."""
     from safetensors import safe_open
     from tqdm import tqdm
@@ -53,7 +55,9 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype, progress: bool = True) 
         with safe_open(str(f), framework="pt") as sf:
             names.extend((f, k) for k in sf.keys())
     out: dict[str, torch.Tensor] = {}
-    bar = tqdm(total=len(names), desc=f"loading {model_dir.name}", unit="tensor", disable=not progress)
+    bar = tqdm(
+        total=len(names), desc=f"loading {model_dir.name}", unit="tensor", disable=not progress
+    )
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for k in sf.keys():

@@ -40,8 +40,9 @@ def device_memory(device: torch.device) -> DeviceMemory:
             parts = value.split()
             if parts and parts[0].isdigit():
                 fields[name] = int(parts[0]) * 1024  # kB
-    return DeviceMemory(total=fields["MemTotal"], free=fields.get("MemAvailable",
-                                                                  fields.get("MemFree", 0)))
+    return DeviceMemory(
+        total=fields["MemTotal"], free=fields.get("MemAvailable", fields.get("MemFree", 0))
+    )
 
 
 def kv_pool_bytes(memory: DeviceMemory, fraction: float, activation_bytes: int) -> int:
@@ -58,5 +59,6 @@ def kv_pool_bytes(memory: DeviceMemory, fraction: float, activation_bytes: int) 
             f"{memory.total / gib:.1f} GiB is {memory.total * fraction / gib:.1f} GiB, but "
             f"{memory.in_use / gib:.1f} GiB are in use (weights, CUDA context, other "
             f"processes) and a forward needs {activation_bytes / gib:.2f} GiB more; raise the "
-            f"fraction, or give each node its own GPU (pdserve launch --gpus)")
+            f"fraction, or give each node its own GPU (pdserve launch --gpus)"
+        )
     return budget

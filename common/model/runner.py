@@ -55,14 +55,27 @@ class ExtendResult:
 class ModelRunner:
     """Owns the model weights and the KV pool of one node; the one place that runs torch."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, dtype: str = "float32",
-                 device: str = "cpu", page_size: int = 16, num_pages: int | None = None,
-                 max_total_tokens: int | None = None, kv_memory_bytes: int | None = None,
-                 mem_fraction_static: float | None = None, context_length: int | None = None,
-                 pack_weights: bool = True, cpu_kernels: bool = True,
-                 attention_backend: str = "auto", cuda_graph_max_bs: int = DEFAULT_GRAPH_MAX_BS,
-                 disable_cuda_graph: bool = False, decodes: bool = True,
-                 warmup_tokens: int = DEFAULT_WARMUP_TOKENS) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_total_tokens: int | None = None,
+        kv_memory_bytes: int | None = None,
+        mem_fraction_static: float | None = None,
+        context_length: int | None = None,
+        pack_weights: bool = True,
+        cpu_kernels: bool = True,
+        attention_backend: str = "auto",
+        cuda_graph_max_bs: int = DEFAULT_GRAPH_MAX_BS,
+        disable_cuda_graph: bool = False,
+        decodes: bool = True,
+        warmup_tokens: int = DEFAULT_WARMUP_TOKENS,
+    ) -> None:
         """`pack_weights`: on the CPU, also keep packed weights (twice the weight memory:
         oneDNN's layout, or in bfloat16 with AMX and the C kernels the AMX tiles' layout;
         three times in float32 with AVX-512 or AVX2 and the C kernels, whose panel layout comes
@@ -90,8 +103,15 @@ class ModelRunner:
         self.spec = spec
         self.dtype_name = dtype
         self.context_length = min(context_length or spec.context_length, spec.context_length)
-        self.model = LlamaModel(spec, weights, torch_dtype(dtype), self.device, pack=pack_weights,
-                                cpu_kernels=cpu_kernels, attention_backend=attention_backend)
+        self.model = LlamaModel(
+            spec,
+            weights,
+            torch_dtype(dtype),
+            self.device,
+            pack=pack_weights,
+            cpu_kernels=cpu_kernels,
+            attention_backend=attention_backend,
+        )
         if self.device.type == "cpu":
             report_variant(cpu_kernels)
         self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype)
@@ -104,15 +124,21 @@ class ModelRunner:
             if max_total_tokens is None and kv_memory_bytes is None:
                 if mem_fraction_static is not None or self.device.type == "cuda":
                     kv_memory_bytes = self._bytes_by_fraction(
-                        mem_fraction_static or DEFAULT_CUDA_FRACTION)
+                        mem_fraction_static or DEFAULT_CUDA_FRACTION
+                    )
                 else:
                     kv_memory_bytes = 2 << 30
             num_pages = KVPool.num_pages_for(self.layout, max_total_tokens, kv_memory_bytes)
         # one spare page: decode graphs' padding rows write their KV there, outside the pages
         # any request or peer can hold
         self.pool = KVPool(self.layout, num_pages, self.device, spare_pages=1)
-        logger.info("KV pool: %d pages of %d tokens, %.2f GiB on %s", num_pages, page_size,
-                    self.pool.nbytes / (1 << 30), self.device)
+        logger.info(
+            "KV pool: %d pages of %d tokens, %.2f GiB on %s",
+            num_pages,
+            page_size,
+            self.pool.nbytes / (1 << 30),
+            self.device,
+        )
         if self.device.type == "cuda" and self.model.attention.name == "triton" and decodes:
             # graphs or not, a step's inputs travel in one copy from pinned memory (the
             # torch backend gathers every page of the graph's wide table: not with it)
@@ -140,9 +166,15 @@ class ModelRunner:
             torch.cuda.empty_cache()
         memory = device_memory(self.device)
         chosen = kv_pool_bytes(memory, fraction, activation)
-        logger.info("--mem-fraction-static %.2f: %.1f of %.1f GiB in use, forward peak %.2f "
-                    "GiB; KV pool %.2f GiB", fraction, memory.in_use / (1 << 30),
-                    memory.total / (1 << 30), activation / (1 << 30), chosen / (1 << 30))
+        logger.info(
+            "--mem-fraction-static %.2f: %.1f of %.1f GiB in use, forward peak %.2f "
+            "GiB; KV pool %.2f GiB",
+            fraction,
+            memory.in_use / (1 << 30),
+            memory.total / (1 << 30),
+            activation / (1 << 30),
+            chosen / (1 << 30),
+        )
         return chosen
 
     @staticmethod
@@ -158,8 +190,9 @@ class ModelRunner:
         the CPU, first the product kernels are chosen for every row bucket and fixed
         (LlamaModel.choose_kernels), so a node's numerics never change once it serves."""
         self.model.choose_kernels()
-        n = max(1, min(num_tokens, self.context_length - 2,
-                       (self.pool.num_pages - 1) * self.page_size))
+        n = max(
+            1, min(num_tokens, self.context_length - 2, (self.pool.num_pages - 1) * self.page_size)
+        )
         pages = self.pool.allocator.allocate(pages_needed(n + 1, self.page_size))
         try:
             self.extend([ExtendRequest([0] * n, 0, pages)])
@@ -227,12 +260,14 @@ class ModelRunner:
             positions.extend(range(r.prefix_len, total))
             write_slots.extend(self._write_slots(r.page_ids, r.prefix_len, total))
             last_rows.append(len(tokens) - 1)
-        token_t, position_t, slot_t, last_t = self._to_device(tokens, positions, write_slots,
-                                                              last_rows)
+        token_t, position_t, slot_t, last_t = self._to_device(
+            tokens, positions, write_slots, last_rows
+        )
         batch = AttentionBatch(write_slots=slot_t, read_rows=read_rows, spans=spans)
         need_all = any(r.logprob_targets is not None or r.top_logprobs for r in reqs)
-        hidden = self.model.forward(token_t, position_t, self.pool, batch,
-                                    None if need_all else last_t)
+        hidden = self.model.forward(
+            token_t, position_t, self.pool, batch, None if need_all else last_t
+        )
         done = record_work_done(self.device)  # the KV writes are queued before this point
         if not need_all:
             return ExtendResult(logits=self.model.logits(hidden), done=done)
@@ -246,7 +281,8 @@ class ModelRunner:
             targets = list(r.logprob_targets or [])[:n]
             idx = torch.tensor(targets, dtype=torch.long, device=logp.device)
             result.target_logprobs.append(
-                logp[torch.arange(len(targets), device=logp.device), idx] if targets else None)
+                logp[torch.arange(len(targets), device=logp.device), idx] if targets else None
+            )
             if r.top_logprobs:
                 top = logp.topk(r.top_logprobs, dim=-1)
                 result.top_logprobs.append((top.values, top.indices))
@@ -255,8 +291,12 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def decode(self, token_ids: Sequence[int], seq_lens: Sequence[int],
-               page_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    def decode(
+        self,
+        token_ids: Sequence[int],
+        seq_lens: Sequence[int],
+        page_tables: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
         """One step for many requests: token i sits at position seq_lens[i] - 1 (its KV is written
         there) and page_tables[i] covers seq_lens[i] tokens. Returns [B, vocab] float32 logits."""
         ps = self.page_size
@@ -282,6 +322,7 @@ class ModelRunner:
             read_rows=self._rows(table),
             seq_lens=lens,
         )
-        hidden = self.model.forward(torch.tensor(list(token_ids), device=self.device), lens - 1,
-                                    self.pool, batch, None)
+        hidden = self.model.forward(
+            torch.tensor(list(token_ids), device=self.device), lens - 1, self.pool, batch, None
+        )
         return self.model.logits(hidden)

@@ -43,7 +43,9 @@ class ModelSpec:
     def from_hf_config(cfg: dict[str, Any]) -> ModelSpec:
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type", "")
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next(
+            (SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None
+        )
         if arch is None and model_type in SUPPORTED_ARCHITECTURES.values():
             arch = model_type
         if arch is None:
@@ -102,7 +104,9 @@ class ModelSpec:
         mlp = 3 * self.hidden_size * self.intermediate_size
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + head + self.hidden_size
+        return (
+            self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + head + self.hidden_size
+        )
 
     def decode_flops_per_token(self) -> int:
         """Matmul FLOPs for one decoded token, attention over the cache excluded."""

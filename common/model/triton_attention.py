@@ -118,19 +118,38 @@ def round_to(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton_jit
-def _attend_block(acc, m_i, l_i, q, q_pos, pool_ptr, table_row_ptr, table_col, row_stride,
-                  layer, pos, key_valid, kv_head, scale_log2, KV_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
-                  CAUSAL: tl.constexpr,
-                  PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _attend_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    pool_ptr,
+    table_row_ptr,
+    table_col,
+    row_stride,
+    layer,
+    pos,
+    key_valid,
+    kv_head,
+    scale_log2,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """One online-softmax step of a query block over the keys at positions `pos` (those
     where `key_valid`; with CAUSAL only those at or before each row's `q_pos`), each found
     through the sequence's page table row: nothing is read for an invalid key."""
     offs_d = tl.arange(0, BLOCK_D)
     # one table entry per key (the keys of one page share it)
     # table_col: the table's column stride (decode graphs keep it page-major)
-    page_row = tl.load(table_row_ptr + (pos // PAGE) * table_col, mask=key_valid,
-                       other=0).to(tl.int64)
+    page_row = tl.load(table_row_ptr + (pos // PAGE) * table_col, mask=key_valid, other=0).to(
+        tl.int64
+    )
     base = (page_row + 2 * layer) * row_stride + (pos % PAGE) * (KV_HEADS * HEAD_DIM)
     col = kv_head * HEAD_DIM + offs_d
     kv_mask = key_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -158,13 +177,34 @@ def _attend_block(acc, m_i, l_i, q, q_pos, pool_ptr, table_row_ptr, table_col, r
 
 
 @triton_jit
-def _decode_kernel(pool_ptr, row_stride, table_ptr, table_stride, table_col, lens_ptr,
-                   lens_stride, q_ptr, q_sb, q_sh, out_ptr, out_sb, part_o_ptr, part_lse_ptr,
-                   layer, scale_log2,
-                   GROUPS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-                   UPCAST: tl.constexpr):
+def _decode_kernel(
+    pool_ptr,
+    row_stride,
+    table_ptr,
+    table_stride,
+    table_col,
+    lens_ptr,
+    lens_stride,
+    q_ptr,
+    q_sb,
+    q_sh,
+    out_ptr,
+    out_sb,
+    part_o_ptr,
+    part_lse_ptr,
+    layer,
+    scale_log2,
+    GROUPS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -178,22 +218,47 @@ def _decode_kernel(pool_ptr, row_stride, table_ptr, table_stride, table_col, len
     offs_d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUPS + offs_g
     qo_mask = (offs_g < GROUPS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + offs_d[None, :],
-                mask=qo_mask, other=0.0)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + offs_d[None, :],
+        mask=qo_mask,
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row_ptr = table_ptr + b.to(tl.int64) * table_stride
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, pos, pool_ptr, table_row_ptr,
-                                      table_col, row_stride, layer, pos, pos < end, kv_head,
-                                      scale_log2,
-                                      KV_HEADS, HEAD_DIM, PAGE, BLOCK_D, False, PREC, UPCAST)
+        acc, m_i, l_i = _attend_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            pos,
+            pool_ptr,
+            table_row_ptr,
+            table_col,
+            row_stride,
+            layer,
+            pos,
+            pos < end,
+            kv_head,
+            scale_log2,
+            KV_HEADS,
+            HEAD_DIM,
+            PAGE,
+            BLOCK_D,
+            False,
+            PREC,
+            UPCAST,
+        )
     if SPLITS == 1:
         out = round_to(acc / l_i[:, None], out_ptr.dtype.element_ty, UPCAST)
-        tl.store(out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * HEAD_DIM + offs_d[None, :],
-                 out, mask=qo_mask)
+        tl.store(
+            out_ptr + b.to(tl.int64) * out_sb + heads[:, None] * HEAD_DIM + offs_d[None, :],
+            out,
+            mask=qo_mask,
+        )
     else:
         # an empty split (a sequence shorter than the others) leaves weight 0 for the merge
         has_keys = l_i > 0
@@ -205,9 +270,18 @@ def _decode_kernel(pool_ptr, row_stride, table_ptr, table_stride, table_col, len
 
 
 @triton_jit
-def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, out_sb, HEADS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr, EMULATE: tl.constexpr):
+def _merge_splits_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    out_sb,
+    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -215,26 +289,32 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, out_sb, HEADS: tl.co
     part = (b.to(tl.int64) * HEADS + h) * SPLITS + offs_s
     lse = tl.load(part_lse_ptr + part, mask=offs_s < SPLITS, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))  # split 0 always has keys: the max is finite
-    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=(offs_s < SPLITS)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    o = tl.load(
+        part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=(offs_s < SPLITS)[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     out = round_to(tl.sum(o * w[:, None], 0) / tl.sum(w, 0), out_ptr.dtype.element_ty, EMULATE)
-    tl.store(out_ptr + b.to(tl.int64) * out_sb + h * HEAD_DIM + offs_d, out,
-             mask=offs_d < HEAD_DIM)
+    tl.store(out_ptr + b.to(tl.int64) * out_sb + h * HEAD_DIM + offs_d, out, mask=offs_d < HEAD_DIM)
 
 
-def _checked_out(out: torch.Tensor | None, rows: int, width: int,
-                 like: torch.Tensor) -> torch.Tensor:
+def _checked_out(
+    out: torch.Tensor | None, rows: int, width: int, like: torch.Tensor
+) -> torch.Tensor:
     """`out`, or a new [rows, width] tensor in like's dtype and device when it is None."""
     if out is None:
         return torch.empty(rows, width, dtype=like.dtype, device=like.device)
     if tuple(out.shape) != (rows, width) or out.dtype != like.dtype or out.stride(1) != 1:
-        raise ValueError(f"output buffer {tuple(out.shape)} {out.dtype} does not fit "
-                         f"{(rows, width)} {like.dtype} with unit column stride")
+        raise ValueError(
+            f"output buffer {tuple(out.shape)} {out.dtype} does not fit "
+            f"{(rows, width)} {like.dtype} with unit column stride"
+        )
     return out
 
 
-def _checked_groups(pool_rows: torch.Tensor, q: torch.Tensor, page_size: int,
-                    num_kv_heads: int) -> int:
+def _checked_groups(
+    pool_rows: torch.Tensor, q: torch.Tensor, page_size: int, num_kv_heads: int
+) -> int:
     """Query heads per KV head, after checking that Triton runs here and that the pool's
     rows, q [.., heads, head_dim] and the page size fit each other."""
     _require_triton()
@@ -251,10 +331,19 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def paged_decode_attention(pool_rows: torch.Tensor, read_rows: torch.Tensor,
-                           seq_lens: torch.Tensor, layer: int, q: torch.Tensor, page_size: int,
-                           scale: float, num_kv_heads: int, out: torch.Tensor | None = None, *,
-                           num_splits: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    pool_rows: torch.Tensor,
+    read_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layer: int,
+    q: torch.Tensor,
+    page_size: int,
+    scale: float,
+    num_kv_heads: int,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """Attention of one query token per sequence over its pages.
 
     pool_rows: KVPool.rows (contiguous); read_rows [B, W] int, each page's layer-0 K row,
@@ -278,28 +367,81 @@ def paged_decode_attention(pool_rows: torch.Tensor, read_rows: torch.Tensor,
         part_o = torch.empty(bsz, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(bsz, heads, splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(bsz, num_kv_heads, splits)](
-        pool_rows, pool_rows.stride(0), read_rows, read_rows.stride(0), read_rows.stride(1),
+        pool_rows,
+        pool_rows.stride(0),
+        read_rows,
+        read_rows.stride(0),
+        read_rows.stride(1),
         seq_lens,
-        seq_lens.stride(0), q, q.stride(0), q.stride(1), out, out.stride(0), part_o, part_lse,
-        layer, scale * LOG2_E,
-        GROUPS=groups, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page_size, SPLITS=splits,
-        BLOCK_G=block_g, BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d, PREC=prec, UPCAST=upcast,
-        num_warps=4, num_stages=2)
+        seq_lens.stride(0),
+        q,
+        q.stride(0),
+        q.stride(1),
+        out,
+        out.stride(0),
+        part_o,
+        part_lse,
+        layer,
+        scale * LOG2_E,
+        GROUPS=groups,
+        KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE=page_size,
+        SPLITS=splits,
+        BLOCK_G=block_g,
+        BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_D=block_d,
+        PREC=prec,
+        UPCAST=upcast,
+        num_warps=4,
+        num_stages=2,
+    )
     if splits > 1:
         _merge_splits_kernel[(bsz, heads)](
-            part_o, part_lse, out, out.stride(0), HEADS=heads, HEAD_DIM=head_dim, SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(head_dim),
-            EMULATE=upcast, num_warps=1)
+            part_o,
+            part_lse,
+            out,
+            out.stride(0),
+            HEADS=heads,
+            HEAD_DIM=head_dim,
+            SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            EMULATE=upcast,
+            num_warps=1,
+        )
     return out
 
 
 @triton_jit
-def _extend_kernel(pool_ptr, row_stride, table_ptr, table_stride, starts_ptr, starts_stride,
-                   num_new_ptr, num_new_stride, prefixes_ptr, prefixes_stride, q_ptr, q_st, q_sh,
-                   out_ptr, out_st, layer, scale_log2, GROUPS: tl.constexpr,
-                   KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _extend_kernel(
+    pool_ptr,
+    row_stride,
+    table_ptr,
+    table_stride,
+    starts_ptr,
+    starts_stride,
+    num_new_ptr,
+    num_new_stride,
+    prefixes_ptr,
+    prefixes_stride,
+    q_ptr,
+    q_st,
+    q_sh,
+    out_ptr,
+    out_st,
+    layer,
+    scale_log2,
+    GROUPS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     span = tl.program_id(0)
     block_m = tl.program_id(1)
     head = tl.program_id(2)
@@ -314,8 +456,9 @@ def _extend_kernel(pool_ptr, row_stride, table_ptr, table_stride, starts_ptr, st
     offs_d = tl.arange(0, BLOCK_D)
     qo_mask = (offs_m < num_new)[:, None] & (offs_d < HEAD_DIM)[None, :]
     tok = q_start + offs_m
-    q = tl.load(q_ptr + tok[:, None] * q_st + head * q_sh + offs_d[None, :], mask=qo_mask,
-                other=0.0)
+    q = tl.load(
+        q_ptr + tok[:, None] * q_st + head * q_sh + offs_d[None, :], mask=qo_mask, other=0.0
+    )
     q_pos = prefix + offs_m
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -328,25 +471,72 @@ def _extend_kernel(pool_ptr, row_stride, table_ptr, table_stride, starts_ptr, st
     end = prefix + tl.minimum(num_new, (block_m + 1) * BLOCK_M)
     for n0 in range(0, full_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_pos, pool_ptr, table_row_ptr,
-                                      1, row_stride, layer, pos, pos < full_end, kv_head,
-                                      scale_log2, KV_HEADS, HEAD_DIM, PAGE, BLOCK_D, False, PREC,
-                                      UPCAST)
+        acc, m_i, l_i = _attend_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            pool_ptr,
+            table_row_ptr,
+            1,
+            row_stride,
+            layer,
+            pos,
+            pos < full_end,
+            kv_head,
+            scale_log2,
+            KV_HEADS,
+            HEAD_DIM,
+            PAGE,
+            BLOCK_D,
+            False,
+            PREC,
+            UPCAST,
+        )
     for n0 in range(full_end, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_pos, pool_ptr, table_row_ptr,
-                                      1, row_stride, layer, pos, pos < end, kv_head, scale_log2,
-                                      KV_HEADS, HEAD_DIM, PAGE, BLOCK_D, True, PREC, UPCAST)
+        acc, m_i, l_i = _attend_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            pool_ptr,
+            table_row_ptr,
+            1,
+            row_stride,
+            layer,
+            pos,
+            pos < end,
+            kv_head,
+            scale_log2,
+            KV_HEADS,
+            HEAD_DIM,
+            PAGE,
+            BLOCK_D,
+            True,
+            PREC,
+            UPCAST,
+        )
     out = round_to(acc / l_i[:, None], out_ptr.dtype.element_ty, UPCAST)
-    tl.store(out_ptr + tok[:, None] * out_st + head * HEAD_DIM + offs_d[None, :], out,
-             mask=qo_mask)
+    tl.store(out_ptr + tok[:, None] * out_st + head * HEAD_DIM + offs_d[None, :], out, mask=qo_mask)
 
 
-def paged_extend_attention(pool_rows: torch.Tensor, read_rows: torch.Tensor,
-                           q_starts: torch.Tensor, num_new: torch.Tensor, prefixes: torch.Tensor,
-                           max_new: int, layer: int, q: torch.Tensor, page_size: int,
-                           scale: float, num_kv_heads: int,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_extend_attention(
+    pool_rows: torch.Tensor,
+    read_rows: torch.Tensor,
+    q_starts: torch.Tensor,
+    num_new: torch.Tensor,
+    prefixes: torch.Tensor,
+    max_new: int,
+    layer: int,
+    q: torch.Tensor,
+    page_size: int,
+    scale: float,
+    num_kv_heads: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of a batch of extend spans over their pages, one launch.
 
     Span s's new tokens are rows q_starts[s] .. q_starts[s] + num_new[s] - 1 of q [T, heads,
@@ -367,11 +557,33 @@ def paged_extend_attention(pool_rows: torch.Tensor, read_rows: torch.Tensor,
     prec, upcast = _dot_settings(q)
     grid = (num_spans, triton.cdiv(max_new, EXTEND_BLOCK_M), heads)
     _extend_kernel[grid](
-        pool_rows, pool_rows.stride(0), read_rows, read_rows.stride(0), q_starts,
-        q_starts.stride(0), num_new, num_new.stride(0), prefixes, prefixes.stride(0), q,
-        q.stride(0), q.stride(1), out, out.stride(0), layer, scale * LOG2_E,
-        GROUPS=groups, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page_size,
-        BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=EXTEND_BLOCK_N,
-        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)), PREC=prec, UPCAST=upcast,
-        num_warps=4, num_stages=2)
+        pool_rows,
+        pool_rows.stride(0),
+        read_rows,
+        read_rows.stride(0),
+        q_starts,
+        q_starts.stride(0),
+        num_new,
+        num_new.stride(0),
+        prefixes,
+        prefixes.stride(0),
+        q,
+        q.stride(0),
+        q.stride(1),
+        out,
+        out.stride(0),
+        layer,
+        scale * LOG2_E,
+        GROUPS=groups,
+        KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE=page_size,
+        BLOCK_M=EXTEND_BLOCK_M,
+        BLOCK_N=EXTEND_BLOCK_N,
+        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        PREC=prec,
+        UPCAST=upcast,
+        num_warps=4,
+        num_stages=2,
+    )
     return out

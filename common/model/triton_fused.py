@@ -26,8 +26,19 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton_jit
-def _add_rms_norm_kernel(x_ptr, y_ptr, y_rs, y_cs, w_ptr, h_ptr, hidden, eps,
-                         HAS_Y: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+def _add_rms_norm_kernel(
+    x_ptr,
+    y_ptr,
+    y_rs,
+    y_cs,
+    w_ptr,
+    h_ptr,
+    hidden,
+    eps,
+    HAS_Y: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -46,10 +57,26 @@ def _add_rms_norm_kernel(x_ptr, y_ptr, y_rs, y_cs, w_ptr, h_ptr, hidden, eps,
 
 
 @triton_jit
-def _rope_store_kernel(qkv_ptr, qkv_rs, qkv_cs, pos_ptr, cos_ptr, sin_ptr, qk_ptr, pool_ptr,
-                       slots_ptr, k_offset, v_offset, HEADS: tl.constexpr,
-                       KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr, EMULATE: tl.constexpr):
+def _rope_store_kernel(
+    qkv_ptr,
+    qkv_rs,
+    qkv_cs,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    qk_ptr,
+    pool_ptr,
+    slots_ptr,
+    k_offset,
+    v_offset,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -85,8 +112,19 @@ def _rope_store_kernel(qkv_ptr, qkv_rs, qkv_cs, pos_ptr, cos_ptr, sin_ptr, qk_pt
 
 
 @triton_jit
-def _silu_mul_kernel(gu_ptr, gu_rs, gu_cs, out_ptr, out_rs, out_cs, rows, inter,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EMULATE: tl.constexpr):
+def _silu_mul_kernel(
+    gu_ptr,
+    gu_rs,
+    gu_cs,
+    out_ptr,
+    out_rs,
+    out_cs,
+    rows,
+    inter,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (offs_r < rows)[:, None] & (offs_c < inter)[None, :]
@@ -112,8 +150,10 @@ def _emulate(t: torch.Tensor) -> bool:
 def _checked_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A caller's output buffer, as the kernels write it: contiguous, this shape and dtype."""
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"output buffer {tuple(out.shape)} {out.dtype} does not fit "
-                         f"{tuple(shape)} {dtype} contiguous")
+        raise ValueError(
+            f"output buffer {tuple(out.shape)} {out.dtype} does not fit "
+            f"{tuple(shape)} {dtype} contiguous"
+        )
     return out
 
 
@@ -126,8 +166,14 @@ class TritonFusedOps:
         assert dtype in _DTYPES
         self.dtype = dtype
 
-    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """As FusedOps.add_rms_norm: x += y in place, then weight * rms_norm(x)."""
         assert x.is_contiguous() and weight.is_contiguous() and x.dim() == 2
         rows, hidden = x.shape
@@ -136,30 +182,70 @@ class TritonFusedOps:
             return h
         block = triton.next_power_of_2(hidden)
         _add_rms_norm_kernel[(rows,)](
-            x, x if y is None else y, 0 if y is None else y.stride(0),
-            0 if y is None else y.stride(1), weight, h, hidden, eps, HAS_Y=y is not None,
-            BLOCK=block, EMULATE=_emulate(x), num_warps=max(1, min(16, block // 512)))
+            x,
+            x if y is None else y,
+            0 if y is None else y.stride(0),
+            0 if y is None else y.stride(1),
+            weight,
+            h,
+            hidden,
+            eps,
+            HAS_Y=y is not None,
+            BLOCK=block,
+            EMULATE=_emulate(x),
+            num_warps=max(1, min(16, block // 512)),
+        )
         return h
 
-    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                   sin_rot: torch.Tensor, pool_tokens: torch.Tensor, slots: torch.Tensor,
-                   k_offset: int, v_offset: int, heads: int, kv_heads: int,
-                   head_dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin_rot: torch.Tensor,
+        pool_tokens: torch.Tensor,
+        slots: torch.Tensor,
+        k_offset: int,
+        v_offset: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """As FusedOps.rope_store: q and k rotated, k and v written to the pool's slots."""
         assert positions.is_contiguous() and slots.is_contiguous() and pool_tokens.is_contiguous()
         assert cos.is_contiguous() and sin_rot.is_contiguous() and head_dim % 2 == 0
         rows = qkv.shape[0]
         shape = (rows, heads + kv_heads, head_dim)
-        qk = (torch.empty(shape, dtype=qkv.dtype, device=qkv.device) if out is None
-              else _checked_out(out, shape, qkv.dtype))
+        qk = (
+            torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
+            if out is None
+            else _checked_out(out, shape, qkv.dtype)
+        )
         if rows == 0:
             return qk
         _rope_store_kernel[(rows,)](
-            qkv, qkv.stride(0), qkv.stride(1), positions, cos, sin_rot, qk, pool_tokens, slots,
-            k_offset, v_offset, HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+            qkv,
+            qkv.stride(0),
+            qkv.stride(1),
+            positions,
+            cos,
+            sin_rot,
+            qk,
+            pool_tokens,
+            slots,
+            k_offset,
+            v_offset,
+            HEADS=heads,
+            KV_HEADS=kv_heads,
+            HEAD_DIM=head_dim,
             BLOCK_H=triton.next_power_of_2(heads + kv_heads),
-            BLOCK_KV=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-            EMULATE=_emulate(qkv), num_warps=4, enable_fp_fusion=False)
+            BLOCK_KV=triton.next_power_of_2(kv_heads),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            EMULATE=_emulate(qkv),
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
         return qk
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,14 +266,26 @@ class TritonFusedOps:
         # tiles long along the unit stride: rows when transposed, columns otherwise
         block_r, block_c = (64, 16) if transposed else (4, 256)
         grid = (triton.cdiv(rows, block_r), triton.cdiv(inter, block_c))
-        _silu_mul_kernel[grid](gate_up, gate_up.stride(0), gate_up.stride(1), out,
-                               out.stride(0), out.stride(1), rows, inter, BLOCK_R=block_r,
-                               BLOCK_C=block_c, EMULATE=_emulate(gate_up), num_warps=4)
+        _silu_mul_kernel[grid](
+            gate_up,
+            gate_up.stride(0),
+            gate_up.stride(1),
+            out,
+            out.stride(0),
+            out.stride(1),
+            rows,
+            inter,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            EMULATE=_emulate(gate_up),
+            num_warps=4,
+        )
         return out
 
 
-def triton_fused_ops(device: torch.device, dtype: torch.dtype, *,
-                     always: bool = False) -> TritonFusedOps | None:
+def triton_fused_ops(
+    device: torch.device, dtype: torch.dtype, *, always: bool = False
+) -> TritonFusedOps | None:
     """The fused steps for this model on CUDA, or None (Triton missing, another device or
     dtype). `always` offers them on the CPU too, under TRITON_INTERPRET=1 (tests)."""
     if dtype not in _DTYPES or not triton_available():

@@ -1,1 +1,4 @@
-"""The node runtime both node roles share: the process frame, its HTTP side, the registry link, the gateway watch."""
+"""The node runtime both node roles share.
+
+The process frame, its HTTP side, the registry link, the gateway watch.
+"""

@@ -53,16 +53,32 @@ class NodeArgs:
     @staticmethod
     def from_config(role: str, config: NodeConfig, host: str, http_port: int) -> NodeArgs:
         node_id = config.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
-        return NodeArgs(role, node_id, config.bootstrap_urls, host,
-                        config.advertise_host or host, config.request_port, config.control_port,
-                        http_port, config.drain_timeout_s, uuid.uuid4().hex)
+        return NodeArgs(
+            role,
+            node_id,
+            config.bootstrap_urls,
+            host,
+            config.advertise_host or host,
+            config.request_port,
+            config.control_port,
+            http_port,
+            config.drain_timeout_s,
+            uuid.uuid4().hex,
+        )
 
     def endpoint(self, port: int) -> str:
         return f"tcp://{self.host}:{port}"
 
 
-def start_node(role: str, config: NodeConfig, host: str, http_port: int,
-               auth_token: str | None, *, metrics_role: str | None = None) -> NodeArgs:
+def start_node(
+    role: str,
+    config: NodeConfig,
+    host: str,
+    http_port: int,
+    auth_token: str | None,
+    *,
+    metrics_role: str | None = None,
+) -> NodeArgs:
     """What every node process does first, before any socket: logging (its lines and metrics
     labelled `metrics_role`, default `role`), CURVE on every zmq socket, and its resolved
     name and addresses."""
@@ -87,26 +103,30 @@ class ServedNode:
     colocated_with: str = ""
 
 
-def build_runner(model: ModelConfig, progress: bool = True, *,
-                 decodes: bool = True) -> ModelRunner:
+def build_runner(model: ModelConfig, progress: bool = True, *, decodes: bool = True) -> ModelRunner:
     """The node's model and pool, warmed up. `decodes`: False on a prefill node, which
     computes one token per request and never runs decode steps: no decode graphs to capture
     (their buffers and scratch page) and the pool sized for prefill's warm-up alone."""
     from common.model.runner import ModelRunner
 
     budget = None if model.kv_cache_memory_gb is None else int(model.kv_cache_memory_gb * (1 << 30))
-    runner = ModelRunner.from_path(model.model_path, progress=progress,
-                                   dtype=model.resolved_dtype(), device=model.device,
-                                   page_size=model.page_size,
-                                   max_total_tokens=model.max_total_tokens,
-                                   kv_memory_bytes=budget, context_length=model.context_length,
-                                   pack_weights=model.pack_weights,
-                                   cpu_kernels=model.cpu_kernels,
-                                   mem_fraction_static=model.mem_fraction_static,
-                                   attention_backend=model.attention_backend,
-                                   cuda_graph_max_bs=model.cuda_graph_max_bs,
-                                   disable_cuda_graph=model.disable_cuda_graph,
-                                   decodes=decodes)
+    runner = ModelRunner.from_path(
+        model.model_path,
+        progress=progress,
+        dtype=model.resolved_dtype(),
+        device=model.device,
+        page_size=model.page_size,
+        max_total_tokens=model.max_total_tokens,
+        kv_memory_bytes=budget,
+        context_length=model.context_length,
+        pack_weights=model.pack_weights,
+        cpu_kernels=model.cpu_kernels,
+        mem_fraction_static=model.mem_fraction_static,
+        attention_backend=model.attention_backend,
+        cuda_graph_max_bs=model.cuda_graph_max_bs,
+        disable_cuda_graph=model.disable_cuda_graph,
+        decodes=decodes,
+    )
     runner.warmup()  # before the node registers: its first request runs at full speed
     return runner
 
@@ -125,7 +145,9 @@ def advertised(endpoint: str, node: NodeArgs) -> str:
 class NodeProcess:
     """Runs a node's step() loop with its status server and registry link; stops on SIGTERM."""
 
-    def __init__(self, node: NodeArgs, step: Callable[[], bool], health: Callable[[], dict]) -> None:
+    def __init__(
+        self, node: NodeArgs, step: Callable[[], bool], health: Callable[[], dict]
+    ) -> None:
         self.node = node
         self.step = step
         self.health_extra = health
@@ -141,9 +163,12 @@ class NodeProcess:
 
     def health(self) -> dict[str, Any]:
         registered = all(r.is_registered for r in self.registries)
-        body = {"status": "ok" if registered and not self.stopping.is_set() else "unavailable",
-                "role": self.node.role, "node_id": self.node.node_id,
-                "registered": registered}
+        body = {
+            "status": "ok" if registered and not self.stopping.is_set() else "unavailable",
+            "role": self.node.role,
+            "node_id": self.node.node_id,
+            "registered": registered,
+        }
         body.update(self.health_extra())
         return body
 
@@ -151,26 +176,42 @@ class NodeProcess:
         if self.node.bootstrap_urls:
             self.registries.append(RegistrySet(self.node.bootstrap_urls, message, load).start())
 
-    def registration(self, served: ServedNode, runner: ModelRunner, backend: str,
-                     auth_token: str | None) -> msg.RegisterNode:
+    def registration(
+        self, served: ServedNode, runner: ModelRunner, backend: str, auth_token: str | None
+    ) -> msg.RegisterNode:
         """What the registry is told of `served`: its endpoints as peers dial them, its KV
         layout and pool, and the process's HTTP side and instance."""
         kv_events = served.kv_events_endpoint
         return msg.RegisterNode(
-            node_id=served.node_id, role=served.role, request_endpoint=served.request_endpoint,
+            node_id=served.node_id,
+            role=served.role,
+            request_endpoint=served.request_endpoint,
             control_endpoint=advertised(served.control_endpoint, self.node),
-            http_url=self.http_url, backend=backend, backend_metadata=b"",
-            kv_layout=runner.layout.to_dict(), num_pages=runner.pool.num_pages,
+            http_url=self.http_url,
+            backend=backend,
+            backend_metadata=b"",
+            kv_layout=runner.layout.to_dict(),
+            num_pages=runner.pool.num_pages,
             max_running_requests=served.max_running_requests,
-            protocol_version=msg.PROTOCOL_VERSION, auth_token=auth_token,
+            protocol_version=msg.PROTOCOL_VERSION,
+            auth_token=auth_token,
             instance_id=self.node.instance_id,
             kv_events_endpoint=advertised(kv_events, self.node) if kv_events else "",
-            colocated_with=served.colocated_with)
+            colocated_with=served.colocated_with,
+        )
 
-    def serve(self, runner: ModelRunner, nodes: Sequence[ServedNode], *, backend: str,
-              auth_token: str | None, drain: Callable[[], bool],
-              on_drain_timeout: Callable[[], None], close: Sequence[Callable[[], None]] = (),
-              **announce: Any) -> None:
+    def serve(
+        self,
+        runner: ModelRunner,
+        nodes: Sequence[ServedNode],
+        *,
+        backend: str,
+        auth_token: str | None,
+        drain: Callable[[], bool],
+        on_drain_timeout: Callable[[], None],
+        close: Sequence[Callable[[], None]] = (),
+        **announce: Any,
+    ) -> None:
         """Register `nodes` (the first names the process in its READY line), point their
         gateway watches at the registries, print the READY line (`announce`: more fields)
         and run until SIGTERM and the drain; `close` runs after, however it ends."""
@@ -179,9 +220,11 @@ class NodeProcess:
                 self.register(self.registration(served, runner, backend, auth_token), served.load)
                 served.gateway_watch.is_alive = self.is_gateway_alive
             first = nodes[0]
-            self.announce(request_endpoint=first.request_endpoint,
-                          control_endpoint=advertised(first.control_endpoint, self.node),
-                          **announce)
+            self.announce(
+                request_endpoint=first.request_endpoint,
+                control_endpoint=advertised(first.control_endpoint, self.node),
+                **announce,
+            )
             self.run(drain=drain, on_drain_timeout=on_drain_timeout)
         finally:
             for fn in close:
@@ -189,18 +232,26 @@ class NodeProcess:
 
     def announce(self, **fields: Any) -> None:
         """One machine-readable line on stdout for launchers and tests."""
-        info = {"role": self.node.role, "node_id": self.node.node_id, "http_url": self.http_url,
-                **fields}
+        info = {
+            "role": self.node.role,
+            "node_id": self.node.node_id,
+            "http_url": self.http_url,
+            **fields,
+        }
         sys.stdout.write(ready_line(info))
         sys.stdout.flush()
 
     def is_gateway_alive(self, gateway_id: str, now: float) -> bool:
         """Whether the gateway that sent a request is still there (always, without a registry)."""
-        return not self.registries or any(r.is_gateway_alive(gateway_id, now)
-                                          for r in self.registries)
+        return not self.registries or any(
+            r.is_gateway_alive(gateway_id, now) for r in self.registries
+        )
 
-    def run(self, drain: Callable[[], bool] | None = None,
-            on_drain_timeout: Callable[[], None] | None = None) -> None:
+    def run(
+        self,
+        drain: Callable[[], bool] | None = None,
+        on_drain_timeout: Callable[[], None] | None = None,
+    ) -> None:
         """Loop until SIGTERM/SIGINT; then deregister and let `drain()` finish in-flight work
         for --drain-timeout seconds; what is left then is failed by `on_drain_timeout()`."""
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -221,8 +272,10 @@ class NodeProcess:
             if not self.step():
                 time.sleep(0.0005)
         if drain is not None and not drain() and on_drain_timeout is not None:
-            logger.warning("drain timeout (%g s) passed; failing what is still running",
-                           self.node.drain_timeout_s)
+            logger.warning(
+                "drain timeout (%g s) passed; failing what is still running",
+                self.node.drain_timeout_s,
+            )
             on_drain_timeout()
             for _ in range(20):  # let the failures reach the gateway before we exit
                 self.step()
@@ -236,6 +289,9 @@ def setup_logging(level: str, role: str) -> None:
     """Log lines to stderr; SIGUSR1 dumps every thread's stack there (a node that seems hung:
     ``kill -USR1 <pid>``; faulthandler answers even while a thread holds the GIL)."""
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        stream=sys.stderr,
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+    )
     metrics.set_role(role)

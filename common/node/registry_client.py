@@ -35,8 +35,14 @@ logger = logging.getLogger(__name__)
 
 
 class RegistryClient:
-    def __init__(self, url: str, register: msg.RegisterNode,
-                 load: Callable[[], dict[str, Any]] = dict, *, timeout_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        register: msg.RegisterNode,
+        load: Callable[[], dict[str, Any]] = dict,
+        *,
+        timeout_s: float = 3.0,
+    ) -> None:
         self.url = url.rstrip("/")
         self.register_msg = register
         self.load = load
@@ -98,9 +104,14 @@ class RegistryClient:
     def _deregister(self) -> None:
         self.is_registered = False
         try:
-            self._post("/deregister", msg.Deregister(node_id=self.register_msg.node_id,
-                                                     auth_token=self.register_msg.auth_token,
-                                                     instance_id=self.register_msg.instance_id))
+            self._post(
+                "/deregister",
+                msg.Deregister(
+                    node_id=self.register_msg.node_id,
+                    auth_token=self.register_msg.auth_token,
+                    instance_id=self.register_msg.instance_id,
+                ),
+            )
         except (OSError, urllib.error.URLError) as exc:
             logger.info("deregister failed: %s", exc)
 
@@ -111,9 +122,12 @@ class RegistryClient:
                 if self._is_leaving.is_set():
                     self._accept_gateway(self._get("/health"))  # no node table, no token
                 elif self.is_registered:
-                    beat = msg.Heartbeat(node_id=self.register_msg.node_id, load=self.load(),
-                                         auth_token=self.register_msg.auth_token,
-                                         instance_id=self.register_msg.instance_id)
+                    beat = msg.Heartbeat(
+                        node_id=self.register_msg.node_id,
+                        load=self.load(),
+                        auth_token=self.register_msg.auth_token,
+                        instance_id=self.register_msg.instance_id,
+                    )
                     self._accept(self._post("/heartbeat", beat))
                 else:
                     self._accept(self._post("/register", self.register_msg))

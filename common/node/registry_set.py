@@ -62,10 +62,15 @@ def expand_url(url: str) -> list[str]:
 
 
 class RegistrySet:
-    def __init__(self, urls: Sequence[str], register: msg.RegisterNode,
-                 load: Callable[[], dict[str, Any]] = dict, *,
-                 resolve_interval_s: float = RESOLVE_INTERVAL_S,
-                 resolve: Callable[[str], list[str]] = expand_url) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        register: msg.RegisterNode,
+        load: Callable[[], dict[str, Any]] = dict,
+        *,
+        resolve_interval_s: float = RESOLVE_INTERVAL_S,
+        resolve: Callable[[str], list[str]] = expand_url,
+    ) -> None:
         if not urls:
             raise ValueError("at least one bootstrap URL is needed")
         self.urls = list(urls)

@@ -1,4 +1,6 @@
-"""What both node roles' schedulers do alike: drain the request socket, move a request's state, end a request early.
+"""What both node roles' schedulers do alike.
+
+They drain the request socket, move a request's state, end a request early.
 
 A role's scheduler composes one ``RequestFailures`` over its table of live requests
 (rid -> request) and gives it the one role-specific step, ``end``: take the request out
@@ -59,8 +61,9 @@ class EndRequest(Protocol[R_contra]):
     """The role's own ending: out of its state's queue, pages freed, the peer told
     `peer_reason`, the gateway told ReqFailed(status, error) if `notify`."""
 
-    def __call__(self, r: R_contra, status: int, error: str, /, *, notify: bool,
-                 peer_reason: str) -> None: ...
+    def __call__(
+        self, r: R_contra, status: int, error: str, /, *, notify: bool, peer_reason: str
+    ) -> None: ...
 
 
 class CountsOutcomes(Protocol):
@@ -70,9 +73,16 @@ class CountsOutcomes(Protocol):
 class RequestFailures(Generic[R]):
     """Ends a role's requests that cannot go on (see the module docstring)."""
 
-    def __init__(self, reqs: dict[str, R], end: EndRequest[R], push: PushPool,
-                 stats: CountsOutcomes, gateway_watch: GatewayWatch, *,
-                 notify_aborts: bool) -> None:
+    def __init__(
+        self,
+        reqs: dict[str, R],
+        end: EndRequest[R],
+        push: PushPool,
+        stats: CountsOutcomes,
+        gateway_watch: GatewayWatch,
+        *,
+        notify_aborts: bool,
+    ) -> None:
         self.reqs = reqs  # the scheduler's own table: the same dict, never a copy
         self.end = end
         self.push = push
@@ -84,17 +94,24 @@ class RequestFailures(Generic[R]):
     def abort(self, rid: str | None, room: int | None, reason: str) -> None:
         """Abort a request by rid or room wherever it is (nothing if none matches)."""
         r = self.reqs.get(rid or "") or next(
-            (x for x in self.reqs.values() if room is not None and x.room == room), None)
+            (x for x in self.reqs.values() if room is not None and x.room == room), None
+        )
         if r is not None:
             error = f"aborted: {reason}"
             self.end(r, 499, error, notify=self.notify_aborts, peer_reason=error)
 
     def abort_orphans(self, now: float) -> None:
         """Requests whose gateway is gone (killed, or restarted as another instance) end here."""
-        for r in self.gateway_watch.orphans(self.reqs.values(), lambda x: x.generate.gateway_id,
-                                            now):
-            self.end(r, 499, "aborted: its gateway is gone", notify=self.notify_aborts,
-                     peer_reason="its gateway is gone")
+        for r in self.gateway_watch.orphans(
+            self.reqs.values(), lambda x: x.generate.gateway_id, now
+        ):
+            self.end(
+                r,
+                499,
+                "aborted: its gateway is gone",
+                notify=self.notify_aborts,
+                peer_reason="its gateway is gone",
+            )
 
     def fail_all(self, status: int, error: str) -> None:
         """Fail every request the node holds (the drain timeout passed); the gateway hears."""
@@ -116,9 +133,13 @@ class RequestFailures(Generic[R]):
         self.push.send(reply_endpoint, msg.ReqFailed(rid=rid, status=500, error=error))
         self.stats.finished("error")
 
-    def drain(self, socket: Socket, socket_name: str,
-              add: Callable[[msg.GenerateReq], None],
-              other: Callable[[msg.Message], None] | None = None) -> None:
+    def drain(
+        self,
+        socket: Socket,
+        socket_name: str,
+        add: Callable[[msg.GenerateReq], None],
+        other: Callable[[msg.Message], None] | None = None,
+    ) -> None:
         """Receive what the request socket holds: each GenerateReq goes to `add` (an
         exception fails that request alone), each AbortReq to abort, the rest to `other`."""
         for m in recv_messages(socket, socket_name=socket_name, max_frames=MAX_FRAMES_PER_STEP):

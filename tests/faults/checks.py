@@ -8,8 +8,8 @@ from collections.abc import Callable
 from bootstrap.router import HashRing, affinity_key
 from tests.faults import report
 from tests.faults.harness import OUTCOME_BOUND_S, Cluster
-from tests.support.waits import wait_for
 from tests.faults.streams import Outcome, Stream, run
+from tests.support.waits import wait_for
 
 SHORT_PROMPT = "The capital of France is"
 # Longest wait for a stage of a request (a chunk computed, a queue entered) on this machine.
@@ -40,8 +40,15 @@ def metric_or_zero(cluster: Cluster, node: str, name: str, **labels: str) -> flo
         return 0.0
 
 
-def wait_metric(cluster: Cluster, node: str, name: str, cond: Callable[[float], bool], what: str,
-                timeout_s: float = STAGE_TIMEOUT_S, **labels: str) -> float:
+def wait_metric(
+    cluster: Cluster,
+    node: str,
+    name: str,
+    cond: Callable[[float], bool],
+    what: str,
+    timeout_s: float = STAGE_TIMEOUT_S,
+    **labels: str,
+) -> float:
     """Poll a node's metric until `cond(value)`; the value."""
     box: list[float] = [0.0]
 
@@ -53,8 +60,13 @@ def wait_metric(cluster: Cluster, node: str, name: str, cond: Callable[[float], 
     return box[0]
 
 
-def assert_ended_well(outcome: Outcome, fault_t: float, bound_s: float = OUTCOME_BOUND_S,
-                      *, allow_completed: bool = True) -> None:
+def assert_ended_well(
+    outcome: Outcome,
+    fault_t: float,
+    bound_s: float = OUTCOME_BOUND_S,
+    *,
+    allow_completed: bool = True,
+) -> None:
     """A completed answer, or a clean error at most `bound_s` after the fault: never a hang."""
     report.fault(fault_t, is_the_fault=True)
     assert outcome.ended is not None and outcome.kind != "timeout", f"request hung: {outcome}"
@@ -74,8 +86,9 @@ def wait_all(streams: list[Stream], timeout_s: float = STREAM_TIMEOUT_S) -> list
     return outcomes
 
 
-def assert_fresh_request_succeeds(cluster: Cluster, routing_key: str | None = None,
-                                  prefill: str | None = None) -> None:
+def assert_fresh_request_succeeds(
+    cluster: Cluster, routing_key: str | None = None, prefill: str | None = None
+) -> None:
     """A new request completes (on `prefill` when given: its prompt counter grows)."""
     before = cluster.metric(prefill, "pdserve_prompt_tokens_total") if prefill else 0.0
     outcome = run(cluster.api, SHORT_PROMPT, max_tokens=8, routing_key=routing_key, timeout_s=60)

@@ -30,6 +30,7 @@ def cluster(shared_cluster: Cluster) -> Cluster:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The fault matrix: per case, the client's outcome and the seconds after the fault."""
     from tests.faults import report
+
     rows = report.lines()
     if len(rows) > 1:
         terminalreporter.section("fault matrix (seconds after the fault)")

@@ -6,7 +6,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,21 +74,53 @@ class Cluster:
         self.api = f"http://{HOST}:{self.api_port}"
         self.registry = f"http://{HOST}:{self.registry_port}"
         self.nodes["bootstrap"] = Node(  # /metrics is served on the API port
-            "bootstrap", "bootstrap",
-            ["--host", HOST, "--port", str(self.api_port), "--disaggregation-bootstrap-port",
-             str(self.registry_port), "--reply-port", str(reply), "--auth-token", TOKEN,
-             "--api-key", API_KEY,
-             "--lease-timeout", str(LEASE_S)], self.api_port)
-        roles = [(f"prefill-{i}", "prefill_node", self.prefill_args)
-                 for i in range(self.num_prefill)]
+            "bootstrap",
+            "bootstrap",
+            [
+                "--host",
+                HOST,
+                "--port",
+                str(self.api_port),
+                "--disaggregation-bootstrap-port",
+                str(self.registry_port),
+                "--reply-port",
+                str(reply),
+                "--auth-token",
+                TOKEN,
+                "--api-key",
+                API_KEY,
+                "--lease-timeout",
+                str(LEASE_S),
+            ],
+            self.api_port,
+        )
+        roles = [
+            (f"prefill-{i}", "prefill_node", self.prefill_args) for i in range(self.num_prefill)
+        ]
         roles.append(("decode-0", "decode_node", self.decode_args))
         for name, module, extra in roles:
             http_port = free_port()
-            args = ["--host", HOST, "--port", str(http_port), "--request-port", str(free_port()),
-                    "--control-port", str(free_port()), "--node-id", name,
-                    "--bootstrap-url", self.registry, "--auth-token", TOKEN,
-                    "--max-total-tokens", "4096", "--lease-timeout", str(LEASE_S),
-                    *extra]
+            args = [
+                "--host",
+                HOST,
+                "--port",
+                str(http_port),
+                "--request-port",
+                str(free_port()),
+                "--control-port",
+                str(free_port()),
+                "--node-id",
+                name,
+                "--bootstrap-url",
+                self.registry,
+                "--auth-token",
+                TOKEN,
+                "--max-total-tokens",
+                "4096",
+                "--lease-timeout",
+                str(LEASE_S),
+                *extra,
+            ]
             self.nodes[name] = Node(name, module, args, http_port)
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -235,11 +267,15 @@ class Cluster:
         return self.metric("bootstrap", "pdserve_gateway_inflight_requests")
 
     def alive_nodes(self) -> list[str]:
-        return [n for n, node in self.nodes.items()
-                if n != "bootstrap" and node.is_alive and not node.is_stopped]
+        return [
+            n
+            for n, node in self.nodes.items()
+            if n != "bootstrap" and node.is_alive and not node.is_stopped
+        ]
 
-    def wait_pages_zero(self, names: Iterable[str] | None = None,
-                        within_s: float = PAGES_BOUND_S) -> float:
+    def wait_pages_zero(
+        self, names: Iterable[str] | None = None, within_s: float = PAGES_BOUND_S
+    ) -> float:
         """Seconds until every named (default: live) node holds no page; fails with what it saw."""
         targets = list(self.alive_nodes() if names is None else names)
         seen: dict[str, list[float | str]] = {n: [] for n in targets}

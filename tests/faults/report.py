@@ -55,21 +55,27 @@ def figures() -> list[dict[str, Any]]:
         def since(at: float | None, start: float | None = start) -> float | None:
             return None if at is None or start is None else round(at - start, 2)
 
-        rows.append({"case": name, "outcomes": c["outcomes"],
-                     "error_after_s": since(max(c["errors_at"], default=None)),
-                     "pages_held_after": c.get("pages_held_after"),
-                     "pages_zero_after_s": since(c.get("pages_zero_at")),
-                     "fresh_ok_after_s": since(c.get("fresh_ok_at"))})
+        rows.append(
+            {
+                "case": name,
+                "outcomes": c["outcomes"],
+                "error_after_s": since(max(c["errors_at"], default=None)),
+                "pages_held_after": c.get("pages_held_after"),
+                "pages_zero_after_s": since(c.get("pages_zero_at")),
+                "fresh_ok_after_s": since(c.get("fresh_ok_at")),
+            }
+        )
     return rows
 
 
 def lines() -> list[str]:
-    rows = [f"{'case':<66} {'client outcome':<30} {'err s':>6} {'pages 0 s':>9} "
-            f"{'fresh ok s':>10}"]
+    rows = [f"{'case':<66} {'client outcome':<30} {'err s':>6} {'pages 0 s':>9} {'fresh ok s':>10}"]
     for c in figures():
         got = ", ".join(f"{n} {k}" for k, n in sorted(c["outcomes"].items())) or "-"
-        rows.append(f"{c['case'][:66]:<66} {got[:30]:<30} {_fmt(c['error_after_s']):>6} "
-                    f"{_fmt(c['pages_zero_after_s']):>9} {_fmt(c['fresh_ok_after_s']):>10}")
+        rows.append(
+            f"{c['case'][:66]:<66} {got[:30]:<30} {_fmt(c['error_after_s']):>6} "
+            f"{_fmt(c['pages_zero_after_s']):>9} {_fmt(c['fresh_ok_after_s']):>10}"
+        )
     return rows
 
 

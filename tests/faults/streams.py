@@ -42,26 +42,45 @@ class Outcome:
     def is_clean_error(self) -> bool:
         """An HTTP 4xx/5xx with an OpenAI error body, or an SSE error event."""
         if self.kind == "http_error":
-            return (self.status is not None and 400 <= self.status < 600
-                    and isinstance(self.error, dict) and "message" in self.error.get("error", {}))
+            return (
+                self.status is not None
+                and 400 <= self.status < 600
+                and isinstance(self.error, dict)
+                and "message" in self.error.get("error", {})
+            )
         return self.kind == "sse_error" and isinstance(self.error, dict) and "message" in self.error
 
     def __repr__(self) -> str:
         took = None if self.ended is None else round(self.ended - self.started, 2)
-        return (f"Outcome({self.kind}, status={self.status}, finish={self.finish_reason}, "
-                f"chunks={len(self.chunk_times)}, took={took}s, error={self.error!r:.300}, "
-                f"text={self.text[:60]!r})")
+        return (
+            f"Outcome({self.kind}, status={self.status}, finish={self.finish_reason}, "
+            f"chunks={len(self.chunk_times)}, took={took}s, error={self.error!r:.300}, "
+            f"text={self.text[:60]!r})"
+        )
 
 
 class Stream:
     """One streaming completion on its own thread; `close()` is a client disconnect."""
 
-    def __init__(self, api: str, prompt: str | list[int], *, max_tokens: int = 16,
-                 routing_key: str | None = None, logprobs: int | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        api: str,
+        prompt: str | list[int],
+        *,
+        max_tokens: int = 16,
+        routing_key: str | None = None,
+        logprobs: int | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         self.url = urlparse(api)
-        self.body: dict[str, Any] = {"model": "default", "prompt": prompt, "max_tokens": max_tokens,
-                                     "temperature": 0, "stream": True, **(extra or {})}
+        self.body: dict[str, Any] = {
+            "model": "default",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            **(extra or {}),
+        }
         if routing_key is not None:
             self.body["routing_key"] = routing_key
         if logprobs is not None:
@@ -120,11 +139,16 @@ class Stream:
                 self._conn.close()
 
     def _request(self, out: Outcome) -> None:
-        conn = http.client.HTTPConnection(self.url.hostname or "127.0.0.1", self.url.port,
-                                          timeout=READ_TIMEOUT_S)
+        conn = http.client.HTTPConnection(
+            self.url.hostname or "127.0.0.1", self.url.port, timeout=READ_TIMEOUT_S
+        )
         self._conn = conn
-        conn.request("POST", "/v1/completions", json.dumps(self.body),
-                     {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(self.body),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+        )
         resp = conn.getresponse()
         out.status = resp.status
         if resp.status != 200:

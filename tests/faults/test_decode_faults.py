@@ -17,8 +17,8 @@ from tests.faults.checks import (
     wait_metric,
 )
 from tests.faults.harness import CHUNK, LEASE_S, SLACK_S, Cluster
-from tests.support.waits import wait_for
 from tests.faults.streams import Stream
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -31,18 +31,29 @@ DRAIN_BOUND_S = DRAIN_TIMEOUT_S + 1.0 + SLACK_S
 
 
 def wait_chunks(streams: list[Stream], n: int, timeout_s: float = 60.0) -> None:
-    wait_for(lambda: all(s.num_chunks >= n or s.is_done for s in streams), timeout_s,
-             f"{n} chunks on every stream")
+    wait_for(
+        lambda: all(s.num_chunks >= n or s.is_done for s in streams),
+        timeout_s,
+        f"{n} chunks on every stream",
+    )
     done = [str(s.outcome) for s in streams if s.is_done]
     assert not done, f"streams ended before the fault: {done}"
 
 
 def test_kill9_decode_with_requests_in_prealloc(cluster: Cluster) -> None:
     # ~1000 prompt + 512 reserved tokens each: two fit in decode-0's 4096, the rest wait.
-    streams = [Stream(cluster.api, long_prompt(f"case 4 #{i}", 1000), max_tokens=8).start()
-               for i in range(4)]
-    wait_metric(cluster, DECODE, "pdserve_queue_requests", lambda v: v >= 1,
-                "a request in decode's prealloc queue", queue="prealloc")
+    streams = [
+        Stream(cluster.api, long_prompt(f"case 4 #{i}", 1000), max_tokens=8).start()
+        for i in range(4)
+    ]
+    wait_metric(
+        cluster,
+        DECODE,
+        "pdserve_queue_requests",
+        lambda v: v >= 1,
+        "a request in decode's prealloc queue",
+        queue="prealloc",
+    )
     fault = cluster.kill9(DECODE)
     outcomes = wait_all(streams)
     for outcome in outcomes:
@@ -57,10 +68,16 @@ def test_kill9_decode_with_requests_in_prealloc(cluster: Cluster) -> None:
 def test_kill9_decode_mid_transfer_frees_the_prefill_pages(cluster: Cluster) -> None:
     prefill = "prefill-0"
     before = cluster.metric(prefill, "pdserve_prefill_tokens_total")
-    stream = Stream(cluster.api, long_prompt("case 5"), max_tokens=16,
-                    routing_key=key_for(prefill)).start()
-    wait_metric(cluster, prefill, "pdserve_prefill_tokens_total", lambda v: v - before >= 2 * CHUNK,
-                "two chunks prefilled")
+    stream = Stream(
+        cluster.api, long_prompt("case 5"), max_tokens=16, routing_key=key_for(prefill)
+    ).start()
+    wait_metric(
+        cluster,
+        prefill,
+        "pdserve_prefill_tokens_total",
+        lambda v: v - before >= 2 * CHUNK,
+        "two chunks prefilled",
+    )
     assert cluster.metric(DECODE, "pdserve_queue_requests", queue="transfer") >= 1
     assert cluster.pages_held(prefill) > 0
     fault = cluster.kill9(DECODE)
@@ -72,8 +89,9 @@ def test_kill9_decode_mid_transfer_frees_the_prefill_pages(cluster: Cluster) -> 
 
 
 def test_kill9_decode_mid_stream(cluster: Cluster) -> None:
-    streams = [Stream(cluster.api, f"Story {i}: the lighthouse", max_tokens=200).start()
-               for i in range(2)]
+    streams = [
+        Stream(cluster.api, f"Story {i}: the lighthouse", max_tokens=200).start() for i in range(2)
+    ]
     wait_chunks(streams, 3)
     fault = cluster.kill9(DECODE)
     for outcome in wait_all(streams):
@@ -90,10 +108,16 @@ def test_sigstop_decode_past_its_lease_then_sigcont(cluster: Cluster) -> None:
     before = cluster.metric(prefill, "pdserve_prefill_tokens_total")
     streaming = Stream(cluster.api, "Story: the lighthouse keeper", max_tokens=200).start()
     wait_chunks([streaming], 3)
-    prefilling = Stream(cluster.api, long_prompt("case 8"), max_tokens=16,
-                        routing_key=key_for(prefill)).start()
-    wait_metric(cluster, prefill, "pdserve_prefill_tokens_total", lambda v: v - before >= CHUNK,
-                "a chunk prefilled")
+    prefilling = Stream(
+        cluster.api, long_prompt("case 8"), max_tokens=16, routing_key=key_for(prefill)
+    ).start()
+    wait_metric(
+        cluster,
+        prefill,
+        "pdserve_prefill_tokens_total",
+        lambda v: v - before >= CHUNK,
+        "a chunk prefilled",
+    )
     fault = cluster.sigstop(DECODE)
     for outcome in wait_all([streaming, prefilling]):
         assert_ended_well(outcome, fault, allow_completed=False)
@@ -122,8 +146,9 @@ def test_sigterm_decode_under_load_drains_every_stream(cluster: Cluster) -> None
 
 def test_sigterm_decode_with_a_short_drain_timeout_fails_streams_cleanly(cluster: Cluster) -> None:
     cluster.restart(DECODE, ["--drain-timeout", str(DRAIN_TIMEOUT_S)])
-    streams = [Stream(cluster.api, f"Essay {i}: the tides", max_tokens=400).start()
-               for i in range(3)]
+    streams = [
+        Stream(cluster.api, f"Essay {i}: the tides", max_tokens=400).start() for i in range(3)
+    ]
     wait_chunks(streams, 2)
     fault = cluster.sigterm(DECODE)
     for outcome in wait_all(streams):

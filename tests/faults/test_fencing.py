@@ -18,9 +18,9 @@ from tests.faults.checks import (
     wait_metric,
 )
 from tests.faults.harness import CHUNK, LEASE_S, Cluster
-from tests.support.waits import wait_for
 from tests.faults.streams import Outcome, Stream, run
 from tests.support.tolerance import FLOAT32_REL, assert_close_scaled
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -36,8 +36,13 @@ LATE = "pdserve_kv_late_writes_total"
 
 
 def victim(cluster: Cluster) -> Stream:
-    return Stream(cluster.api, VICTIM_PROMPT, max_tokens=VICTIM_TOKENS, logprobs=1,
-                  routing_key=key_for(HEALTHY))
+    return Stream(
+        cluster.api,
+        VICTIM_PROMPT,
+        max_tokens=VICTIM_TOKENS,
+        logprobs=1,
+        routing_key=key_for(HEALTHY),
+    )
 
 
 def assert_same_generation(got: Outcome, expected: Outcome) -> None:
@@ -55,10 +60,16 @@ def test_sigstop_prefill_past_two_leases_writes_nothing_stale(cluster: Cluster) 
 
     late_before = {n: metric_or_zero(cluster, n, LATE) for n in (PAUSED, HEALTHY, DECODE)}
     before = cluster.metric(PAUSED, "pdserve_prefill_tokens_total")
-    paused = Stream(cluster.api, long_prompt("case 7"), max_tokens=16,
-                    routing_key=key_for(PAUSED)).start()
-    wait_metric(cluster, PAUSED, "pdserve_prefill_tokens_total", lambda v: v - before >= 2 * CHUNK,
-                "two chunks prefilled")
+    paused = Stream(
+        cluster.api, long_prompt("case 7"), max_tokens=16, routing_key=key_for(PAUSED)
+    ).start()
+    wait_metric(
+        cluster,
+        PAUSED,
+        "pdserve_prefill_tokens_total",
+        lambda v: v - before >= 2 * CHUNK,
+        "two chunks prefilled",
+    )
     assert cluster.metric(DECODE, "pdserve_queue_requests", queue="transfer") >= 1
     fault = cluster.sigstop(PAUSED)
     [outcome] = wait_all([paused])
@@ -78,5 +89,14 @@ def test_sigstop_prefill_past_two_leases_writes_nothing_stale(cluster: Cluster) 
     assert_no_pages_held(cluster, [PAUSED, HEALTHY, DECODE])
     cluster.wait_healthy()
     assert_fresh_request_succeeds(cluster, key_for(PAUSED), PAUSED)
-    assert_same_generation(run(cluster.api, VICTIM_PROMPT, max_tokens=VICTIM_TOKENS, logprobs=1,
-                               routing_key=key_for(HEALTHY), timeout_s=90), reference)
+    assert_same_generation(
+        run(
+            cluster.api,
+            VICTIM_PROMPT,
+            max_tokens=VICTIM_TOKENS,
+            logprobs=1,
+            routing_key=key_for(HEALTHY),
+            timeout_s=90,
+        ),
+        reference,
+    )

@@ -14,8 +14,8 @@ from tests.faults.checks import (
     wait_metric,
 )
 from tests.faults.harness import CHUNK, OUTCOME_BOUND_S, Cluster
-from tests.support.waits import wait_for
 from tests.faults.streams import Stream
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -28,10 +28,16 @@ def test_kill9_bootstrap_makes_the_nodes_abort_its_requests(cluster: Cluster) ->
     before = cluster.metric(prefill, "pdserve_prefill_tokens_total")
     streaming = Stream(cluster.api, "Story: the harbour at night", max_tokens=200).start()
     wait_for(lambda: streaming.num_chunks >= 3, 60, "3 chunks streamed")
-    prefilling = Stream(cluster.api, long_prompt("case 11"), max_tokens=16,
-                        routing_key=key_for(prefill)).start()
-    wait_metric(cluster, prefill, "pdserve_prefill_tokens_total", lambda v: v - before >= CHUNK,
-                "a chunk prefilled")
+    prefilling = Stream(
+        cluster.api, long_prompt("case 11"), max_tokens=16, routing_key=key_for(prefill)
+    ).start()
+    wait_metric(
+        cluster,
+        prefill,
+        "pdserve_prefill_tokens_total",
+        lambda v: v - before >= CHUNK,
+        "a chunk prefilled",
+    )
     assert cluster.pages_held("decode-0") > 0
     fault = cluster.kill9("bootstrap")
     for outcome in wait_all([streaming, prefilling]):
@@ -49,10 +55,16 @@ def test_kill9_bootstrap_makes_the_nodes_abort_its_requests(cluster: Cluster) ->
 def test_client_disconnect_before_the_first_token_frees_every_page(cluster: Cluster) -> None:
     prefill = "prefill-0"
     before = cluster.metric(prefill, "pdserve_prefill_tokens_total")
-    stream = Stream(cluster.api, long_prompt("case 12a"), max_tokens=16,
-                    routing_key=key_for(prefill)).start()
-    wait_metric(cluster, prefill, "pdserve_prefill_tokens_total", lambda v: v - before >= CHUNK,
-                "a chunk prefilled")
+    stream = Stream(
+        cluster.api, long_prompt("case 12a"), max_tokens=16, routing_key=key_for(prefill)
+    ).start()
+    wait_metric(
+        cluster,
+        prefill,
+        "pdserve_prefill_tokens_total",
+        lambda v: v - before >= CHUNK,
+        "a chunk prefilled",
+    )
     assert stream.num_chunks == 0, stream.outcome
     stream.close()
     [outcome] = wait_all([stream], 10)

@@ -16,10 +16,10 @@ from tests.faults.checks import (
     wait_all,
     wait_metric,
 )
-from tests.support.cluster import http
 from tests.faults.harness import API_KEY, CHUNK, TOKEN, Cluster
-from tests.support.waits import wait_for
 from tests.faults.streams import Stream
+from tests.support.cluster import http
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -29,17 +29,25 @@ VICTIM = "prefill-0"
 
 @pytest.mark.parametrize("num_chunks", [1, 3], ids=["mid-chunk", "mid-transfer"])
 def test_kill9_prefill_mid_prompt_fails_cleanly_and_frees_decode_pages(
-        cluster: Cluster, num_chunks: int) -> None:
+    cluster: Cluster, num_chunks: int
+) -> None:
     """After one chunk it is computing the next; after three, earlier pages are in flight."""
     key = key_for(VICTIM)
     before = cluster.metric(VICTIM, "pdserve_prefill_tokens_total")
-    stream = Stream(cluster.api, long_prompt(f"case {num_chunks}"), max_tokens=16,
-                    routing_key=key).start()
-    wait_metric(cluster, VICTIM, "pdserve_prefill_tokens_total",
-                lambda v: v - before >= num_chunks * CHUNK, f"{num_chunks} chunk(s) prefilled")
+    stream = Stream(
+        cluster.api, long_prompt(f"case {num_chunks}"), max_tokens=16, routing_key=key
+    ).start()
+    wait_metric(
+        cluster,
+        VICTIM,
+        "pdserve_prefill_tokens_total",
+        lambda v: v - before >= num_chunks * CHUNK,
+        f"{num_chunks} chunk(s) prefilled",
+    )
     if num_chunks > 1:
-        assert metric_or_zero(cluster, VICTIM, "pdserve_kv_transfer_rooms",
-                              state="Transferring") >= 1
+        assert (
+            metric_or_zero(cluster, VICTIM, "pdserve_kv_transfer_rooms", state="Transferring") >= 1
+        )
     assert not stream.is_done, stream.outcome
     fault = cluster.kill9(VICTIM)
     [outcome] = wait_all([stream])
@@ -54,10 +62,20 @@ def test_kill9_prefill_with_requests_in_its_bootstrap_queue(cluster: Cluster) ->
     key = key_for(VICTIM)
     # Each needs ~1000 prompt + 512 reserved tokens of decode-0's 4096: two fit, the rest
     # wait in decode's prealloc queue, so in the prefill node's bootstrap queue.
-    streams = [Stream(cluster.api, long_prompt(f"case 3 #{i}", 1000), max_tokens=8,
-                      routing_key=key).start() for i in range(5)]
-    wait_metric(cluster, VICTIM, "pdserve_queue_requests", lambda v: v >= 1,
-                "a request in the bootstrap queue", queue="bootstrap")
+    streams = [
+        Stream(
+            cluster.api, long_prompt(f"case 3 #{i}", 1000), max_tokens=8, routing_key=key
+        ).start()
+        for i in range(5)
+    ]
+    wait_metric(
+        cluster,
+        VICTIM,
+        "pdserve_queue_requests",
+        lambda v: v >= 1,
+        "a request in the bootstrap queue",
+        queue="bootstrap",
+    )
     fault = cluster.kill9(VICTIM)
     outcomes = wait_all(streams)
     for outcome in outcomes:
@@ -81,12 +99,23 @@ def test_registering_a_live_node_id_from_another_instance_is_refused(cluster: Cl
     from common import messages as msg
 
     intruder = msg.RegisterNode(
-        node_id=VICTIM, role="prefill", request_endpoint="tcp://127.0.0.1:9",
-        control_endpoint="tcp://127.0.0.1:9", http_url="http://127.0.0.1:9", backend="nixl",
-        backend_metadata=b"", kv_layout={}, num_pages=1, max_running_requests=1,
-        protocol_version=msg.PROTOCOL_VERSION, auth_token=TOKEN, instance_id=uuid.uuid4().hex)
-    status, body = http("POST", cluster.registry + "/register", msg.to_jsonable(intruder),
-                        token=TOKEN)
+        node_id=VICTIM,
+        role="prefill",
+        request_endpoint="tcp://127.0.0.1:9",
+        control_endpoint="tcp://127.0.0.1:9",
+        http_url="http://127.0.0.1:9",
+        backend="nixl",
+        backend_metadata=b"",
+        kv_layout={},
+        num_pages=1,
+        max_running_requests=1,
+        protocol_version=msg.PROTOCOL_VERSION,
+        auth_token=TOKEN,
+        instance_id=uuid.uuid4().hex,
+    )
+    status, body = http(
+        "POST", cluster.registry + "/register", msg.to_jsonable(intruder), token=TOKEN
+    )
     assert status == 409, (status, body)
     _, nodes = http("GET", cluster.api + "/nodes", token=API_KEY)
     entry = next(n for n in nodes["nodes"] if n["id"] == VICTIM)
@@ -97,14 +126,23 @@ def test_registering_a_live_node_id_from_another_instance_is_refused(cluster: Cl
 def test_kill9_prefill_spares_requests_already_streaming(cluster: Cluster) -> None:
     """Narrow failures: a request streaming from decode-0 has its KV there; it finishes."""
     key = key_for(VICTIM)
-    streaming = Stream(cluster.api, "Story: the lighthouse keeper's long night", max_tokens=160,
-                       routing_key=key).start()
-    wait_for(lambda: streaming.num_chunks >= 3 or streaming.is_done, 60,
-             "the streaming request's first chunks")
+    streaming = Stream(
+        cluster.api, "Story: the lighthouse keeper's long night", max_tokens=160, routing_key=key
+    ).start()
+    wait_for(
+        lambda: streaming.num_chunks >= 3 or streaming.is_done,
+        60,
+        "the streaming request's first chunks",
+    )
     before = cluster.metric(VICTIM, "pdserve_prefill_tokens_total")
     chunking = Stream(cluster.api, long_prompt("case 4n"), max_tokens=16, routing_key=key).start()
-    wait_metric(cluster, VICTIM, "pdserve_prefill_tokens_total", lambda v: v - before >= CHUNK,
-                "a chunk of the second request")
+    wait_metric(
+        cluster,
+        VICTIM,
+        "pdserve_prefill_tokens_total",
+        lambda v: v - before >= CHUNK,
+        "a chunk of the second request",
+    )
     assert not streaming.is_done, streaming.outcome
     fault = cluster.kill9(VICTIM)
     kept, lost = wait_all([streaming, chunking])

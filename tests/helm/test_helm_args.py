@@ -8,10 +8,10 @@ $(VAR) references are expanded as the kubelet does, from the container's own env
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.support import helm_tools as ht
+
 pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (test extra)")
 
 
@@ -159,8 +159,10 @@ def test_gpu_is_per_role_and_needs_no_rdma_for_its_cuda_transports() -> None:
         args = ht.expand_env_refs(container["args"][1:], ht.env_of(container))
         ns = ht.role_parser(role).parse_args(args)
         env = ht.env_of(container)
-        has_gpu = {kind: "nvidia.com/gpu" in container["resources"].get(kind, {})
-                   for kind in ("requests", "limits")}
+        has_gpu = {
+            kind: "nvidia.com/gpu" in container["resources"].get(kind, {})
+            for kind in ("requests", "limits")
+        }
         if role == "prefill":
             assert ns.device == "cuda"
             assert has_gpu == {"requests": True, "limits": True}

@@ -12,6 +12,7 @@ import tomllib
 import yaml
 
 from tests.support import helm_tools as ht
+
 DOCKERFILE = (ht.REPO / "Dockerfile").read_text()
 MAKEFILE = (ht.REPO / "Makefile").read_text()
 
@@ -36,7 +37,11 @@ def test_the_image_installs_what_the_makefile_pins() -> None:
     # torch before the package, NIXL and the model after it.
     order = [
         DOCKERFILE.index(s)
-        for s in ('"torch==${TORCH_VERSION}"', "pip install /opt/pdserve/wheels/", '--no-deps "$req"')
+        for s in (
+            '"torch==${TORCH_VERSION}"',
+            "pip install /opt/pdserve/wheels/",
+            '--no-deps "$req"',
+        )
     ]
     assert order == sorted(order)
 
@@ -54,7 +59,7 @@ def test_the_nixl_wheel_follows_torchs_cuda_build_in_both_installs() -> None:
     assert DOCKERFILE.count("python -m transfer.nixl_wheel") == 1
     step = 'req="$(python -m transfer.nixl_wheel --nixl-version "$NIXL_VERSION")"; \\'
     assert step in DOCKERFILE
-    run = DOCKERFILE[DOCKERFILE.index("RUN set -eux; \\\n    pip install /opt/pdserve/wheels/"):]
+    run = DOCKERFILE[DOCKERFILE.index("RUN set -eux; \\\n    pip install /opt/pdserve/wheels/") :]
     steps = ("transfer.nixl_wheel", '"$req"', "rm -rf /opt/pdserve/wheels")
     assert [run.index(s) for s in steps] == sorted(run.index(s) for s in steps)
     assert "FLAVOR" not in run.split("\n\n")[0]

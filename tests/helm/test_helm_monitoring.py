@@ -1,4 +1,4 @@
-"""The dashboard, alert rules, adapter rules and KEDA queries: valid PromQL over pdserve's own metrics.
+"""Dashboard, alert rules, adapter rules and KEDA queries: valid PromQL over pdserve's own metrics.
 
 Every expression is checked by `promtool check rules` (skipped, with the reason, when
 promtool is not installed: Debian's `prometheus` package has it) and by promql-parser,
@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tests.support import helm_tools as ht
+
 pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (test extra)")
 pytest.importorskip("promql_parser", reason="promql-parser is not installed (test extra)")
 

@@ -1,4 +1,4 @@
-"""The chart renders offline for every toggle, lints clean in strict mode, and every manifest is valid.
+"""The chart renders offline for every toggle, lints clean in strict mode, every manifest is valid.
 
 Core kinds are checked by kubernetes-validate --strict for Kubernetes 1.29 and 1.33. The CRD
 kinds (ServiceMonitor, PrometheusRule, ScaledObject) have no schema there: their structure is
@@ -8,11 +8,11 @@ against the core schemas through stand-in objects.
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.support import helm_crds
 from tests.support import helm_tools as ht
+
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (test extra)")
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
 jsonschema = pytest.importorskip("jsonschema")

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from tests.support import helm_tools as ht
+
 pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (test extra)")
 
 
@@ -35,7 +36,8 @@ def test_each_service_selects_its_roles_pods_and_no_other(toggle: str) -> None:
             assert port["targetPort"] in named_ports, (service["metadata"]["name"], port)
     # bootstrap twice: the API Service and the headless registry one (every replica).
     assert sorted(ht.component(s) for s in ht.of_kind(docs, "Service")) == sorted(
-        [*ht.ROLES, "bootstrap"])
+        [*ht.ROLES, "bootstrap"]
+    )
 
 
 @pytest.mark.parametrize("toggle", ht.TOGGLES)

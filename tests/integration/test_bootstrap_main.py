@@ -1,4 +1,7 @@
-"""`python -m bootstrap`: READY line once both ports listen, registry and API answer, SIGTERM exits 0."""
+"""`python -m bootstrap`: READY line once both ports listen, registry and API answer.
+
+SIGTERM exits 0.
+"""
 
 from __future__ import annotations
 

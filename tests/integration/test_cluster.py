@@ -13,8 +13,8 @@ import urllib.request
 
 import pytest
 
-from tests.support.cluster import Proc, http, metric, start, wait_ready
 from common import stages
+from tests.support.cluster import Proc, http, metric, start, wait_ready
 from tests.support.ports import free_port
 from tests.support.waits import wait_for
 
@@ -30,16 +30,41 @@ SYSTEM = "You are a terse assistant for a lighthouse keeper. Answer in one short
 @pytest.fixture(scope="module")
 def cluster():
     api, registry, reply = free_port(), free_port(), free_port()
-    common = ["--auth-token", TOKEN, "--max-total-tokens", "6144",
-              "--lease-timeout", "3"]
-    boot = start("bootstrap", "bootstrap", "--host", "127.0.0.1", "--port", str(api),
-                 "--disaggregation-bootstrap-port", str(registry), "--auth-token", TOKEN,
-                 "--api-key", API_KEY, "--reply-port", str(reply))
+    common = ["--auth-token", TOKEN, "--max-total-tokens", "6144", "--lease-timeout", "3"]
+    boot = start(
+        "bootstrap",
+        "bootstrap",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(api),
+        "--disaggregation-bootstrap-port",
+        str(registry),
+        "--auth-token",
+        TOKEN,
+        "--api-key",
+        API_KEY,
+        "--reply-port",
+        str(reply),
+    )
     url = f"http://127.0.0.1:{registry}"
-    nodes = [start(f"{role}-{i}", module, "--host", "127.0.0.1", "--port", "0",
-                   "--node-id", f"{role}-{i}", "--bootstrap-url", url, *common)
-             for role, module in (("prefill", "prefill_node"), ("decode", "decode_node"))
-             for i in range(2)]
+    nodes = [
+        start(
+            f"{role}-{i}",
+            module,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--node-id",
+            f"{role}-{i}",
+            "--bootstrap-url",
+            url,
+            *common,
+        )
+        for role, module in (("prefill", "prefill_node"), ("decode", "decode_node"))
+        for i in range(2)
+    ]
     procs = [boot, *nodes]
     try:
         wait_ready(procs)
@@ -51,9 +76,13 @@ def cluster():
                 break
             assert time.monotonic() < deadline, f"nodes never registered: {body}"
             time.sleep(0.2)
-        yield {"api": f"http://127.0.0.1:{api}", "registry": url, "procs": procs,
-               "reply_endpoint": f"tcp://127.0.0.1:{reply}",
-               "nodes": {p.name: p for p in nodes}}
+        yield {
+            "api": f"http://127.0.0.1:{api}",
+            "registry": url,
+            "procs": procs,
+            "reply_endpoint": f"tcp://127.0.0.1:{reply}",
+            "nodes": {p.name: p for p in nodes},
+        }
     finally:
         for p in procs:
             p.stop()
@@ -65,25 +94,46 @@ def client(c) -> "openai.OpenAI":
 
 def test_chat_and_completions_streaming_and_not_with_the_official_client(cluster):
     cl = client(cluster)
-    chat = cl.chat.completions.create(model="default", max_tokens=12, temperature=0,
-                                      messages=[{"role": "user", "content": "Say hello."}])
+    chat = cl.chat.completions.create(
+        model="default",
+        max_tokens=12,
+        temperature=0,
+        messages=[{"role": "user", "content": "Say hello."}],
+    )
     assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
-    pieces = [ch.choices[0].delta.content or "" for ch in cl.chat.completions.create(
-        model="default", max_tokens=12, temperature=0, stream=True,
-        messages=[{"role": "user", "content": "Say hello."}]) if ch.choices]
+    pieces = [
+        ch.choices[0].delta.content or ""
+        for ch in cl.chat.completions.create(
+            model="default",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            messages=[{"role": "user", "content": "Say hello."}],
+        )
+        if ch.choices
+    ]
     assert "".join(pieces) == chat.choices[0].message.content
-    comp = cl.completions.create(model="default", prompt="The capital of France is", max_tokens=8,
-                                 temperature=0)
-    streamed = "".join(ch.choices[0].text for ch in cl.completions.create(
-        model="default", prompt="The capital of France is", max_tokens=8, temperature=0,
-        stream=True) if ch.choices)
+    comp = cl.completions.create(
+        model="default", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in cl.completions.create(
+            model="default",
+            prompt="The capital of France is",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+        )
+        if ch.choices
+    )
     assert comp.choices[0].text and streamed == comp.choices[0].text
 
 
 def test_greedy_output_equals_the_single_process_runner(cluster):
+    from common.launch.offline import OfflineResult, generate_stream
     from common.model.default_model import default_model_dir
     from common.model.runner import ModelRunner
-    from common.launch.offline import OfflineResult, generate_stream
     from common.sampling_params import SamplingParams
     from common.tokenizer import Tokenizer
 
@@ -91,11 +141,14 @@ def test_greedy_output_equals_the_single_process_runner(cluster):
     runner = ModelRunner.from_path(None, progress=False, max_total_tokens=1024)
     messages = [{"role": "user", "content": "List three kinds of boats."}]
     ids = tok.apply_chat_template(messages)
-    offline = [x for x in generate_stream(runner, tok, ids,
-                                          SamplingParams(max_new_tokens=24, temperature=0))][-1]
+    offline = [
+        x
+        for x in generate_stream(runner, tok, ids, SamplingParams(max_new_tokens=24, temperature=0))
+    ][-1]
     assert isinstance(offline, OfflineResult)
-    chat = client(cluster).chat.completions.create(model="default", max_tokens=24, temperature=0,
-                                                   messages=messages)
+    chat = client(cluster).chat.completions.create(
+        model="default", max_tokens=24, temperature=0, messages=messages
+    )
     assert chat.choices[0].message.content == offline.text
 
 
@@ -109,9 +162,13 @@ def _seen(url: str, name: str, **labels: str) -> float:
 
 def _stage_totals(url: str, stage_names: list[str]) -> dict[str, tuple[float, float]]:
     """(count, sum) of pdserve_request_stage_seconds per stage on one process."""
-    return {name: (_seen(url, "pdserve_request_stage_seconds_count", stage=name),
-                   _seen(url, "pdserve_request_stage_seconds_sum", stage=name))
-            for name in stage_names}
+    return {
+        name: (
+            _seen(url, "pdserve_request_stage_seconds_count", stage=name),
+            _seen(url, "pdserve_request_stage_seconds_sum", stage=name),
+        )
+        for name in stage_names
+    }
 
 
 def test_ttft_stages_are_recorded_and_add_up_to_the_ttft_the_client_saw(cluster):
@@ -123,8 +180,13 @@ def test_ttft_stages_are_recorded_and_add_up_to_the_ttft_the_client_saw(cluster)
     node_before = [_stage_totals(p.ready["http_url"], every) for p in nodes]
     cl = client(cluster)
     start = time.perf_counter()
-    stream = cl.completions.create(model="default", prompt="Tell me about tides. " * 40,
-                                   max_tokens=4, temperature=0, stream=True)
+    stream = cl.completions.create(
+        model="default",
+        prompt="Tell me about tides. " * 40,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+    )
     first = next(iter(stream))
     client_ttft = time.perf_counter() - start
     assert first.choices
@@ -145,20 +207,33 @@ def test_ttft_stages_are_recorded_and_add_up_to_the_ttft_the_client_saw(cluster)
     ttft = metric(cluster["api"], "pdserve_time_to_first_token_seconds_sum") - ttft_before
     assert abs(ttft - total) <= 1e-3, (ttft, total)
     # Each node recorded its own view of its stages, on the same metric.
-    grown = {n: sum(_stage_totals(p.ready["http_url"], every)[n][0] - b[n][0]
-                    for p, b in zip(nodes, node_before)) for n in every}
+    grown = {
+        n: sum(
+            _stage_totals(p.ready["http_url"], every)[n][0] - b[n][0]
+            for p, b in zip(nodes, node_before)
+        )
+        for n in every
+    }
     for name, _, _ in stages.PREFILL_STAGES + stages.DECODE_STAGES:
         assert grown[name] == 1.0, (name, grown)
 
 
 def test_usage_reports_the_prompt_tokens_served_from_the_prefill_cache(cluster):
     cl = client(cluster)
-    messages = [{"role": "system", "content": SYSTEM + " Cache check " + str(time.time())},
-                {"role": "user", "content": "Name one bird."}]
-    usages = [cl.chat.completions.create(model="default", max_tokens=2, temperature=0,
-                                         messages=messages,
-                                         extra_headers={"x-routing-key": "cache-usage"}).usage
-              for _ in range(2)]
+    messages = [
+        {"role": "system", "content": SYSTEM + " Cache check " + str(time.time())},
+        {"role": "user", "content": "Name one bird."},
+    ]
+    usages = [
+        cl.chat.completions.create(
+            model="default",
+            max_tokens=2,
+            temperature=0,
+            messages=messages,
+            extra_headers={"x-routing-key": "cache-usage"},
+        ).usage
+        for _ in range(2)
+    ]
     first, second = usages
     assert first.prompt_tokens == second.prompt_tokens
     assert first.prompt_tokens_details.cached_tokens == 0
@@ -180,8 +255,10 @@ def test_precise_routing_sends_a_tenant_back_to_the_node_that_caches_its_context
     index_before = metric(cluster["api"], "pdserve_kv_index_pages")
     url = cluster["api"] + "/v1/completions"
     results: list[tuple[int, dict]] = []
-    threads = [threading.Thread(target=lambda ids=ids: results.append(
-        _completion(url, ids + [7, 8, 9]))) for ids in contexts]
+    threads = [
+        threading.Thread(target=lambda ids=ids: results.append(_completion(url, ids + [7, 8, 9])))
+        for ids in contexts
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -203,9 +280,14 @@ def test_precise_routing_sends_a_tenant_back_to_the_node_that_caches_its_context
 
 
 def _completion(url: str, ids: list[int]) -> tuple[int, dict]:
-    req = urllib.request.Request(url, method="POST", data=json.dumps(
-        {"model": "default", "prompt": ids, "max_tokens": 1, "temperature": 0}).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    req = urllib.request.Request(
+        url,
+        method="POST",
+        data=json.dumps(
+            {"model": "default", "prompt": ids, "max_tokens": 1, "temperature": 0}
+        ).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return resp.status, json.loads(resp.read())
@@ -219,9 +301,17 @@ def test_64_concurrent_streams_all_complete(cluster):
 
     def one(i: int) -> None:
         try:
-            text = "".join(ch.choices[0].text for ch in cl.completions.create(
-                model="default", prompt=f"Number {i} is", max_tokens=6, temperature=0,
-                stream=True) if ch.choices)
+            text = "".join(
+                ch.choices[0].text
+                for ch in cl.completions.create(
+                    model="default",
+                    prompt=f"Number {i} is",
+                    max_tokens=6,
+                    temperature=0,
+                    stream=True,
+                )
+                if ch.choices
+            )
             results.append(text)
         except Exception as exc:  # noqa: BLE001 - collected and reported below
             results.append(exc)
@@ -237,14 +327,28 @@ def test_64_concurrent_streams_all_complete(cluster):
 
 def test_requests_sharing_a_system_prompt_land_on_the_same_prefill_node(cluster):
     nodes = cluster["nodes"]
-    before = {n: metric(nodes[n].ready["http_url"], "pdserve_prompt_tokens_total")
-              for n in ("prefill-0", "prefill-1")}
+    before = {
+        n: metric(nodes[n].ready["http_url"], "pdserve_prompt_tokens_total")
+        for n in ("prefill-0", "prefill-1")
+    }
     cl = client(cluster)
-    for q in ("Is the lamp lit?", "How high is the tower?", "When is the next storm?", "Any ships?"):
-        cl.chat.completions.create(model="default", max_tokens=2, temperature=0, messages=[
-            {"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
-    grew = [n for n in before
-            if metric(nodes[n].ready["http_url"], "pdserve_prompt_tokens_total") > before[n]]
+    for q in (
+        "Is the lamp lit?",
+        "How high is the tower?",
+        "When is the next storm?",
+        "Any ships?",
+    ):
+        cl.chat.completions.create(
+            model="default",
+            max_tokens=2,
+            temperature=0,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+        )
+    grew = [
+        n
+        for n in before
+        if metric(nodes[n].ready["http_url"], "pdserve_prompt_tokens_total") > before[n]
+    ]
     assert len(grew) == 1, grew
 
 
@@ -253,11 +357,20 @@ def test_a_node_without_the_token_cannot_register(cluster):
     assert status in (400, 401)
     from common import messages as msg
 
-    rogue = msg.RegisterNode(node_id="rogue", role="prefill", request_endpoint="tcp://127.0.0.1:9",
-                             control_endpoint="tcp://127.0.0.1:9", http_url="http://127.0.0.1:9",
-                             backend="nixl", backend_metadata=b"", kv_layout={}, num_pages=1,
-                             max_running_requests=1, protocol_version=msg.PROTOCOL_VERSION,
-                             auth_token="wrong")
+    rogue = msg.RegisterNode(
+        node_id="rogue",
+        role="prefill",
+        request_endpoint="tcp://127.0.0.1:9",
+        control_endpoint="tcp://127.0.0.1:9",
+        http_url="http://127.0.0.1:9",
+        backend="nixl",
+        backend_metadata=b"",
+        kv_layout={},
+        num_pages=1,
+        max_running_requests=1,
+        protocol_version=msg.PROTOCOL_VERSION,
+        auth_token="wrong",
+    )
     status, _ = http("POST", cluster["registry"] + "/register", msg.to_jsonable(rogue))
     assert status == 401
     _, body = http("GET", cluster["api"] + "/nodes", token=API_KEY)
@@ -270,7 +383,10 @@ def test_bad_inputs_get_openai_style_errors(cluster):
     api = cluster["api"] + "/v1/chat/completions"
     cases = [
         ({"model": "default", "messages": []}, 400),
-        ({"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400),
+        (
+            {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
+            400,
+        ),
         ({"model": "default", "messages": "hi"}, 400),
         ({"model": "default", "messages": [{"role": "user", "content": "hi " * 9000}]}, 400),
     ]
@@ -288,8 +404,12 @@ FUZZ_EXAMPLES_PER_ROUTE = 10
 
 def _greedy(cluster) -> list[str]:
     cl = client(cluster)
-    return [cl.completions.create(model="default", prompt=p, max_tokens=8, temperature=0)
-            .choices[0].text for p in ("The capital of France is", "1, 2, 3,")]
+    return [
+        cl.completions.create(model="default", prompt=p, max_tokens=8, temperature=0)
+        .choices[0]
+        .text
+        for p in ("The capital of France is", "1, 2, 3,")
+    ]
 
 
 def _all_idle_and_healthy(cluster) -> None:
@@ -310,6 +430,7 @@ def test_hostile_api_bodies_never_5xx_and_leave_nothing_held(cluster):
     from hypothesis import strategies as st
 
     from tests.support import hostile
+
     before = _greedy(cluster)
     seen: dict[int, int] = {}
     conn_box: list[http_client.HTTPConnection] = []
@@ -319,8 +440,12 @@ def test_hostile_api_bodies_never_5xx_and_leave_nothing_held(cluster):
         if not conn_box:
             conn_box.append(http_client.HTTPConnection(*_host_port(cluster["api"]), timeout=120))
         conn = conn_box[0]
-        conn.request("POST", route, data, {"Content-Type": "application/json",
-                                           "Authorization": f"Bearer {API_KEY}"})
+        conn.request(
+            "POST",
+            route,
+            data,
+            {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+        )
         resp = conn.getresponse()
         raw = resp.read()
         if resp.status != 200:
@@ -330,10 +455,18 @@ def test_hostile_api_bodies_never_5xx_and_leave_nothing_held(cluster):
             assert raw.rstrip().endswith(b"data: [DONE]") or b'"finish_reason"' in raw, raw[-200:]
         return resp.status
 
-    @settings(max_examples=FUZZ_EXAMPLES_PER_ROUTE * len(FUZZ_ROUTES), deadline=None,
-              derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-    @given(st.sampled_from(FUZZ_ROUTES).flatmap(
-        lambda r: st.tuples(st.just(r), hostile.hostile_body(r))))
+    @settings(
+        max_examples=FUZZ_EXAMPLES_PER_ROUTE * len(FUZZ_ROUTES),
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        st.sampled_from(FUZZ_ROUTES).flatmap(
+            lambda r: st.tuples(st.just(r), hostile.hostile_body(r))
+        )
+    )
     def one(case) -> None:
         route, body = case
         status = post(route, hostile.body_bytes(body), body.get("stream") is True)
@@ -354,8 +487,8 @@ def test_hostile_api_bodies_never_5xx_and_leave_nothing_held(cluster):
 def test_internal_sockets_survive_bad_and_unauthenticated_frames(cluster):
     import zmq
 
-    from tests.support import hostile
     from common.socket_auth import ClusterKeys, SocketSecurity
+    from tests.support import hostile
 
     _, body = http("GET", cluster["api"] + "/nodes", token=API_KEY)
     targets = {f"{n['id']}/requests": n["request_endpoint"] for n in body["nodes"]}
@@ -393,11 +526,15 @@ def test_internal_sockets_survive_bad_and_unauthenticated_frames(cluster):
         name, kind = target.split("/")
         role = name.split("-")[0]
         url = cluster["api"] if role == "bootstrap" else cluster["nodes"][name].ready["http_url"]
-        socket_name = {"requests": f"{role}_requests", "control": f"{role}_kv_control",
-                       "replies": "gateway_replies"}[kind]
-        return (_metric_or_0(url, "pdserve_malformed_messages_total", socket=socket_name),
-                _metric_or_0(url, "pdserve_unauthenticated_connections_total",
-                             socket=socket_name))
+        socket_name = {
+            "requests": f"{role}_requests",
+            "control": f"{role}_kv_control",
+            "replies": "gateway_replies",
+        }[kind]
+        return (
+            _metric_or_0(url, "pdserve_malformed_messages_total", socket=socket_name),
+            _metric_or_0(url, "pdserve_unauthenticated_connections_total", socket=socket_name),
+        )
 
     num_bad = sum(len(batch) for batch in frames.values()) + 1  # + the two-frame message
     deadline = time.monotonic() + 30
@@ -438,8 +575,9 @@ def test_killing_a_decode_node_mid_stream_fails_its_requests_and_the_rest_go_on(
 
     def one(i: int) -> None:
         try:
-            for _ in cl.completions.create(model="default", prompt=f"Story {i}:",
-                                           max_tokens=200, temperature=0, stream=True):
+            for _ in cl.completions.create(
+                model="default", prompt=f"Story {i}:", max_tokens=200, temperature=0, stream=True
+            ):
                 chunks[i] += 1
             outcomes[i] = f"ok {chunks[i]}"
         except Exception as exc:  # noqa: BLE001
@@ -458,7 +596,9 @@ def test_killing_a_decode_node_mid_stream_fails_its_requests_and_the_rest_go_on(
     # Least-load decode choice spreads six concurrent requests over both decode nodes.
     assert any(v.startswith("error") for v in outcomes.values()), outcomes
     assert any(v.startswith("ok") for v in outcomes.values()), outcomes
-    after = cl.completions.create(model="default", prompt="Still there?", max_tokens=4, temperature=0)
+    after = cl.completions.create(
+        model="default", prompt="Still there?", max_tokens=4, temperature=0
+    )
     assert after.choices[0].text is not None
 
 

@@ -18,12 +18,38 @@ TOKEN = "colocated-token"
 @pytest.fixture(scope="module")
 def colocated():
     api, registry = free_port(), free_port()
-    boot = start("bootstrap", "bootstrap", "--host", "127.0.0.1", "--port", str(api),
-                 "--disaggregation-bootstrap-port", str(registry), "--auth-token", TOKEN)
-    node = start("colocated-0", "colocated_node", "--host", "127.0.0.1", "--port", "0",
-                 "--node-id", "colo", "--bootstrap-url", f"http://127.0.0.1:{registry}",
-                 "--auth-token", TOKEN, "--dtype", "float32", "--max-total-tokens", "4096",
-                 "--chunked-prefill-size", "256")
+    boot = start(
+        "bootstrap",
+        "bootstrap",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(api),
+        "--disaggregation-bootstrap-port",
+        str(registry),
+        "--auth-token",
+        TOKEN,
+    )
+    node = start(
+        "colocated-0",
+        "colocated_node",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--node-id",
+        "colo",
+        "--bootstrap-url",
+        f"http://127.0.0.1:{registry}",
+        "--auth-token",
+        TOKEN,
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "4096",
+        "--chunked-prefill-size",
+        "256",
+    )
     try:
         wait_ready([boot, node])
         url = f"http://127.0.0.1:{api}"
@@ -54,9 +80,9 @@ def test_it_registers_a_prefill_and_a_decode_half_that_name_each_other(colocated
 
 
 def test_greedy_output_equals_the_single_process_runner(colocated):
+    from common.launch.offline import OfflineResult, generate_stream
     from common.model.default_model import default_model_dir
     from common.model.runner import ModelRunner
-    from common.launch.offline import OfflineResult, generate_stream
     from common.sampling_params import SamplingParams
     from common.tokenizer import Tokenizer
 
@@ -64,12 +90,15 @@ def test_greedy_output_equals_the_single_process_runner(colocated):
     runner = ModelRunner.from_path(None, progress=False, max_total_tokens=1024, dtype="float32")
     messages = [{"role": "user", "content": "Name two rivers of Europe."}]
     ids = tok.apply_chat_template(messages)
-    offline = [x for x in generate_stream(runner, tok, ids,
-                                          SamplingParams(max_new_tokens=20, temperature=0))][-1]
+    offline = [
+        x
+        for x in generate_stream(runner, tok, ids, SamplingParams(max_new_tokens=20, temperature=0))
+    ][-1]
     assert isinstance(offline, OfflineResult)
     for _ in range(2):  # the second one prefills from the cache
         chat = _client(colocated).chat.completions.create(
-            model="default", max_tokens=20, temperature=0, messages=messages)
+            model="default", max_tokens=20, temperature=0, messages=messages
+        )
         assert chat.choices[0].message.content == offline.text
 
 
@@ -79,17 +108,26 @@ def test_long_prompts_and_streams_mix_and_every_page_comes_back(colocated):
 
     def stream(i: int) -> None:
         try:
-            text = "".join(ch.choices[0].text for ch in cl.completions.create(
-                model="default", prompt=f"Story {i}: the lighthouse", max_tokens=24,
-                temperature=0, stream=True) if ch.choices)
+            text = "".join(
+                ch.choices[0].text
+                for ch in cl.completions.create(
+                    model="default",
+                    prompt=f"Story {i}: the lighthouse",
+                    max_tokens=24,
+                    temperature=0,
+                    stream=True,
+                )
+                if ch.choices
+            )
             results.append(text)
         except Exception as exc:  # noqa: BLE001 - the assertion reports it
             results.append(exc)
 
     def long(i: int) -> None:  # several chunks of prefill while the streams decode
         try:
-            r = cl.completions.create(model="default", prompt=f"{i} " + "wave " * 900,
-                                      max_tokens=2, temperature=0)
+            r = cl.completions.create(
+                model="default", prompt=f"{i} " + "wave " * 900, max_tokens=2, temperature=0
+            )
             results.append(r.choices[0].text)
         except Exception as exc:  # noqa: BLE001
             results.append(exc)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.support.tolerance import FLOAT32_REL
 
 pytestmark = pytest.mark.slow
@@ -27,9 +28,22 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp / "results.jsonl"
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("OUT", None)
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "device_check.sh"), "--cpu", "--out",
-                           str(out), "--work", str(tmp / "work")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "bench" / "device_check.sh"),
+            "--cpu",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp / "work"),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     assert proc.returncode == 0 or not HAS_NIXL, proc.stdout[-4000:]
@@ -55,8 +69,12 @@ def test_every_phase_ran_to_its_end_and_passed(results: list[dict], phase: str) 
 def test_equivalence_is_within_the_cpu_tests_tolerances(results: list[dict]) -> None:
     rows = _of(results, "a", "equivalence")
     seen = {(r["model"], r["dtype"], r["case"]) for r in rows}
-    assert seen == {(m, d, c) for m in ("tiny-llama", "tiny-qwen2")
-                    for d in ("float32", "bfloat16") for c in ("full", "chunked", "decode")}
+    assert seen == {
+        (m, d, c)
+        for m in ("tiny-llama", "tiny-qwen2")
+        for d in ("float32", "bfloat16")
+        for c in ("full", "chunked", "decode")
+    }
     for r in rows:
         assert r["err"] <= r["bound"], r
         if r["dtype"] == "float32":
@@ -72,8 +90,9 @@ def test_speed_phases_measured_against_their_limits(results: list[dict]) -> None
     assert bw["copy_gbps"] > 0
     decode = _of(results, "b", "decode")
     assert {r["batch"] for r in decode} == {1, 4, 16}
-    assert all(r["ms_per_step"] > 0 and r["hf_ms_per_step"] > 0 and r["bound_ms"] > 0
-               for r in decode)
+    assert all(
+        r["ms_per_step"] > 0 and r["hf_ms_per_step"] > 0 and r["bound_ms"] > 0 for r in decode
+    )
     [peak] = _of(results, "c", "matmul_peak")
     assert peak["tflops"] > 0
     prefill = _of(results, "c", "prefill")

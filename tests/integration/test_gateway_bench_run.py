@@ -15,13 +15,32 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "gateway.py"
 
 
 def test_the_gateway_bench_streams_and_reports_per_row() -> None:
-    done = subprocess.run([sys.executable, str(BENCH), "--streams", "4", "--tokens", "16",
-                           "--duration", "1.5", "--replicas", "1", "2"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--streams",
+            "4",
+            "--tokens",
+            "16",
+            "--duration",
+            "1.5",
+            "--replicas",
+            "1",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [(r["replicas"], r["phase"], r["streams"]) for r in rows] == [
-        (1, "stream", 4), (1, "requests", 4), (2, "stream", 4), (2, "requests", 4)]
+        (1, "stream", 4),
+        (1, "requests", 4),
+        (2, "stream", 4),
+        (2, "requests", 4),
+    ]
     gateways = {1: {"gateway"}, 2: {"gateway-0", "gateway-1"}}
     for r in rows:
         assert r["bench"] == "gateway" and r["errors"] == 0, r

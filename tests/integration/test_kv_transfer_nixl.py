@@ -39,15 +39,23 @@ def test_scattered_pages_of_concurrent_rooms_arrive_byte_for_byte_over_chunks(no
     rooms = {
         1001: (100, [40, 41, 42, 10, 11, 3, 50], [7, 8, 9, 20, 30, 31, 32]),
         1002: (40, [0, 1, 2], [60, 2, 61]),
-        1003: (250, list(range(12, 28)), [33, 34, 35, 36, 1, 0, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46]),
+        1003: (
+            250,
+            list(range(12, 28)),
+            [33, 34, 35, 36, 1, 0, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46],
+        ),
     }
     for room, (n, _, dst) in rooms.items():
         _handshake(prefill, decode, room, n, dst)
     for room, (n, src, _) in rooms.items():
         for end in (17, 64, n - 1):  # mid-page chunk ends: whole pages only until the last
             prefill.call("send", room, src, min(end, n - 1), None)
-        aux = dict(first_token_id=room % 1000, room_echo=room, first_logprob=-0.25,
-                   top_logprobs=[(room % 1000, -0.25)])
+        aux = dict(
+            first_token_id=room % 1000,
+            room_echo=room,
+            first_logprob=-0.25,
+            top_logprobs=[(room % 1000, -0.25)],
+        )
         prefill.call("send", room, src, n, aux)
     for room in rooms:
         assert decode.wait_state(room, ("Success", "Failed"))[0] == "Success"
@@ -142,4 +150,3 @@ def test_incompatible_pools_are_refused_with_a_clear_error():
     finally:
         prefill.stop()
         decode.stop()
-

@@ -1,5 +1,5 @@
-"""`pdserve launch` supervises its cluster: a killed node or gateway is started again while the rest serve,
-and a cluster launched without --auth-token is closed all the same."""
+"""`pdserve launch` supervises its cluster: a killed node or gateway is started again while the
+rest serve, and a cluster launched without --auth-token is closed all the same."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import zmq
-from tests.support.launched import Launch, get_json, stop
 
 from common import messages as msg
+from tests.support.launched import Launch, get_json, stop
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +42,11 @@ def launch() -> Iterator[Launch]:
 def _chat(api_port: int, text: str) -> int:
     """The status of one short chat request."""
     body = {"model": "default", "messages": [{"role": "user", "content": text}], "max_tokens": 6}
-    req = urllib.request.Request(f"http://127.0.0.1:{api_port}/v1/chat/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{api_port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             resp.read()
@@ -88,10 +90,14 @@ def test_a_launched_cluster_is_closed_without_an_auth_token(launch: Launch) -> N
     assert info.value.code == 401
     assert _chat(launch.api_port, "Hi") == 200
     # A stranger's GenerateReq on a node's request socket is refused at the handshake.
-    node = next(n for n in get_json(f"http://127.0.0.1:{launch.api_port}/nodes")["nodes"]
-                if n["id"] == "decode-0")
-    before = _metric(node["metrics_url"], "pdserve_unauthenticated_connections_total",
-                     socket="decode_requests")
+    node = next(
+        n
+        for n in get_json(f"http://127.0.0.1:{launch.api_port}/nodes")["nodes"]
+        if n["id"] == "decode-0"
+    )
+    before = _metric(
+        node["metrics_url"], "pdserve_unauthenticated_connections_total", socket="decode_requests"
+    )
     ctx = zmq.Context()
     try:
         reply = ctx.socket(zmq.PULL)
@@ -99,17 +105,35 @@ def test_a_launched_cluster_is_closed_without_an_auth_token(launch: Launch) -> N
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.SNDTIMEO, 2000)
         push.connect(node["request_endpoint"])
-        req = msg.GenerateReq(rid="stranger", room=1, input_ids=[1, 2, 3],
-                              sampling={"max_new_tokens": 4}, priority=None, routing_key=None,
-                              prefill_node_id="prefill-0", decode_node_id="decode-0",
-                              reply_endpoint=f"tcp://127.0.0.1:{port}",
-                              arrival_time=time.time(), return_logprob=False)
+        req = msg.GenerateReq(
+            rid="stranger",
+            room=1,
+            input_ids=[1, 2, 3],
+            sampling={"max_new_tokens": 4},
+            priority=None,
+            routing_key=None,
+            prefill_node_id="prefill-0",
+            decode_node_id="decode-0",
+            reply_endpoint=f"tcp://127.0.0.1:{port}",
+            arrival_time=time.time(),
+            return_logprob=False,
+        )
         try:
             push.send(msg.encode(req))
         except zmq.Again:
             pass  # the refused handshake left nowhere to queue it: refused all the same
-        _wait(lambda: _metric(node["metrics_url"], "pdserve_unauthenticated_connections_total",
-                              socket="decode_requests") > before, 20, "the refusal counted")
+        _wait(
+            lambda: (
+                _metric(
+                    node["metrics_url"],
+                    "pdserve_unauthenticated_connections_total",
+                    socket="decode_requests",
+                )
+                > before
+            ),
+            20,
+            "the refusal counted",
+        )
         assert reply.poll(1000) == 0  # nothing came back
     finally:
         ctx.destroy(linger=0)
@@ -143,7 +167,9 @@ def test_gpus_fewer_than_nodes_stop_launch_with_exit_2_before_any_process() -> N
     # Two nodes, one GPU: refused at once, nothing started (no model load, no ports bound).
     done = subprocess.run(
         [sys.executable, "-m", "common.launch.cli", "launch", "--gpus", "0", "--num-decode", "1"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 2, done.stderr
     assert "--gpus names 1 GPU for 2 nodes" in done.stderr

@@ -106,12 +106,14 @@ def _writer_main(conn: Connection, name: str, layout: dict[str, Any]) -> None:
 class _Child:
     """A spawned process and our end of its pipe; every reply is awaited with a deadline."""
 
-    def __init__(self, target: Callable[..., None], name: str, layout: KVLayout,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self, target: Callable[..., None], name: str, layout: KVLayout, device: str = "cpu"
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=target, args=(child_conn, name,
-                                                        {**layout.to_dict(), "device": device}))
+        self.process = ctx.Process(
+            target=target, args=(child_conn, name, {**layout.to_dict(), "device": device})
+        )
         self.process.start()
         child_conn.close()
 
@@ -139,8 +141,9 @@ def spawn() -> Iterator[Spawn]:
     """Starts children and kills whichever are still alive when the test ends."""
     children: list[_Child] = []
 
-    def start(target: Callable[..., None], name: str, layout: KVLayout,
-              device: str = "cpu") -> _Child:
+    def start(
+        target: Callable[..., None], name: str, layout: KVLayout, device: str = "cpu"
+    ) -> _Child:
         children.append(_Child(target, name, layout, device))
         return children[-1]
 
@@ -149,8 +152,9 @@ def spawn() -> Iterator[Spawn]:
         child.kill()
 
 
-def _connect(spawn: Spawn, layout: KVLayout, tag: str,
-             device: str = "cpu") -> tuple[_Child, _Child]:
+def _connect(
+    spawn: Spawn, layout: KVLayout, tag: str, device: str = "cpu"
+) -> tuple[_Child, _Child]:
     target = spawn(_target_main, f"target-{tag}", layout, device)
     writer = spawn(_writer_main, f"writer-{tag}", layout, device)
     writer.conn.send(target.reply())  # the target's metadata
@@ -282,13 +286,15 @@ def _cuda_configured_main(conn: Connection, name: str, layout: dict[str, Any]) -
     _page_bytes(src).copy_(_source_bytes(kv_layout, 4))
     peer = writer.add_peer(target.local_metadata())
     state, notifications = _wait_done(writer, target, writer.write(peer, [(1, 2)], b"gpu"))
-    conn.send({
-        "ucx_tls": os.environ.get("UCX_TLS"),
-        "ucx_module_dir": os.environ.get("UCX_MODULE_DIR"),
-        "state": state.value,
-        "notifications": notifications,
-        "landed": torch.equal(_page_bytes(dst)[2], _page_bytes(src)[1]),
-    })
+    conn.send(
+        {
+            "ucx_tls": os.environ.get("UCX_TLS"),
+            "ucx_module_dir": os.environ.get("UCX_MODULE_DIR"),
+            "state": state.value,
+            "notifications": notifications,
+            "landed": torch.equal(_page_bytes(dst)[2], _page_bytes(src)[1]),
+        }
+    )
     writer.close()
     target.close()
 

@@ -23,14 +23,38 @@ MAX_TOKENS = 16
 def pd():
     api, registry = free_port(), free_port()
     url = f"http://127.0.0.1:{registry}"
-    boot = start("bootstrap", "bootstrap", "--host", "127.0.0.1", "--port", str(api),
-                 "--disaggregation-bootstrap-port", str(registry))
+    boot = start(
+        "bootstrap",
+        "bootstrap",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(api),
+        "--disaggregation-bootstrap-port",
+        str(registry),
+    )
     node_args = ["--host", "127.0.0.1", "--port", "0", "--bootstrap-url", url]
-    prefill = start("prefill", "prefill_node", *node_args, "--node-id", "prefill-0",
-                    "--max-total-tokens", "4096")
+    prefill = start(
+        "prefill",
+        "prefill_node",
+        *node_args,
+        "--node-id",
+        "prefill-0",
+        "--max-total-tokens",
+        "4096",
+    )
     # 32 requests x (prompt + 16 tokens) need ~800 tokens: 384 force retractions.
-    decode = start("decode", "decode_node", *node_args, "--node-id", "decode-0",
-                   "--max-total-tokens", "384", "--num-reserved-decode-tokens", "0")
+    decode = start(
+        "decode",
+        "decode_node",
+        *node_args,
+        "--node-id",
+        "decode-0",
+        "--max-total-tokens",
+        "384",
+        "--num-reserved-decode-tokens",
+        "0",
+    )
     procs = [boot, prefill, decode]
     try:
         wait_ready(procs)
@@ -48,9 +72,9 @@ def pd():
 
 
 def reference_outputs(prompts: list[str]) -> list[str]:
+    from common.launch.offline import generate_stream
     from common.model.default_model import default_model_dir
     from common.model.runner import ModelRunner
-    from common.launch.offline import generate_stream
     from common.sampling_params import SamplingParams
     from common.tokenizer import Tokenizer
 
@@ -67,8 +91,9 @@ def test_concurrent_greedy_requests_survive_retraction_unchanged(pd):
 
     def one(i: int) -> None:
         try:
-            resp = cl.completions.create(model="default", prompt=prompts[i], max_tokens=MAX_TOKENS,
-                                         temperature=0)
+            resp = cl.completions.create(
+                model="default", prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0
+            )
             outputs[i] = resp.choices[0].text
         except Exception as exc:  # noqa: BLE001 - reported below
             outputs[i] = exc

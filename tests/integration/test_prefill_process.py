@@ -28,8 +28,12 @@ PAGE_FLOATS = 30 * 2 * 16 * 3 * 64
 
 
 def start_node(module: str, *args: str, timeout: float = 120.0) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", "--dtype", "float32", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, "--port", "0", "--dtype", "float32", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     ready: dict = {}
 
     def read() -> None:
@@ -58,8 +62,7 @@ def http_get(url: str) -> tuple[int, bytes]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    proc, info = start_node("prefill_node", "--max-total-tokens", "4096",
-                            "--lease-timeout", "3")
+    proc, info = start_node("prefill_node", "--max-total-tokens", "4096", "--lease-timeout", "3")
     decode = NodeProcess(NodeSpec("decode", num_pages=128, lease_s=3.0))
     ctx = zmq.Context.instance()
     reply, reply_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
@@ -74,9 +77,9 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference():
+    from common.model.default_model import default_model_dir
     from common.model.runner import ExtendRequest, ModelRunner
     from common.tokenizer import Tokenizer
-    from common.model.default_model import default_model_dir
 
     tok = Tokenizer.from_pretrained(default_model_dir())
     runner = ModelRunner.from_path(None, progress=False, max_total_tokens=2048)
@@ -92,10 +95,23 @@ def reference():
 
 
 def _submit(push, reply_endpoint, rid, room, ids):
-    push.send(msg.encode(msg.GenerateReq(
-        rid=rid, room=room, input_ids=ids, sampling={"max_new_tokens": 4, "temperature": 0.0},
-        priority=None, routing_key=None, prefill_node_id="p", decode_node_id="d",
-        reply_endpoint=reply_endpoint, arrival_time=time.time(), return_logprob=False)))
+    push.send(
+        msg.encode(
+            msg.GenerateReq(
+                rid=rid,
+                room=room,
+                input_ids=ids,
+                sampling={"max_new_tokens": 4, "temperature": 0.0},
+                priority=None,
+                routing_key=None,
+                prefill_node_id="p",
+                decode_node_id="d",
+                reply_endpoint=reply_endpoint,
+                arrival_time=time.time(),
+                return_logprob=False,
+            )
+        )
+    )
 
 
 def _token_slots(page_bytes: bytes, n: int) -> np.ndarray:
@@ -129,10 +145,12 @@ def test_prompt_kv_and_first_token_land_exactly(cluster, reference):
 def test_shared_prefix_is_a_cache_hit_and_still_exact(cluster, reference):
     tok, run = reference
     system = "You are a meticulous assistant. " * 24
-    ids = tok.apply_chat_template([{"role": "system", "content": system},
-                                   {"role": "user", "content": "Why is the sky blue?"}])
-    ids2 = tok.apply_chat_template([{"role": "system", "content": system},
-                                    {"role": "user", "content": "Why is grass green?"}])
+    ids = tok.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": "Why is the sky blue?"}]
+    )
+    ids2 = tok.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": "Why is grass green?"}]
+    )
     n = pages_needed(len(ids), 16)
     assert _transfer(cluster, "r2", 102, ids, list(range(40, 40 + n)))[0] == "Success"
     http = cluster[1]["http_url"]

@@ -1,4 +1,4 @@
-"""A real Prometheus scrapes a real `pdserve launch` and runs the chart's dashboard queries and rules.
+"""A real Prometheus scrapes a real `pdserve launch`, runs the chart's dashboard queries and rules.
 
 Prometheus (Debian's `prometheus` package) scrapes the bootstrap service and every node on
 loopback, with the namespace and pod labels a Kubernetes scrape would add, and loads the
@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from tests.support import helm_tools as ht
-from tests.support.waits import wait_for
 from tests.support.launched import Launch, free_port, get_json, stop
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +91,8 @@ class Prometheus:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"prometheus did not start: {self.proc.stderr.read() if self.proc.stderr else ''}"
+                        "prometheus did not start: "
+                        f"{self.proc.stderr.read() if self.proc.stderr else ''}"
                     )
                 time.sleep(0.2)
 
@@ -210,6 +211,7 @@ def test_every_rule_evaluates_and_nothing_leaks_when_idle(stack: tuple[Launch, P
         for r in g["rules"]
         if r.get("alert") == "PdserveKVPagesHeldWhileIdle"
     )
+
     # Prometheus scrapes every second: wait for scrapes that see the nodes hold no page, then
     # the leak alert's expression must select nothing.
     def nothing_held() -> bool:

@@ -51,16 +51,25 @@ def test_a_node_announces_in_one_write(monkeypatch):
             return len(s)
 
     monkeypatch.setattr(sys, "stdout", Recorder())
-    node = SimpleNamespace(node=SimpleNamespace(role="decode", node_id="decode-1"),
-                           http_url="http://127.0.0.1:5")
+    node = SimpleNamespace(
+        node=SimpleNamespace(role="decode", node_id="decode-1"), http_url="http://127.0.0.1:5"
+    )
     NodeProcess.announce(node, n=[1, 2])  # type: ignore[arg-type]
     assert writes == [ready_line(INFO)]
 
 
 def test_the_bootstrap_prints_the_same_line():
     """bootstrap/__main__.py takes the prefix and the line from common.ready (no copy)."""
-    out = subprocess.run([sys.executable, "-c",
-                          "import bootstrap.__main__ as b, common.ready as r; "
-                          "print(b.READY_PREFIX is r.READY_PREFIX, b.ready_line is r.ready_line)"],
-                         capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import bootstrap.__main__ as b, common.ready as r; "
+            "print(b.READY_PREFIX is r.READY_PREFIX, b.ready_line is r.ready_line)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert out.stdout.split() == ["True", "True"]

@@ -1,4 +1,4 @@
-"""The test clusters' start-up wait: a silent process is dumped, warned about and started once more."""
+"""Test clusters' start-up wait: a silent process is dumped, warned about and started once more."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from tests.support.cluster import Proc, _spawn, wait_ready
 from common.node.process import READY_PREFIX
+from tests.support.cluster import Proc, _spawn, wait_ready
 
 # The first run leaves a marker and hangs; a second run finds it and says READY.
 SCRIPT = f"""

@@ -54,8 +54,9 @@ def start(name: str, module: str, *args: str) -> Proc:
 
 def _spawn(proc: Proc) -> None:
     """Run proc.argv; a thread collects its output lines and its READY line."""
-    popen = subprocess.Popen(proc.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, bufsize=1)
+    popen = subprocess.Popen(
+        proc.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
     proc.popen, proc.ready = popen, {}
 
     def read() -> None:
@@ -85,7 +86,9 @@ def wait_ready(procs: list[Proc], timeout: float = 300.0, *, restarts: int = 1) 
     for p in procs:
         while not p.ready:
             if p.popen.poll() is not None:
-                raise RuntimeError(f"{p.name} exited ({p.popen.returncode}):\n" + "".join(p.lines[-30:]))
+                raise RuntimeError(
+                    f"{p.name} exited ({p.popen.returncode}):\n" + "".join(p.lines[-30:])
+                )
             if time.monotonic() > deadline:
                 p.popen.send_signal(signal.SIGUSR1)  # the node dumps its threads' stacks
                 time.sleep(2.0)
@@ -93,8 +96,11 @@ def wait_ready(procs: list[Proc], timeout: float = 300.0, *, restarts: int = 1) 
                 if restarts <= 0:
                     raise RuntimeError(f"{p.name} did not start:\n" + tail)
                 restarts -= 1
-                warnings.warn(f"{p.name} did not start within {timeout:g} s and is started "
-                              f"again; its last lines and stacks:\n{tail}", stacklevel=2)
+                warnings.warn(
+                    f"{p.name} did not start within {timeout:g} s and is started "
+                    f"again; its last lines and stacks:\n{tail}",
+                    stacklevel=2,
+                )
                 p.popen.kill()
                 p.popen.wait(10)
                 _spawn(p)
@@ -102,8 +108,9 @@ def wait_ready(procs: list[Proc], timeout: float = 300.0, *, restarts: int = 1) 
             time.sleep(0.1)
 
 
-def http(method: str, url: str, body: Any = None, token: str | None = None,
-         timeout: float = 30.0) -> tuple[int, Any]:
+def http(
+    method: str, url: str, body: Any = None, token: str | None = None, timeout: float = 30.0
+) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Content-Type", "application/json")

@@ -10,7 +10,10 @@ from typing import Any
 
 _DURATION = {
     "type": "string",
-    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+    "pattern": (
+        r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?"
+        r"(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+    ),
 }
 _STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 
@@ -102,7 +105,7 @@ CRD_SCHEMAS: dict[str, dict[str, Any]] = {
                         },
                         ["name"],
                     ),
-                },
+                }
             }
         ),
     ),

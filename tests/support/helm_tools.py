@@ -1,4 +1,4 @@
-"""Offline checks of the Helm chart: render it, read its manifests, parse its args, check its PromQL.
+"""Offline checks of the Helm chart: render, read its manifests, parse its args, check its PromQL.
 
 Rendering and linting use helm-python-sdk (Helm 4's Go SDK through ctypes; no helm binary,
 no cluster).
@@ -203,7 +203,7 @@ def role_parser(role: str) -> argparse.ArgumentParser:
 
 
 def role_config(role: str, ns: argparse.Namespace) -> object:
-    """Build the role's frozen config from parsed flags: the values are checked, not just the names."""
+    """Build the role's frozen config from parsed flags: values are checked, not just the names."""
     from common import config
 
     if role == "prefill":

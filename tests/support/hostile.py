@@ -33,23 +33,64 @@ _ODD = st.one_of(
     st.dictionaries(st.text(max_size=5), _INTS, max_size=3),
     st.just(json.loads("[" * 200 + "]" * 200)),  # deep nesting
 )
-_SAMPLING = ["temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
-             "priority", "routing_key", "frequency_penalty", "presence_penalty",
-             "repetition_penalty", "logit_bias", "user", "stream", "stream_options", "model",
-             "ignore_eos"]
-CHAT_FIELDS = [*_SAMPLING, "messages", "max_tokens", "max_completion_tokens", "logprobs",
-               "top_logprobs", "messages.0.content", "messages.0.role", "messages.0"]
+_SAMPLING = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "n",
+    "priority",
+    "routing_key",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "user",
+    "stream",
+    "stream_options",
+    "model",
+    "ignore_eos",
+]
+CHAT_FIELDS = [
+    *_SAMPLING,
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "messages.0.content",
+    "messages.0.role",
+    "messages.0",
+]
 COMPLETION_FIELDS = [*_SAMPLING, "prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix"]
-GENERATE_FIELDS = ["text", "input_ids", "sampling_params", "sampling_params.max_new_tokens",
-                   "sampling_params.temperature", "sampling_params.top_k", "sampling_params.seed",
-                   "sampling_params.stop", "stream", "return_logprob", "top_logprobs_num",
-                   "priority", "routing_key"]
+GENERATE_FIELDS = [
+    "text",
+    "input_ids",
+    "sampling_params",
+    "sampling_params.max_new_tokens",
+    "sampling_params.temperature",
+    "sampling_params.top_k",
+    "sampling_params.seed",
+    "sampling_params.stop",
+    "stream",
+    "return_logprob",
+    "top_logprobs_num",
+    "priority",
+    "routing_key",
+]
 
 
 def valid_body(route: str, text: str) -> dict[str, Any]:
     if route == "/v1/chat/completions":
-        return {"model": "default", "messages": [{"role": "user", "content": text}],
-                "max_tokens": MAX_TOKENS, "temperature": 0}
+        return {
+            "model": "default",
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+        }
     if route == "/v1/completions":
         return {"model": "default", "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0}
     return {"text": text, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}
@@ -82,8 +123,11 @@ def _bound_cost(body: dict[str, Any], route: str) -> None:
 
 @st.composite
 def hostile_body(draw: st.DrawFn, route: str) -> dict[str, Any]:
-    fields = {"/v1/chat/completions": CHAT_FIELDS, "/v1/completions": COMPLETION_FIELDS,
-              "/generate": GENERATE_FIELDS}[route]
+    fields = {
+        "/v1/chat/completions": CHAT_FIELDS,
+        "/v1/completions": COMPLETION_FIELDS,
+        "/generate": GENERATE_FIELDS,
+    }[route]
     body = valid_body(route, draw(st.sampled_from(["Hi", "Name a colour.", "1 2 3"])))
     for path in draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
         _set(body, path, draw(_ODD))
@@ -108,8 +152,12 @@ def bad_frames() -> dict[str, list[bytes]]:
         "unknown_tag": [msgpack.packb(["no_such_message", {}])],
         "wrong_types": [
             msgpack.packb(["abort_req", {"node_id": 5, "room": "x", "rid": None, "reason": []}]),
-            msgpack.packb(["abort_req", {"node_id": "n", "room": 2**64 - 1, "rid": "r",
-                                         "reason": "r", "extra": 1}]),
+            msgpack.packb(
+                [
+                    "abort_req",
+                    {"node_id": "n", "room": 2**64 - 1, "rid": "r", "reason": "r", "extra": 1},
+                ]
+            ),
             msgpack.packb(["abort_req", []]),
             msgpack.packb({"abort_req": {}}),
         ],

@@ -1,4 +1,4 @@
-"""A KVManager in its own process, driven over a pipe: the peer of the transfer integration tests."""
+"""A KVManager in its own process, driven over a pipe: peer of the transfer integration tests."""
 
 from __future__ import annotations
 
@@ -35,10 +35,17 @@ def _serve(spec: NodeSpec, conn: Any) -> None:
     layout = KVLayout(**(spec.layout or SMOLLM2_LAYOUT))
     pool = KVPool(layout, spec.num_pages)
     name = f"{spec.role}-{os.getpid()}"
-    manager = KVManager(name, spec.role, make_backend(spec.backend, name), pool,
-                        backend_kind=spec.backend, auth_token=spec.auth_token, lease_s=spec.lease_s,
-                        bootstrap_timeout_s=spec.bootstrap_timeout_s,
-                        waiting_timeout_s=spec.waiting_timeout_s)
+    manager = KVManager(
+        name,
+        spec.role,
+        make_backend(spec.backend, name),
+        pool,
+        backend_kind=spec.backend,
+        auth_token=spec.auth_token,
+        lease_s=spec.lease_s,
+        bootstrap_timeout_s=spec.bootstrap_timeout_s,
+        waiting_timeout_s=spec.waiting_timeout_s,
+    )
     if spec.seed is not None:
         gen = torch.Generator().manual_seed(spec.seed)
         pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen))
@@ -52,16 +59,23 @@ def _serve(spec: NodeSpec, conn: Any) -> None:
     handlers = {
         "endpoint": lambda: manager.control_endpoint,
         "create_sender": lambda room, n: rooms.__setitem__(room, manager.create_sender(room, n)),
-        "create_receiver": lambda room, ep: rooms.__setitem__(room, manager.create_receiver(room, ep)),
+        "create_receiver": lambda room, ep: rooms.__setitem__(
+            room, manager.create_receiver(room, ep)
+        ),
         "send_metadata": lambda room, pages: rooms[room].send_metadata(pages),
         "send": lambda room, pages, n, aux: rooms[room].send(
-            pages, n, AuxData(**aux) if aux is not None else None),
+            pages, n, AuxData(**aux) if aux is not None else None
+        ),
         "abort": lambda room: rooms[room].abort(),
         "state": state,
         "aux": lambda room: (rooms[room].aux.first_token_id, rooms[room].aux.top_logprobs),
         "pages": lambda pages: pool.buffer[pages].numpy().tobytes(),
-        "nonzero_pages": lambda: [int(p) for p in torch.nonzero(
-            pool.buffer[: pool.num_pages].reshape(pool.num_pages, -1).abs().sum(1)).flatten()],
+        "nonzero_pages": lambda: [
+            int(p)
+            for p in torch.nonzero(
+                pool.buffer[: pool.num_pages].reshape(pool.num_pages, -1).abs().sum(1)
+            ).flatten()
+        ],
         "dropped": lambda: dict(manager.metrics.num_dropped),
     }
     while True:

@@ -1,4 +1,7 @@
-"""`pdserve launch` as a test fixture: start it on loopback, wait until it is up, find its children, stop it."""
+"""`pdserve launch` as a test fixture.
+
+Start it on loopback, wait until it is up, find its children, stop it.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tests.support.ports import free_port
 
 STARTUP_TIMEOUT_S = 300.0
@@ -92,8 +96,6 @@ class Launch:
         for node in nodes:
             out.append((urllib.parse.urlsplit(node["metrics_url"]).netloc, f"pdserve-{node['id']}"))
         return out
-
-
 
     def children(self) -> dict[str, int]:
         """The pid of each live child process, by name (bootstrap, prefill-0, decode-1, ...)."""

@@ -6,8 +6,9 @@ import time
 from collections.abc import Callable
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str,
-             interval_s: float = 0.05) -> float:
+def wait_for(
+    cond: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05
+) -> float:
     """Poll `cond` until true; the seconds it took. Raises AssertionError naming `what`."""
     t0 = time.monotonic()
     while not cond():

@@ -32,8 +32,12 @@ class AmxGemm:
     @staticmethod
     def packable(weight: torch.Tensor) -> bool:
         n, k = weight.shape
-        return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                and n % BLOCK_N == 0 and k % BLOCK_K == 0)
+        return (
+            weight.device.type == "cpu"
+            and weight.dtype == torch.bfloat16
+            and n % BLOCK_N == 0
+            and k % BLOCK_K == 0
+        )
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -43,8 +47,9 @@ class AmxGemm:
         tiles = weight.reshape(n // BLOCK_N, BLOCK_N, k // BLOCK_K, BLOCK_K // 2, 2)
         return tiles.permute(0, 2, 3, 1, 4).contiguous()
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """x [rows, k] bfloat16 @ W.T (+ bias) -> [rows, n] bfloat16, W as `pack` gave it."""
         n, k = packed.shape[0] * BLOCK_N, packed.shape[1] * BLOCK_K
         out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)

@@ -28,8 +28,12 @@ CFLAGS: tuple[str, ...] = ("-O3", "-fopenmp", "-fPIC", "-Wno-psabi")
 # Per source, flags of its own: the fused ops round where torch rounds, so no multiply and
 # add may become one fused multiply-add there.
 SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("paged_attention.c", ()), ("prefill_attention.c", ()),
-    ("fused_ops.c", ("-ffp-contract=off",)), ("amx_gemm.c", ()), ("f32_gemm.c", ()))
+    ("paged_attention.c", ()),
+    ("prefill_attention.c", ()),
+    ("fused_ops.c", ("-ffp-contract=off",)),
+    ("amx_gemm.c", ()),
+    ("f32_gemm.c", ()),
+)
 # GCC vectorizes 256 bits wide on AVX-512 unless told otherwise; the fused ops' loops gain
 # from 512 bits (bit-equal results either way).
 WIDE_VECTORS: dict[str, tuple[str, ...]] = {"fused_ops.c": ("-mprefer-vector-width=512",)}
@@ -58,8 +62,12 @@ _V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 # best first: the loader takes the first one the CPU has the flags of
 VARIANTS: tuple[Variant, ...] = (
-    Variant("amx", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
-            _V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}, wide_vectors=True),
+    Variant(
+        "amx",
+        ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+        _V4 | {"avx512_bf16", "amx_tile", "amx_bf16"},
+        wide_vectors=True,
+    ),
     Variant("avx512", ("-march=x86-64-v4",), _V4, wide_vectors=True),
     Variant("avx2", ("-march=x86-64-v3",), _V3),
     Variant("portable", (), frozenset(), x86_only=False),
@@ -97,8 +105,11 @@ def build_variant(variant: Variant, out_dir: Path, compiler: str = "gcc") -> Pat
     return target
 
 
-def build_all(out_dir: Path = LIB_DIR, compiler: str | None = None,
-              variants: tuple[Variant, ...] | None = None) -> list[Path]:
+def build_all(
+    out_dir: Path = LIB_DIR,
+    compiler: str | None = None,
+    variants: tuple[Variant, ...] | None = None,
+) -> list[Path]:
     """Every buildable variant into out_dir, side by side (one per core); the first failure
     raises."""
     cc = compiler or os.environ.get("CC") or "gcc"

@@ -41,19 +41,28 @@ class F32Gemm:
         """W [n, k] in this build's panels (`pack_panels` at `self.panel` columns)."""
         return pack_panels(weight, self.panel)
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int,
-                 bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x [rows, k] float32 @ W.T (+ bias) -> [rows, n] float32, W [n, k] as `pack`
         gave it; into `out` if given (contiguous [rows, n])."""
         k, rows = packed.shape[1], x.shape[0]
         if packed.dim() != 3 or packed.shape[2] != self.panel:
-            raise ValueError(f"weight packed as {tuple(packed.shape)}, not in panels of "
-                             f"{self.panel} columns")
+            raise ValueError(
+                f"weight packed as {tuple(packed.shape)}, not in panels of {self.panel} columns"
+            )
         if x.dtype != torch.float32 or x.shape[1] != k:
-            raise ValueError(f"product of {x.dtype} {tuple(x.shape)} with a float32 "
-                             f"[{n}, {k}] weight")
-        if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32
-                                 or not bias.is_contiguous()):
+            raise ValueError(
+                f"product of {x.dtype} {tuple(x.shape)} with a float32 [{n}, {k}] weight"
+            )
+        if bias is not None and (
+            bias.shape != (n,) or bias.dtype != torch.float32 or not bias.is_contiguous()
+        ):
             raise ValueError(f"bias must be contiguous float32 [{n}]")
         if out is None:
             out = torch.empty(rows, n, dtype=torch.float32)
@@ -84,8 +93,9 @@ class PanelWeight:
     packed: torch.Tensor
     n: int
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.kernel(x, self.packed, self.n, bias, out)
 
 

@@ -32,8 +32,10 @@ def _strides(t: torch.Tensor) -> tuple[int, int]:
 def _checked_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A caller's output buffer, as the kernels write it: contiguous, this shape and dtype."""
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"output buffer {tuple(out.shape)} {out.dtype} does not fit "
-                         f"{tuple(shape)} {dtype} contiguous")
+        raise ValueError(
+            f"output buffer {tuple(out.shape)} {out.dtype} does not fit "
+            f"{tuple(shape)} {dtype} contiguous"
+        )
     return out
 
 
@@ -53,15 +55,37 @@ class FusedOps:
         self._add_rms_norm.argtypes = [_P, _P, _I64, _I64, _P, _P, _I64, _I64, _F32, _I32]
         self._add_rms_norm.restype = None
         self._rope_store = getattr(lib, f"rope_store_{suffix}")
-        self._rope_store.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64,
-                                     _I32, _I32, _I32, _I32]
+        self._rope_store.argtypes = [
+            _P,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _I32,
+            _I32,
+            _I32,
+            _I32,
+        ]
         self._rope_store.restype = _I32
         self._silu_mul = getattr(lib, f"silu_mul_{suffix}")
         self._silu_mul.argtypes = [_P, _I64, _I64, _P, _I64, _I64, _I32]
         self._silu_mul.restype = _I32
 
-    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x += y (in place; x contiguous [rows, hidden], y any 2-D view or None), then
         weight * rms_norm(x): transformers' LlamaRMSNorm of the residual stream, into
         `out` (contiguous, x's shape) if given."""
@@ -69,14 +93,35 @@ class FusedOps:
         rows, hidden = x.shape
         h = torch.empty_like(x) if out is None else _checked_out(out, x.shape, x.dtype)
         y_rs, y_cs = _strides(y) if y is not None else (0, 0)
-        self._add_rms_norm(x.data_ptr(), _ptr(y), y_rs, y_cs, weight.data_ptr(), h.data_ptr(),
-                           rows, hidden, eps, torch.get_num_threads())
+        self._add_rms_norm(
+            x.data_ptr(),
+            _ptr(y),
+            y_rs,
+            y_cs,
+            weight.data_ptr(),
+            h.data_ptr(),
+            rows,
+            hidden,
+            eps,
+            torch.get_num_threads(),
+        )
         return h
 
-    def rope_store(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                   sin_rot: torch.Tensor, pool_tokens: torch.Tensor, slots: torch.Tensor,
-                   k_offset: int, v_offset: int, heads: int, kv_heads: int,
-                   head_dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin_rot: torch.Tensor,
+        pool_tokens: torch.Tensor,
+        slots: torch.Tensor,
+        k_offset: int,
+        v_offset: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """qkv [rows, (heads + 2 kv_heads) * head_dim] (any 2-D view): returns q and k rotated,
         [rows, heads + kv_heads, head_dim] (in `out`, contiguous, if given); writes k
         (rotated) to pool_tokens rows slots + k_offset and v to rows slots + k_offset +
@@ -85,13 +130,32 @@ class FusedOps:
         assert cos.is_contiguous() and sin_rot.is_contiguous()
         rows = qkv.shape[0]
         shape = (rows, heads + kv_heads, head_dim)
-        qk = (torch.empty(shape, dtype=qkv.dtype) if out is None
-              else _checked_out(out, shape, qkv.dtype))
+        qk = (
+            torch.empty(shape, dtype=qkv.dtype)
+            if out is None
+            else _checked_out(out, shape, qkv.dtype)
+        )
         rs, cs = _strides(qkv)
-        _check(self._rope_store(qkv.data_ptr(), rs, cs, positions.data_ptr(), cos.data_ptr(),
-                                sin_rot.data_ptr(), qk.data_ptr(), pool_tokens.data_ptr(),
-                                slots.data_ptr(), k_offset, v_offset, rows, heads, kv_heads,
-                                head_dim, torch.get_num_threads()))
+        _check(
+            self._rope_store(
+                qkv.data_ptr(),
+                rs,
+                cs,
+                positions.data_ptr(),
+                cos.data_ptr(),
+                sin_rot.data_ptr(),
+                qk.data_ptr(),
+                pool_tokens.data_ptr(),
+                slots.data_ptr(),
+                k_offset,
+                v_offset,
+                rows,
+                heads,
+                kv_heads,
+                head_dim,
+                torch.get_num_threads(),
+            )
+        )
         return qk
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,8 +170,17 @@ class FusedOps:
             out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
         else:
             out = _checked_out(out, (rows, width // 2), gate_up.dtype)
-        _check(self._silu_mul(gate_up.data_ptr(), rs, cs, out.data_ptr(), rows, width // 2,
-                              torch.get_num_threads()))
+        _check(
+            self._silu_mul(
+                gate_up.data_ptr(),
+                rs,
+                cs,
+                out.data_ptr(),
+                rows,
+                width // 2,
+                torch.get_num_threads(),
+            )
+        )
         return out
 
 

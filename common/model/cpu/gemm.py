@@ -45,7 +45,12 @@ from common.model.cpu.amx_gemm import AmxGemm, AmxWeight
 from common.model.cpu.f32_gemm import F32Gemm, PanelWeight
 
 ROW_MAJOR, WEIGHT_MAJOR, PACKED, AMX, PANELS = (
-    "row_major", "weight_major", "packed", "amx", "panels")
+    "row_major",
+    "weight_major",
+    "packed",
+    "amx",
+    "panels",
+)
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 BUCKETS = DECODE_BUCKETS + PREFILL_BUCKETS
@@ -77,8 +82,11 @@ def mkldnn_bf16() -> bool:
 
 def packs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether weights of this device and dtype get oneDNN's packed copy."""
-    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and (dtype == torch.float32 or (dtype == torch.bfloat16 and mkldnn_bf16())))
+    return (
+        device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and (dtype == torch.float32 or (dtype == torch.bfloat16 and mkldnn_bf16()))
+    )
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -97,9 +105,14 @@ class LinearWeight:
     panels: PanelWeight | None = None
 
     @staticmethod
-    def of(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           pack: bool = False, amx: AmxGemm | None = None,
-           panels: F32Gemm | None = None) -> LinearWeight:
+    def of(
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        pack: bool = False,
+        amx: AmxGemm | None = None,
+        panels: F32Gemm | None = None,
+    ) -> LinearWeight:
         packed = None
         if pack and can_pack(weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
@@ -125,8 +138,9 @@ class LinearWeight:
         return [self.weight] + ([self.bias] if self.bias is not None else [])
 
 
-def linear(x: torch.Tensor, w: LinearWeight, kernel: str = ROW_MAJOR,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: LinearWeight, kernel: str = ROW_MAJOR, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [rows, in] @ w.T (+ bias) by `kernel`; packed, amx and panels fall back to
     row_major without their copy of the weight. `out` (contiguous [rows, out]): where
     row_major writes, the same BLAS call as F.linear's (bit-equal), and where panels
@@ -221,7 +235,8 @@ class KernelChooser:
         trials = self.prefill_trials if prefill else self.trials
         if all(len(s) >= trials for s in state.samples.values()):
             state.choice = choose(
-                {k: statistics.median(samples) for k, samples in state.samples.items()})
+                {k: statistics.median(samples) for k, samples in state.samples.items()}
+            )
 
     def freeze(self) -> None:
         """Fix every bucket from here on: one still unchosen takes the choice of the nearest
@@ -248,8 +263,9 @@ class KernelChooser:
         return set(self.choices().values())
 
 
-def time_products(products: Sequence[tuple[LinearWeight, int]], rows: int, kernel: str,
-                  dtype: torch.dtype) -> float:
+def time_products(
+    products: Sequence[tuple[LinearWeight, int]], rows: int, kernel: str, dtype: torch.dtype
+) -> float:
     """Seconds for one pass of `products` ((weight, input width) each) on `rows` rows."""
     inputs = {width: torch.zeros(rows, width, dtype=dtype) for _, width in products}
     t = time.perf_counter()
@@ -258,10 +274,14 @@ def time_products(products: Sequence[tuple[LinearWeight, int]], rows: int, kerne
     return time.perf_counter() - t
 
 
-def measure(chooser: KernelChooser, products: Sequence[tuple[LinearWeight, int]],
-            dtype: torch.dtype, max_prefill_rows: int = MEASURED_PREFILL_ROWS,
-            prefill_products: Sequence[tuple[LinearWeight, int]] | None = None,
-            keep_all_copies: bool = False) -> None:
+def measure(
+    chooser: KernelChooser,
+    products: Sequence[tuple[LinearWeight, int]],
+    dtype: torch.dtype,
+    max_prefill_rows: int = MEASURED_PREFILL_ROWS,
+    prefill_products: Sequence[tuple[LinearWeight, int]] | None = None,
+    keep_all_copies: bool = False,
+) -> None:
     """Warm-up's measurement: each decode bucket over `products`, and each prefill bucket up
     to `max_prefill_rows` over `prefill_products` (default `products`), at the bucket's
     largest row count, every candidate kernel in interleaved rounds until the bucket

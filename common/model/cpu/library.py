@@ -66,8 +66,11 @@ def _load(lib_dir: Path) -> tuple[str, ctypes.CDLL | None]:
             errors.append(f"{variant.name}: {e}")
     if not errors:
         errors.append("this CPU runs none of the built variants")
-    logger.warning("CPU kernels not loaded, the model runs on torch's ops only (slower): %s "
-                   "(`pip install .` or `make install` builds them)", "; ".join(errors))
+    logger.warning(
+        "CPU kernels not loaded, the model runs on torch's ops only (slower): %s "
+        "(`pip install .` or `make install` builds them)",
+        "; ".join(errors),
+    )
     return NONE, None
 
 

@@ -23,9 +23,14 @@ from common.cpu_features import cpu_flags, has_amx_bf16
 from common.model.cpu.library import load_library
 
 MAX_GROUPS, MAX_HEADS, MAX_HEAD_DIM = 16, 128, 256  # as in the C sources
-_SYMBOLS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
-_PREFILL_SYMBOLS = {torch.float32: "paged_prefill_attention_f32",
-                    torch.bfloat16: "paged_prefill_attention_bf16"}
+_SYMBOLS = {
+    torch.float32: "paged_decode_attention_f32",
+    torch.bfloat16: "paged_decode_attention_bf16",
+}
+_PREFILL_SYMBOLS = {
+    torch.float32: "paged_prefill_attention_f32",
+    torch.bfloat16: "paged_prefill_attention_bf16",
+}
 
 
 def splits_for(batch: int, max_pages: int, threads: int) -> int:
@@ -43,20 +48,52 @@ class PagedDecodeAttention:
         self.kv_heads = kv_heads
         fn = getattr(lib, _SYMBOLS[dtype])
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, i64, p, i64, p, i64, i64, p, i64, p, i32, i32, i32, i32,
-                       ctypes.c_float, i32, i32]
+        fn.argtypes = [
+            p,
+            i64,
+            p,
+            i64,
+            p,
+            i64,
+            i64,
+            p,
+            i64,
+            p,
+            i32,
+            i32,
+            i32,
+            i32,
+            ctypes.c_float,
+            i32,
+            i32,
+        ]
         fn.restype = i32
         self._fn = fn
 
     @staticmethod
-    def supports(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
-                 head_dim: int) -> bool:
-        return (device.type == "cpu" and dtype in _SYMBOLS and heads % kv_heads == 0
-                and heads // kv_heads <= MAX_GROUPS and heads <= MAX_HEADS
-                and head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0)
+    def supports(
+        device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+    ) -> bool:
+        return (
+            device.type == "cpu"
+            and dtype in _SYMBOLS
+            and heads % kv_heads == 0
+            and heads // kv_heads <= MAX_GROUPS
+            and heads <= MAX_HEADS
+            and head_dim <= MAX_HEAD_DIM
+            and head_dim % 16 == 0
+        )
 
-    def __call__(self, pool_rows: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
-                 layer: int, q: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+    def __call__(
+        self,
+        pool_rows: torch.Tensor,
+        rows: torch.Tensor,
+        lens: torch.Tensor,
+        layer: int,
+        q: torch.Tensor,
+        page_size: int,
+        scale: float,
+    ) -> torch.Tensor:
         """pool_rows: KVPool.rows; rows [B, width] int64, each page's layer-0 K row; lens [B]
         int64 tokens per sequence (at least 1); q [B, heads, head_dim], rows of any stride.
         Returns [B, heads * head_dim] in q's dtype."""
@@ -66,16 +103,33 @@ class PagedDecodeAttention:
         threads = torch.get_num_threads()
         splits = splits_for(bsz, rows.shape[1], threads)
         out = torch.empty(bsz, heads * d, dtype=q.dtype)
-        rc = self._fn(pool_rows.data_ptr(), pool_rows.shape[1], rows.data_ptr(), rows.shape[1],
-                      lens.data_ptr(), bsz, layer, q.data_ptr(), q.stride(0), out.data_ptr(),
-                      heads, self.kv_heads, d, page_size, scale, splits, threads)
+        rc = self._fn(
+            pool_rows.data_ptr(),
+            pool_rows.shape[1],
+            rows.data_ptr(),
+            rows.shape[1],
+            lens.data_ptr(),
+            bsz,
+            layer,
+            q.data_ptr(),
+            q.stride(0),
+            out.data_ptr(),
+            heads,
+            self.kv_heads,
+            d,
+            page_size,
+            scale,
+            splits,
+            threads,
+        )
         if rc != 0:
             raise RuntimeError(f"paged decode attention failed ({rc})")
         return out
 
 
-def paged_decode_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
-                           head_dim: int) -> PagedDecodeAttention | None:
+def paged_decode_attention(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> PagedDecodeAttention | None:
     """The kernel for this model, or None (not the CPU, an unsupported shape, no build)."""
     if not PagedDecodeAttention.supports(device, dtype, heads, kv_heads, head_dim):
         return None
@@ -92,20 +146,51 @@ class PagedPrefillAttention:
         self.kv_heads = kv_heads
         fn = getattr(lib, _PREFILL_SYMBOLS[dtype])
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, i64, p, i64, p, i64, i64, i64, p, i64, i32, i32, i32, i32,
-                       ctypes.c_float, i32]
+        fn.argtypes = [
+            p,
+            i64,
+            p,
+            i64,
+            p,
+            i64,
+            i64,
+            i64,
+            p,
+            i64,
+            i32,
+            i32,
+            i32,
+            i32,
+            ctypes.c_float,
+            i32,
+        ]
         fn.restype = i32
         self._fn = fn
 
     @staticmethod
-    def supports(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
-                 head_dim: int) -> bool:
-        return (device.type == "cpu" and dtype in _PREFILL_SYMBOLS and heads % kv_heads == 0
-                and heads // kv_heads <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM
-                and head_dim % 16 == 0)
+    def supports(
+        device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+    ) -> bool:
+        return (
+            device.type == "cpu"
+            and dtype in _PREFILL_SYMBOLS
+            and heads % kv_heads == 0
+            and heads // kv_heads <= MAX_GROUPS
+            and head_dim <= MAX_HEAD_DIM
+            and head_dim % 16 == 0
+        )
 
-    def __call__(self, pool_rows: torch.Tensor, rows: torch.Tensor, layer: int, q: torch.Tensor,
-                 prefix: int, out: torch.Tensor, page_size: int, scale: float) -> None:
+    def __call__(
+        self,
+        pool_rows: torch.Tensor,
+        rows: torch.Tensor,
+        layer: int,
+        q: torch.Tensor,
+        prefix: int,
+        out: torch.Tensor,
+        page_size: int,
+        scale: float,
+    ) -> None:
         """q [n, heads, head_dim] (rows of any stride), the tokens at positions prefix ..
         prefix + n - 1; rows int64, the span's pages' layer-0 K rows, covering prefix + n
         tokens. Writes out [n, heads * head_dim] (rows of any stride). All in the kernel's
@@ -115,15 +200,37 @@ class PagedPrefillAttention:
             q = q.contiguous()
         assert out.stride(1) == 1 and out.shape == (n, heads * d) and rows.is_contiguous()
         assert pool_rows.dtype == q.dtype == out.dtype == self.dtype
-        rc = self._fn(pool_rows.data_ptr(), pool_rows.shape[1], rows.data_ptr(), layer,
-                      q.data_ptr(), q.stride(0), n, prefix, out.data_ptr(), out.stride(0),
-                      heads, self.kv_heads, d, page_size, scale, torch.get_num_threads())
+        rc = self._fn(
+            pool_rows.data_ptr(),
+            pool_rows.shape[1],
+            rows.data_ptr(),
+            layer,
+            q.data_ptr(),
+            q.stride(0),
+            n,
+            prefix,
+            out.data_ptr(),
+            out.stride(0),
+            heads,
+            self.kv_heads,
+            d,
+            page_size,
+            scale,
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise RuntimeError(f"paged prefill attention failed ({rc})")
 
 
-def paged_prefill_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
-                            head_dim: int, *, always: bool = False) -> PagedPrefillAttention | None:
+def paged_prefill_attention(
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    always: bool = False,
+) -> PagedPrefillAttention | None:
     """The prefill kernel for this model, or None: not the CPU, an unsupported shape, no
     build, or bfloat16 on a CPU with AMX, where torch's flash kernel runs on the tiles and
     is the faster one. `always` takes it in that case too, for its tests."""

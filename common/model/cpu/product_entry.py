@@ -23,12 +23,28 @@ class ProductEntry:
         fn.restype = ctypes.c_int
         self._fn = fn
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
-                 bias: torch.Tensor | None, out: torch.Tensor) -> int:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        k: int,
+        bias: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> int:
         """x [rows, k] (any row stride; other column strides copied first) into `out`
         [rows, n], contiguous; returns the kernel's code."""
         if x.stride(1) != 1:
             x = x.contiguous()  # a weight-major product's transposed output
-        return self._fn(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), n, k,
-                        None if bias is None else bias.data_ptr(), out.data_ptr(), n,
-                        torch.get_num_threads())
+        return self._fn(
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            packed.data_ptr(),
+            n,
+            k,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )

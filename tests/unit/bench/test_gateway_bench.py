@@ -1,4 +1,4 @@
-"""bench/serving.py against a live gateway with fake nodes: every request completes, JSON summary."""
+"""bench/serving.py against a live gateway on fake nodes: every request completes, JSON summary."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from common.tokenizer import Tokenizer
 from tests.support import gateway as harness
 from tests.support.gateway import Gateway, reply_ids, stream_tokens
-
-from common.tokenizer import Tokenizer
 
 # The harness's fixtures, used here by name.
 gateway_factory = harness.gateway_factory

@@ -1,4 +1,4 @@
-"""bench/routing_sim.py on 4 nodes with a fixed cost model: what its runs must show (no model load)."""
+"""bench/routing_sim.py on 4 nodes with a fixed cost model: what it must show (no model load)."""
 
 from __future__ import annotations
 
@@ -55,11 +55,11 @@ def test_every_request_is_routed_once_and_served(sim: ModuleType, runs: dict[str
         counted = [i for i, q in enumerate(w.requests) if q.arrival >= w.warmup_s]
         assert row["requests"] == len(counted)
         assert row["computed_tokens"] + sum(r.cached[i] for i in counted) == sum(
-            lengths[i] for i in counted)
+            lengths[i] for i in counted
+        )
 
 
-def test_pages_stay_within_each_pool_and_none_leak(sim: ModuleType,
-                                                   runs: dict[str, Any]) -> None:
+def test_pages_stay_within_each_pool_and_none_leak(sim: ModuleType, runs: dict[str, Any]) -> None:
     pool = runs["w"].pool_pages
     for router in sim.ROUTERS:
         r, _ = runs[router]

@@ -15,13 +15,13 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.support import gateway as harness
 from hypothesis import HealthCheck, given, settings
 from hypothesis_jsonschema import from_schema
-from tests.support.gateway import Gateway, reply_ids, stream_tokens
 
 from common import messages as msg
 from common.tokenizer import Tokenizer
+from tests.support import gateway as harness
+from tests.support.gateway import Gateway, reply_ids, stream_tokens
 
 tokenizer = harness.tokenizer
 
@@ -72,7 +72,11 @@ def test_the_schema_documents_every_error_status_and_no_422(gw: Gateway) -> None
         assert error.endswith("/ErrorResponse")
     chat = openapi["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert chat["messages"]["items"]["properties"]["role"]["enum"] == [
-        "system", "developer", "user", "assistant", "tool"
+        "system",
+        "developer",
+        "user",
+        "assistant",
+        "tool",
     ]
     assert (chat["top_p"]["exclusiveMinimum"], chat["top_p"]["maximum"]) == (0, 1)
     assert chat["max_tokens"]["maximum"] == harness.CONTEXT_LENGTH
@@ -89,12 +93,19 @@ def test_bodies_from_the_schema_reach_generation_and_never_5xx(gw: Gateway, rout
     seen: list[int] = []
     client = httpx.Client(timeout=30)
 
-    @settings(max_examples=EXAMPLES_PER_ROUTE, deadline=None, database=None,
-              derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES_PER_ROUTE,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(from_schema(_body_schema(openapi, route)))
     def one(body: dict[str, Any]) -> None:
         before = _num_generates(gw)
-        resp = client.post(url, content=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = client.post(
+            url, content=json.dumps(body), headers={"Content-Type": "application/json"}
+        )
         assert resp.status_code < 500, (body, resp.text)
         assert resp.status_code in documented, (body, resp.status_code, resp.text)
         if resp.status_code != 200:

@@ -6,14 +6,14 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
-from tests.support import gateway as harness
 from fastapi.testclient import TestClient
-from tests.support.gateway import Gateway
 
 from bootstrap.registry import NodeRegistry, RegistryError, bearer_token
 from bootstrap.registry_app import build_registry_app
 from common import messages as msg
 from common.node.registry_client import wait_until
+from tests.support import gateway as harness
+from tests.support.gateway import Gateway
 from tests.support.ports import free_port
 
 # The harness's fixtures, used here by name.

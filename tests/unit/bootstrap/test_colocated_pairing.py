@@ -1,4 +1,4 @@
-"""A colocated process's two halves are paired only with each other (bootstrap/service.py, router.py)."""
+"""A colocated process's two halves pair only with each other (bootstrap/service.py, router.py)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,18 @@ def test_colocated_halves_pair_with_each_other_and_plain_nodes_with_plain_ones()
     assert [v.node_id for v in usable] == ["c.prefill", "p0"]
     assert partners == {"c.prefill": "c.decode"}
     router = Router(mode="round-robin")
-    pairs = {router.route([1] * 40, None, [PrefillCandidate(v.node_id, 0) for v in usable],
-                          [DecodeCandidate("c.decode", 0), DecodeCandidate("d0", 5)],
-                          partners=partners) for _ in range(4)}
+    pairs = {
+        router.route(
+            [1] * 40,
+            None,
+            [PrefillCandidate(v.node_id, 0) for v in usable],
+            [DecodeCandidate("c.decode", 0), DecodeCandidate("d0", 5)],
+            partners=partners,
+        )
+        for _ in range(4)
+    }
     # The plain decode node is busier, yet p0 never goes to the colocated decode half.
-    assert {(d.prefill_id, d.decode_id) for d in pairs} == {("c.prefill", "c.decode"),
-                                                             ("p0", "d0")}
+    assert {(d.prefill_id, d.decode_id) for d in pairs} == {("c.prefill", "c.decode"), ("p0", "d0")}
 
 
 def test_a_half_whose_partner_is_gone_takes_nothing():

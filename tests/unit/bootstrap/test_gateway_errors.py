@@ -13,20 +13,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from tests.support import gateway as harness
 from openai.types.chat import ChatCompletionMessageParam
-from tests.support.gateway import (
-    Gateway,
-    fail_after,
-    reply_ids,
-    silent,
-    stream_tokens,
-)
 
 from bootstrap import api_keys
 from common import messages as msg
 from common.node.registry_client import wait_until
 from common.tokenizer import Tokenizer
+from tests.support import gateway as harness
+from tests.support.gateway import Gateway, fail_after, reply_ids, silent, stream_tokens
 
 # The harness's fixtures, used here by name.
 gateway_factory = harness.gateway_factory
@@ -87,8 +81,7 @@ BAD_CHAT = [
     ({"messages": OK_MESSAGES, "seed": 2**64}, "seed"),
     # A lone surrogate is no text: a 400, not a plain-text 500 that drops the connection.
     ({"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
-     "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages"),
     ({"messages": OK_MESSAGES, "stop": ["ok", "\ud800"]}, "stop"),
     ({"messages": OK_MESSAGES, "routing_key": "\ud83d"}, "routing_key"),
 ]
@@ -96,8 +89,9 @@ BAD_CHAT = [
 
 @pytest.mark.parametrize(("body", "param"), BAD_CHAT)
 def test_bad_chat_input_is_400_in_openai_shape(gw: Gateway, body: dict, param: str) -> None:
-    assert_error(httpx.post(gw.api_url + CHAT, content=_escaped_json(body), headers=JSON), 400,
-                 param)
+    assert_error(
+        httpx.post(gw.api_url + CHAT, content=_escaped_json(body), headers=JSON), 400, param
+    )
 
 
 JSON = {"content-type": "application/json"}
@@ -114,11 +108,15 @@ def test_lone_surrogates_are_400_and_the_connection_serves_on(gw: Gateway) -> No
             (COMPLETIONS, {"prompt": "a \ud800 b"}, "prompt"),
             (COMPLETIONS, {"prompt": "ok", "stop": "\udc00"}, "stop"),
             ("/generate", {"text": "\ud800"}, "text"),
-            ("/generate", {"text": "ok", "sampling_params": {"stop": ["\ud800"]}},
-             "sampling_params"),
+            (
+                "/generate",
+                {"text": "ok", "sampling_params": {"stop": ["\ud800"]}},
+                "sampling_params",
+            ),
         ):
-            assert_error(keep_alive.post(path, content=_escaped_json(body), headers=JSON), 400,
-                         param)
+            assert_error(
+                keep_alive.post(path, content=_escaped_json(body), headers=JSON), 400, param
+            )
         # The same keep-alive connection still answers (it was reset after a plain 500).
         assert keep_alive.get("/health").status_code in (200, 503)
 
@@ -148,8 +146,9 @@ def test_more_bad_input(gw: Gateway, tokenizer: Tokenizer) -> None:
     for field, value in (("top_k", 2**63), ("max_new_tokens", 2**64)):
         body = {"text": "x", "sampling_params": {field: value}}
         assert_error(httpx.post(url + "/generate", json=body), 400, field)
-    assert_error(httpx.post(url + "/generate", json={"text": "x", "priority": 10**30}), 400,
-                 "priority")
+    assert_error(
+        httpx.post(url + "/generate", json={"text": "x", "priority": 10**30}), 400, "priority"
+    )
     # Nothing reached a node, and every rejection was counted.
     assert not gw.nodes[0].generates() and not gw.nodes[1].generates()
     # Unknown fields are tolerated.
@@ -158,8 +157,7 @@ def test_more_bad_input(gw: Gateway, tokenizer: Tokenizer) -> None:
 
 
 def test_api_keys_guard_the_api_and_the_cluster_token_guards_the_registry(
-    gateway_factory: Callable[..., Gateway],
-    tokenizer: Tokenizer,
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
 ) -> None:
     gw = gateway_factory(auth_token="s3cret", api_keys=("key-a", "key-b"))
     gw.node("prefill")
@@ -221,10 +219,7 @@ def test_no_nodes_is_503(gateway_factory: Callable[..., Gateway]) -> None:
     assert error["code"] == "no_decode_node"
 
 
-def test_full_gateway_is_429(
-    gateway_factory: Callable[..., Gateway],
-    tokenizer: Tokenizer,
-) -> None:
+def test_full_gateway_is_429(gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer) -> None:
     gw = gateway_factory(max_queued_requests=1)
     gw.node("prefill")
     gw.node("decode", stream_tokens(reply_ids(tokenizer)[:1], finish=False))  # never finishes
@@ -250,8 +245,7 @@ def test_timeout_is_504_and_aborts_both_nodes(gateway_factory: Callable[..., Gat
 
 
 def test_client_disconnect_mid_stream_aborts_both_nodes(
-    gateway_factory: Callable[..., Gateway],
-    tokenizer: Tokenizer,
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
 ) -> None:
     gw = gateway_factory()
     prefill = gw.node("prefill")
@@ -284,8 +278,7 @@ def test_client_gone_before_any_token_aborts_both_nodes(
 
 
 def test_req_failed_mid_stream_ends_with_an_error_event(
-    gateway_factory: Callable[..., Gateway],
-    tokenizer: Tokenizer,
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
 ) -> None:
     gw = gateway_factory()
     prefill = gw.node("prefill")
@@ -316,8 +309,7 @@ def test_req_failed_before_any_token_keeps_its_status(
 
 
 def test_lost_node_fails_its_requests_fast(
-    gateway_factory: Callable[..., Gateway],
-    tokenizer: Tokenizer,
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
 ) -> None:
     gw = gateway_factory(lease_s=0.6)
     gw.node("prefill")
@@ -334,8 +326,7 @@ def test_lost_node_fails_its_requests_fast(
 
 
 def test_losing_a_prefill_node_fails_only_requests_without_their_kv(
-    gateway_factory: Callable[..., Gateway],
-    tokenizer: Tokenizer,
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
 ) -> None:
     """A streaming request has its KV on the decode node: its prefill node's loss spares it."""
     import threading
@@ -363,23 +354,36 @@ def test_losing_a_prefill_node_fails_only_requests_without_their_kv(
         body = {"messages": OK_MESSAGES, "max_tokens": 7}
         waiting["r"] = httpx.post(gw.api_url + CHAT, json=body, timeout=10)
 
-    with httpx.stream("POST", gw.api_url + CHAT, timeout=10,
-                      json={"messages": OK_MESSAGES, "stream": True, "max_tokens": 5}) as r:
+    with httpx.stream(
+        "POST",
+        gw.api_url + CHAT,
+        timeout=10,
+        json={"messages": OK_MESSAGES, "stream": True, "max_tokens": 5},
+    ) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         other = threading.Thread(target=no_kv_yet)
         other.start()
         decode.wait_generates(2)
         prefill.registry.stop(deregister=False)  # the prefill node goes silent
-        assert wait_until(lambda: not any(
-            n["role"] == "prefill" for n in httpx.get(gw.api_url + "/nodes").json()["nodes"]), 5)
+        assert wait_until(
+            lambda: (
+                not any(
+                    n["role"] == "prefill" for n in httpx.get(gw.api_url + "/nodes").json()["nodes"]
+                )
+            ),
+            5,
+        )
         resume.set()
         rest = [line for line in lines if line.startswith("data: ")]
     other.join(10)
     assert '"content"' in first and rest[-1] == "data: [DONE]"
     assert not any('"error"' in line for line in rest), rest
-    text = "".join(json.loads(x[6:])["choices"][0]["delta"].get("content") or ""
-                   for x in [first, *rest[:-1]] if json.loads(x[6:])["choices"])
+    text = "".join(
+        json.loads(x[6:])["choices"][0]["delta"].get("content") or ""
+        for x in [first, *rest[:-1]]
+        if json.loads(x[6:])["choices"]
+    )
     assert text == tokenizer.decode(ids[:5])
     assert_error(waiting["r"], 503)
 
@@ -427,14 +431,17 @@ def test_an_unexpected_error_is_a_json_500_and_the_connection_serves_on(
         ({"messages": OK_MESSAGES, "stop_token_ids": [1] * 1025}, "stop_token_ids"),
     ],
 )
-def test_what_would_cost_every_token_is_bounded(gw: Gateway, body: dict[str, Any], param: str) -> None:
+def test_what_would_cost_every_token_is_bounded(
+    gw: Gateway, body: dict[str, Any], param: str
+) -> None:
     error = assert_error(httpx.post(gw.api_url + CHAT, json=body), 400)
     assert error["param"] == param, error
 
 
 def test_a_long_routing_key_header_is_a_400(gw: Gateway) -> None:
-    resp = httpx.post(gw.api_url + CHAT, json={"messages": OK_MESSAGES},
-                      headers={"x-routing-key": "k" * 1025})
+    resp = httpx.post(
+        gw.api_url + CHAT, json={"messages": OK_MESSAGES}, headers={"x-routing-key": "k" * 1025}
+    )
     assert assert_error(resp, 400)["param"] == "x-routing-key"
 
 
@@ -447,8 +454,10 @@ def test_cache_salt_reaches_the_nodes_and_is_bounded(
     for route, body in (
         (CHAT, {"messages": OK_MESSAGES, "max_tokens": 2, "cache_salt": "tenant-1"}),
         (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "cache_salt": "tenant-2"}),
-        ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2},
-                       "cache_salt": "tenant-3"}),
+        (
+            "/generate",
+            {"text": "Hi", "sampling_params": {"max_new_tokens": 2}, "cache_salt": "tenant-3"},
+        ),
     ):
         assert httpx.post(gw.api_url + route, json=body, timeout=10).status_code == 200
     prefill.wait_generates(3)

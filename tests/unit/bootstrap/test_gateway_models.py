@@ -7,10 +7,10 @@ from collections.abc import Callable
 import httpx
 import openai
 import pytest
-from tests.support import gateway as harness
-from tests.support.gateway import Gateway, reply_ids, stream_tokens
 
 from common.tokenizer import Tokenizer
+from tests.support import gateway as harness
+from tests.support.gateway import Gateway, reply_ids, stream_tokens
 
 gateway_factory = harness.gateway_factory
 tokenizer = harness.tokenizer
@@ -39,8 +39,10 @@ def test_requests_for_another_model_are_a_404_and_reach_no_node(
     decode = gw.node("decode", stream_tokens(reply_ids(tokenizer)))
     url = gw.api_url
     messages = [{"role": "user", "content": "Hi"}]
-    for route, body in (("/v1/chat/completions", {"messages": messages}),
-                        ("/v1/completions", {"prompt": "Hi"})):
+    for route, body in (
+        ("/v1/chat/completions", {"messages": messages}),
+        ("/v1/completions", {"prompt": "Hi"}),
+    ):
         r = httpx.post(url + route, json={**body, "model": "llama-70b", "max_tokens": 2})
         assert r.status_code == 404, r.text
         assert r.json()["error"]["code"] == "model_not_found"
@@ -65,8 +67,13 @@ UNSERVED = [
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("prediction", {"type": "content", "content": "x"}),
 ]
-NEUTRAL = {"tools": [], "tool_choice": "none", "function_call": "none",
-           "response_format": {"type": "text"}, "modalities": ["text"]}
+NEUTRAL = {
+    "tools": [],
+    "tool_choice": "none",
+    "function_call": "none",
+    "response_format": {"type": "text"},
+    "modalities": ["text"],
+}
 
 
 def test_fields_that_would_change_the_output_are_a_400_not_ignored(

@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 
 import httpx
-from tests.support import gateway as harness
-from tests.support.gateway import Gateway, reply_ids, stream_tokens
 
 from common.tokenizer import Tokenizer
+from tests.support import gateway as harness
+from tests.support.gateway import Gateway, reply_ids, stream_tokens
 
 gateway_factory = harness.gateway_factory
 tokenizer = harness.tokenizer
@@ -24,8 +24,11 @@ TOKEN_DELAY_S = 0.05  # each stream lasts ~2.5 s, across the big requests below
 
 def _stream_gaps(url: str, gaps: list[float], errors: list[str]) -> None:
     """One streamed chat; appends the longest wait between two of its chunks."""
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": TOKENS_PER_STREAM,
-            "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": TOKENS_PER_STREAM,
+        "stream": True,
+    }
     try:
         with httpx.Client(timeout=60) as c, c.stream("POST", url + CHAT, json=body) as r:
             assert r.status_code == 200, r.read()
@@ -50,8 +53,10 @@ def test_huge_prompts_do_not_stall_streams_or_heartbeats(
         gw.node("decode", stream_tokens(reply_ids(tokenizer) * 20, delay_s=TOKEN_DELAY_S))
     gaps: list[float] = []
     errors: list[str] = []
-    streams = [threading.Thread(target=_stream_gaps, args=(gw.api_url, gaps, errors))
-               for _ in range(NUM_STREAMS)]
+    streams = [
+        threading.Thread(target=_stream_gaps, args=(gw.api_url, gaps, errors))
+        for _ in range(NUM_STREAMS)
+    ]
     for t in streams:
         t.start()
     time.sleep(0.5)  # the streams are under way, one per decode node (least loaded first)
@@ -78,8 +83,15 @@ def test_huge_prompts_do_not_stall_streams_or_heartbeats(
 def test_the_length_bound_never_refuses_a_prompt_that_fits(tokenizer: Tokenizer) -> None:
     """Characters over twice the longest token never exceed the token count, for texts
     of long words, spaces, digits, multi-byte characters and special tokens."""
-    texts = ["a" * 5000, " " * 5000, "1234567890" * 500, "é" * 3000, "🙂" * 2000,
-             "<|im_start|>" * 300, "Tide pools form where the sea leaves water behind. " * 100]
+    texts = [
+        "a" * 5000,
+        " " * 5000,
+        "1234567890" * 500,
+        "é" * 3000,
+        "🙂" * 2000,
+        "<|im_start|>" * 300,
+        "Tide pools form where the sea leaves water behind. " * 100,
+    ]
     for text in texts:
         bound = len(text) // (2 * tokenizer.max_token_chars)
         assert bound <= len(tokenizer.encode(text)), text[:20]

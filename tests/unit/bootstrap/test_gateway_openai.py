@@ -7,19 +7,14 @@ from collections.abc import Callable
 import httpx
 import openai
 import pytest
-from tests.support import gateway as harness
 from openai.types.chat import ChatCompletionMessageParam
-from tests.support.gateway import (
-    REPLY_TEXT,
-    Gateway,
-    reply_ids,
-    stream_tokens,
-)
 
 from common import messages as msg
 from common.node.registry_client import wait_until
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
+from tests.support import gateway as harness
+from tests.support.gateway import REPLY_TEXT, Gateway, reply_ids, stream_tokens
 
 # The harness's fixtures, used here by name.
 gateway_factory = harness.gateway_factory
@@ -102,13 +97,14 @@ def test_completions_streaming_with_token_prompt(gw: Gateway) -> None:
 
 
 def test_stop_string_is_cut_at_the_gateway(
-    gateway_factory: Callable[..., Gateway],
-    tokenizer: Tokenizer,
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
 ) -> None:
     gw = gateway_factory()
     prefill = gw.node("prefill")
     decode = gw.node("decode", stream_tokens(reply_ids(tokenizer), delay_s=0.02, finish=False))
-    out = client(gw).chat.completions.create(model="test-model", messages=MESSAGES, stop=[" one token"])
+    out = client(gw).chat.completions.create(
+        model="test-model", messages=MESSAGES, stop=[" one token"]
+    )
     assert out.choices[0].message.content == REPLY_TEXT.split(" one token")[0]
     assert out.choices[0].finish_reason == "stop"
     # The gateway matched the stop string first, so it tells both nodes to free the room.
@@ -163,7 +159,9 @@ def test_models_nodes_health_metrics_openapi(gw: Gateway) -> None:
     assert sorted(n["role"] for n in nodes) == ["decode", "prefill"]
     assert all(n["healthy"] for n in nodes)
     assert httpx.get(gw.api_url + "/health").json()["num_decode_nodes"] == 1
-    with client(gw).chat.completions.create(model="test-model", messages=MESSAGES, stream=True) as s:
+    with client(gw).chat.completions.create(
+        model="test-model", messages=MESSAGES, stream=True
+    ) as s:
         list(s)
     text = httpx.get(gw.api_url + "/metrics").text
     for name in (
@@ -178,8 +176,7 @@ def test_models_nodes_health_metrics_openapi(gw: Gateway) -> None:
 
 
 def test_prefix_affinity_sends_a_shared_system_prompt_to_one_prefill(
-    gateway_factory: Callable[..., Gateway],
-    tokenizer: Tokenizer,
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
 ) -> None:
     gw = gateway_factory()
     prefills = [gw.node("prefill", node_id=f"p{i}") for i in range(3)]

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import httpx
-from tests.support import gateway as harness
-from tests.support.gateway import Gateway
 
 from common.node.registry_client import wait_until
+from tests.support import gateway as harness
+from tests.support.gateway import Gateway
 
 gateway_factory = harness.gateway_factory
 tokenizer = harness.tokenizer
@@ -34,7 +34,11 @@ def test_ready_names_the_missing_roles_until_both_are_registered(
     gw.node("decode")
     r = ready()
     assert r.status_code == 200 and r.json() == {
-        "status": "ready", "missing_roles": [], "num_prefill_nodes": 1, "num_decode_nodes": 1}
+        "status": "ready",
+        "missing_roles": [],
+        "num_prefill_nodes": 1,
+        "num_decode_nodes": 1,
+    }
     # A node that stops heartbeating turns the gateway unready again within its lease.
     prefill.registry.stop(deregister=False)
     assert wait_until(lambda: ready().status_code == 503, 5.0)

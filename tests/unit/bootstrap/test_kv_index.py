@@ -1,4 +1,4 @@
-"""KV events end to end in one process: the radix cache's page hashes, the gateway's index, the scoring.
+"""KV events end to end in one process: the radix cache's page hashes, the gateway's index, scoring.
 
 The hashes a prefill node's cache publishes must be the ones the gateway computes from
 the prompt alone (common/page_hash.py), whatever the tree's shape (splits, salts); the
@@ -72,9 +72,11 @@ def test_the_cache_publishes_the_hashes_the_gateway_computes_through_splits_and_
     cache.insert(a, list(range(8)))
     cache.insert(b, list(range(100, 108)))
     cache.insert(c, list(range(200, 204)), salt_key("s1"))
-    want = (set(page_hash.prompt_hashes(a, PS).tolist())
-            | set(page_hash.prompt_hashes(b, PS).tolist())
-            | set(page_hash.prompt_hashes(c, PS, "s1").tolist()))
+    want = (
+        set(page_hash.prompt_hashes(a, PS).tolist())
+        | set(page_hash.prompt_hashes(b, PS).tolist())
+        | set(page_hash.prompt_hashes(c, PS, "s1").tolist())
+    )
     assert events.held == want
     assert set(cache.page_hashes().tolist()) == want
     cache.evict(cache.num_pages)
@@ -84,11 +86,19 @@ def test_the_cache_publishes_the_hashes_the_gateway_computes_through_splits_and_
     assert events.num_cleared == 1 and events.held == set()
 
 
-def _apply(index, node, seq, stored=(), removed=(), snapshot=False, instance="i1", cap=1000,
-           queued=0):
-    return index.apply(node, instance, seq, stored=np.array(stored, dtype=np.uint64),
-                       removed=np.array(removed, dtype=np.uint64), is_snapshot=snapshot,
-                       queued_tokens=queued, max_pages=cap)
+def _apply(
+    index, node, seq, stored=(), removed=(), snapshot=False, instance="i1", cap=1000, queued=0
+):
+    return index.apply(
+        node,
+        instance,
+        seq,
+        stored=np.array(stored, dtype=np.uint64),
+        removed=np.array(removed, dtype=np.uint64),
+        is_snapshot=snapshot,
+        queued_tokens=queued,
+        max_pages=cap,
+    )
 
 
 def test_overlap_counts_leading_pages_per_node():

@@ -38,4 +38,5 @@ def test_the_registry_answers_while_the_api_loop_is_blocked(gateway_factory) -> 
     finally:
         release.set()
     assert gw.call(lambda: [v.node_id for v in gw.service.registry.views("prefill")]) == [
-        prefill.node_id]
+        prefill.node_id
+    ]

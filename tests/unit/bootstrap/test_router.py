@@ -1,4 +1,4 @@
-"""Router: prefix affinity on a consistent-hash ring with bounded loads, least-loaded decode, rooms."""
+"""Router: prefix affinity by consistent hashing with bounded loads, least-loaded decode, rooms."""
 
 from __future__ import annotations
 
@@ -108,7 +108,9 @@ def test_hot_prefix_spills_to_the_next_node_on_the_ring() -> None:
     home, second = order[0], order[1]
     loads = {n: 0 for n in NODES}
     loads[home] = 2  # capacity with 2 pending over 4 nodes: ceil(1.25 * 3 / 4) = 1
-    choice = choose_prefill(ring, key, [PrefillCandidate(n, l) for n, l in loads.items()], 0.25)
+    choice = choose_prefill(
+        ring, key, [PrefillCandidate(n, load) for n, load in loads.items()], 0.25
+    )
     assert (choice.node_id, choice.home_id, choice.is_spilled) == (second, home, True)
 
 

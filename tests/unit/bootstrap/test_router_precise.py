@@ -1,4 +1,4 @@
-"""Precise prefill routing (bootstrap/router.py): cached prefix against queued work, and the baselines."""
+"""Precise prefill routing (bootstrap/router.py): cached prefix vs queued work; the baselines."""
 
 from __future__ import annotations
 

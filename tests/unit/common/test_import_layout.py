@@ -1,4 +1,7 @@
-"""Imports run one way (DESIGN.md, STYLE.md rule 10): between packages and inside each, type-only imports included."""
+"""Imports run one way (DESIGN.md, STYLE.md rule 10): between packages and inside each.
+
+Type-only imports included.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +27,15 @@ ALLOWED = {
     "prefill_node": {"common", "common.model", "common.node", "transfer", "prefill_node"},
     "decode_node": {"common", "common.model", "common.node", "transfer", "decode_node"},
     # One process of both node roles: it composes them, nothing imports it.
-    "colocated_node": {"common", "common.model", "common.node", "transfer", "prefill_node",
-                       "decode_node", "colocated_node"},
+    "colocated_node": {
+        "common",
+        "common.model",
+        "common.node",
+        "transfer",
+        "prefill_node",
+        "decode_node",
+        "colocated_node",
+    },
     # The gateway reads the model's files (tokenizer, spec) but runs no node code.
     "bootstrap": {"common", "common.model", "bootstrap"},
 }
@@ -69,8 +79,13 @@ def _graph() -> dict[str, set[str]]:
 
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_a_layer_imports_only_the_layers_below_it(layer: str) -> None:
-    bad = {(m, dep) for m, deps in _graph().items() if _layer(m) == layer
-           for dep in deps if _layer(dep) not in ALLOWED[layer]}
+    bad = {
+        (m, dep)
+        for m, deps in _graph().items()
+        if _layer(m) == layer
+        for dep in deps
+        if _layer(dep) not in ALLOWED[layer]
+    }
     assert not bad, sorted(bad)
 
 
@@ -88,7 +103,9 @@ def test_no_module_import_circle() -> None:
         path.append(m)
         for dep in sorted(graph[m]):
             if state.get(dep) == 1:
-                raise AssertionError("import circle: " + " -> ".join(path[path.index(dep):] + [dep]))
+                raise AssertionError(
+                    "import circle: " + " -> ".join(path[path.index(dep) :] + [dep])
+                )
             if dep not in state:
                 visit(dep)
         path.pop()

@@ -1,4 +1,4 @@
-"""KV events over real zmq sockets: the prefill node's publisher to the gateway's subscriber and index.
+"""KV events over real zmq: the prefill node's publisher to the gateway's subscriber and index.
 
 In one process: a RadixCache publishing through a KVEventPublisher (PUB), a
 KVEventSubscriber (SUB thread) filling its KVIndex, and a PULL socket standing in for the
@@ -35,16 +35,19 @@ class Node:
     """A prefill node's cache, publisher and request socket."""
 
     def __init__(self, node_id: str, instance_id: str = "i1") -> None:
-        self.events = KVEventPublisher(node_id, instance_id, 256, "tcp://127.0.0.1:0",
-                                       interval_s=0.0, keepalive_s=0.05)
+        self.events = KVEventPublisher(
+            node_id, instance_id, 256, "tcp://127.0.0.1:0", interval_s=0.0, keepalive_s=0.05
+        )
         self.cache = RadixCache(PS, events=self.events)
-        self.requests, self.request_endpoint = bind_pull(zmq.Context.instance(),
-                                                         "tcp://127.0.0.1:0")
+        self.requests, self.request_endpoint = bind_pull(
+            zmq.Context.instance(), "tcp://127.0.0.1:0"
+        )
         self.num_snapshot_requests = 0
 
     def source(self, instance_id: str = "i1") -> PrefillSource:
-        return PrefillSource(self.events.node_id, instance_id, self.events.endpoint,
-                             self.request_endpoint, 256)
+        return PrefillSource(
+            self.events.node_id, instance_id, self.events.endpoint, self.request_endpoint, 256
+        )
 
     def step(self) -> None:
         """What the prefill loop does with these each round."""

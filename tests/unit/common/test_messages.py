@@ -56,8 +56,12 @@ SAMPLES: list[Message] = [
         protocol_version=PROTOCOL_VERSION,
         auth_token="s3cret",
     ),
-    PeerHelloAck(node_id="prefill-0", control_endpoint="tcp://127.0.0.1:7001", accepted=False,
-                 reason="bad token"),
+    PeerHelloAck(
+        node_id="prefill-0",
+        control_endpoint="tcp://127.0.0.1:7001",
+        accepted=False,
+        reason="bad token",
+    ),
     TransferRequest(room=7, node_id="decode-0", dst_pages=[3, 9, 12], aux_slot=2, lease_s=30.0),
     TransferDone(
         room=7,
@@ -134,13 +138,23 @@ SAMPLES: list[Message] = [
         num_cached_tokens=0,
     ),
     ReqFailed(rid="req-4", status=503, error="decode node lost"),
-    LeaseGrant(node_id="decode-0", instance_id="b2", seq=3, lease_s=10.0, granted=[7, 2**40],
-               released=[8]),
-    PeerReset(node_id="prefill-0", instance_id="a1", control_endpoint="tcp://127.0.0.1:6001",
-              rooms=[7]),
+    LeaseGrant(
+        node_id="decode-0", instance_id="b2", seq=3, lease_s=10.0, granted=[7, 2**40], released=[8]
+    ),
+    PeerReset(
+        node_id="prefill-0", instance_id="a1", control_endpoint="tcp://127.0.0.1:6001", rooms=[7]
+    ),
     LateWrite(node_id="prefill-0", instance_id="a1", room=7, dst_pages=[3, 9]),
-    KVEvents(node_id="prefill-0", instance_id="a1", seq=4, stored=b"\x01" * 16,
-             removed=b"", is_snapshot=False, queued_tokens=300, num_pages=512),
+    KVEvents(
+        node_id="prefill-0",
+        instance_id="a1",
+        seq=4,
+        stored=b"\x01" * 16,
+        removed=b"",
+        is_snapshot=False,
+        queued_tokens=300,
+        num_pages=512,
+    ),
     KVSnapshotRequest(gateway_id="gateway-1"),
 ]
 

@@ -1,4 +1,7 @@
-"""CURVE on every socket from common.ipc: members get through; strangers are refused, never delivered, and counted."""
+"""CURVE on every socket from common.ipc: members get through; strangers are refused.
+
+Strangers are never delivered, and they are counted.
+"""
 
 from __future__ import annotations
 
@@ -53,7 +56,9 @@ def test_a_member_is_served_and_strangers_are_refused_and_counted(ctx: zmq.Conte
     sock, endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
     name = "test_auth"
     before = {r: _refusals(name, r) for r in ("no_curve", "wrong_key", "protocol")}
-    malformed_before = metrics.MALFORMED_MESSAGES.labels(role=metrics.ROLE, socket=name)._value.get()
+    malformed_before = metrics.MALFORMED_MESSAGES.labels(
+        role=metrics.ROLE, socket=name
+    )._value.get()
     strangers = []
     plain = ctx.socket(zmq.PUSH)  # no CURVE at all
     strangers.append(plain)

@@ -9,9 +9,18 @@ from common import stages
 
 def _marks(start: float = 1000.0) -> dict[str, float]:
     """Every mark, 10 ms apart along the chain; decode's own beside prefill's."""
-    chain = [stages.RECEIVED, stages.PARSED, stages.TOKENIZED, stages.DISPATCHED,
-             stages.PREFILL_BOOTSTRAPPED, stages.PREFILL_SCHEDULED, stages.PREFILL_COMPUTED,
-             stages.DECODE_TRANSFERRED, stages.FIRST_TOKEN, stages.FIRST_BYTE]
+    chain = [
+        stages.RECEIVED,
+        stages.PARSED,
+        stages.TOKENIZED,
+        stages.DISPATCHED,
+        stages.PREFILL_BOOTSTRAPPED,
+        stages.PREFILL_SCHEDULED,
+        stages.PREFILL_COMPUTED,
+        stages.DECODE_TRANSFERRED,
+        stages.FIRST_TOKEN,
+        stages.FIRST_BYTE,
+    ]
     marks = {name: start + 0.01 * i for i, name in enumerate(chain)}
     marks[stages.PREFILL_RECEIVED] = marks[stages.DISPATCHED] + 0.001
     marks[stages.DECODE_RECEIVED] = marks[stages.DISPATCHED] + 0.002
@@ -33,9 +42,11 @@ def test_chain_stages_add_up_to_the_whole_and_parallel_ones_sit_beside():
     chain = sum(seconds[name] for name, _, _ in stages.CHAIN)
     assert math.isclose(chain, marks[stages.FIRST_BYTE] - marks[stages.RECEIVED], rel_tol=1e-9)
     assert math.isclose(seconds["decode_prealloc_queue"], 0.002, rel_tol=1e-6)
-    assert math.isclose(seconds["decode_transfer_queue"],
-                        marks[stages.DECODE_TRANSFERRED] - marks[stages.DECODE_PREALLOCATED],
-                        rel_tol=1e-9)
+    assert math.isclose(
+        seconds["decode_transfer_queue"],
+        marks[stages.DECODE_TRANSFERRED] - marks[stages.DECODE_PREALLOCATED],
+        rel_tol=1e-9,
+    )
 
 
 def test_missing_marks_leave_their_stages_out_and_skew_never_goes_negative():
@@ -52,16 +63,27 @@ def test_node_views_use_only_their_own_marks():
     marks = _marks()
     prefill = stages.stage_seconds(marks, stages.PREFILL_STAGES)
     assert set(prefill) == {"prefill_bootstrap_queue", "prefill_waiting_queue", "prefill_compute"}
-    assert math.isclose(prefill["prefill_bootstrap_queue"],
-                        marks[stages.PREFILL_BOOTSTRAPPED] - marks[stages.PREFILL_RECEIVED])
+    assert math.isclose(
+        prefill["prefill_bootstrap_queue"],
+        marks[stages.PREFILL_BOOTSTRAPPED] - marks[stages.PREFILL_RECEIVED],
+    )
     assert set(stages.stage_seconds(marks, stages.DECODE_STAGES)) == {
-        "decode_prealloc_queue", "decode_transfer_queue"}
+        "decode_prealloc_queue",
+        "decode_transfer_queue",
+    }
 
 
 def test_a_peers_marks_are_filtered_to_the_names_it_may_send():
-    got = stages.forwarded({stages.PREFILL_COMPUTED: 5.0, stages.FIRST_BYTE: 1.0, "x": 2.0,
-                            stages.PREFILL_RECEIVED: float("nan"),
-                            stages.PREFILL_SCHEDULED: float("inf")}, stages.PREFILL_MARKS)
+    got = stages.forwarded(
+        {
+            stages.PREFILL_COMPUTED: 5.0,
+            stages.FIRST_BYTE: 1.0,
+            "x": 2.0,
+            stages.PREFILL_RECEIVED: float("nan"),
+            stages.PREFILL_SCHEDULED: float("inf"),
+        },
+        stages.PREFILL_MARKS,
+    )
     assert got == {stages.PREFILL_COMPUTED: 5.0}
     assert stages.forwarded(None, stages.NODE_MARKS) == {}
     flood = {f"m{i}": 1.0 for i in range(stages.MAX_MARKS + 1)}

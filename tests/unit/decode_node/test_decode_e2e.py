@@ -9,9 +9,17 @@ holding no page for any request.
 from __future__ import annotations
 
 import pytest
-from tests.unit.decode_node.test_decode_scheduler import PAGE, PD, greedy, model_dir, one_torch_thread, prompt, ref
 
 from common import messages as msg
+from tests.unit.decode_node.test_decode_scheduler import (
+    PAGE,
+    PD,
+    greedy,
+    model_dir,
+    one_torch_thread,
+    prompt,
+    ref,
+)
 
 __all__ = ["model_dir", "one_torch_thread", "ref"]  # fixtures shared with the scheduler tests
 
@@ -31,8 +39,14 @@ def _workload():
 @pytest.mark.parametrize("policy", ["length", "priority"])
 def test_concurrent_requests_with_retraction_match_single_request_greedy(model_dir, ref, policy):
     extra = {"enable_priority_scheduling": True} if policy == "priority" else {}
-    h = PD(model_dir, decode_pages=28, num_reserved_decode_tokens=4, retraction_policy=policy,
-           prefill_cfg={"chunked_prefill_size": 16, "max_prefill_tokens": 32}, **extra)
+    h = PD(
+        model_dir,
+        decode_pages=28,
+        num_reserved_decode_tokens=4,
+        retraction_policy=policy,
+        prefill_cfg={"chunked_prefill_size": 16, "max_prefill_tokens": 32},
+        **extra,
+    )
     try:
         work = _workload()
         for i, (rid, ids, max_new, priority) in enumerate(work):

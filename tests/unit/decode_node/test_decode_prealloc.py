@@ -24,9 +24,15 @@ PAGE = 4
 
 
 def budget(free_pages, active=0, running=(), retracted=(), reserved=8, slots=None):
-    return DecodeBudget(page_size=PAGE, num_free_pages=free_pages, num_reserved_decode_tokens=reserved,
-                        num_active_reqs=active, running=running, retracted=retracted,
-                        num_free_slots=slots)
+    return DecodeBudget(
+        page_size=PAGE,
+        num_free_pages=free_pages,
+        num_reserved_decode_tokens=reserved,
+        num_active_reqs=active,
+        running=running,
+        retracted=retracted,
+        num_free_slots=slots,
+    )
 
 
 def test_admits_in_order_until_the_pool_is_reserved():
@@ -107,12 +113,25 @@ class _Receiver:
 
 
 def _req(rid, n, priority=None, ready=True):
-    g = msg.GenerateReq(rid=rid, room=hash(rid) & 0xFFFF, input_ids=[1] * n, sampling={},
-                        priority=priority, routing_key=None, prefill_node_id="p",
-                        decode_node_id="d", reply_endpoint="inproc://x", arrival_time=0.0,
-                        return_logprob=False)
-    r = DecodeReq(generate=g, sampling=SamplingParams(), stop=StopChecker(SamplingParams(), ()),
-                  max_new_tokens=16)
+    g = msg.GenerateReq(
+        rid=rid,
+        room=hash(rid) & 0xFFFF,
+        input_ids=[1] * n,
+        sampling={},
+        priority=priority,
+        routing_key=None,
+        prefill_node_id="p",
+        decode_node_id="d",
+        reply_endpoint="inproc://x",
+        arrival_time=0.0,
+        return_logprob=False,
+    )
+    r = DecodeReq(
+        generate=g,
+        sampling=SamplingParams(),
+        stop=StopChecker(SamplingParams(), ()),
+        max_new_tokens=16,
+    )
     r.receiver = _Receiver(KVPoll.WaitingForInput if ready else KVPoll.Bootstrapping)  # type: ignore[assignment]
     return r
 

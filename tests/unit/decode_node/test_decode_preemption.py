@@ -14,9 +14,15 @@ def cand(key: int, priority: int | None, pages: int = 4, outputs: int = 3) -> Re
 
 
 def budget(free_pages: int, running: list[RetractCandidate]) -> DecodeBudget:
-    return DecodeBudget(PAGE, free_pages, 4, len(running),
-                        running=[BudgetReq(c.num_input_tokens, c.num_output_tokens,
-                                           c.max_new_tokens) for c in running])
+    return DecodeBudget(
+        PAGE,
+        free_pages,
+        4,
+        len(running),
+        running=[
+            BudgetReq(c.num_input_tokens, c.num_output_tokens, c.max_new_tokens) for c in running
+        ],
+    )
 
 
 HEAD = BudgetReq(13, 0, 8)  # needs 16 + 4 tokens, and 21 to finish alone

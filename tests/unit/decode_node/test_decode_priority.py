@@ -5,11 +5,11 @@ test_decode_scheduler.py."""
 from __future__ import annotations
 
 import pytest
-from tests.unit.decode_node import test_decode_scheduler as harness
-from tests.unit.decode_node.test_decode_scheduler import PD, _assert_all_free, greedy, prompt
 
 from common import messages as msg
 from decode_node.req import DecodeState
+from tests.unit.decode_node import test_decode_scheduler as harness
+from tests.unit.decode_node.test_decode_scheduler import PD, _assert_all_free, greedy, prompt
 from transfer.kv_poll import KVPoll
 
 # The harness's module fixtures, used here by name.
@@ -39,8 +39,9 @@ def _fill_with_low_priority(h, ref_runner):
 
 
 def test_a_high_priority_request_preempts_low_ones_and_they_resume_unchanged(model_dir, ref):
-    h = PD(model_dir, decode_pages=16, num_reserved_decode_tokens=4,
-           enable_priority_scheduling=True)
+    h = PD(
+        model_dir, decode_pages=16, num_reserved_decode_tokens=4, enable_priority_scheduling=True
+    )
     try:
         lows = _fill_with_low_priority(h, ref)
         high = prompt(17, 63)
@@ -48,8 +49,11 @@ def test_a_high_priority_request_preempts_low_ones_and_they_resume_unchanged(mod
         waited_ready = 0
         while h.state("high") in (None, DecodeState.PREALLOC):
             r = h.decode.reqs.get("high")
-            is_ready = r is not None and r.receiver is not None and (
-                r.receiver.poll() is KVPoll.WaitingForInput)
+            is_ready = (
+                r is not None
+                and r.receiver is not None
+                and (r.receiver.poll() is KVPoll.WaitingForInput)
+            )
             h.step()
             if is_ready:
                 waited_ready += 1
@@ -65,11 +69,18 @@ def test_a_high_priority_request_preempts_low_ones_and_they_resume_unchanged(mod
         h.close()
 
 
-@pytest.mark.parametrize("extra", [{"disable_priority_preemption": True},
-                                   {"priority_scheduling_preemption_threshold": 100}])
+@pytest.mark.parametrize(
+    "extra",
+    [{"disable_priority_preemption": True}, {"priority_scheduling_preemption_threshold": 100}],
+)
 def test_no_preemption_when_disabled_or_below_the_threshold(model_dir, ref, extra):
-    h = PD(model_dir, decode_pages=16, num_reserved_decode_tokens=4,
-           enable_priority_scheduling=True, **extra)
+    h = PD(
+        model_dir,
+        decode_pages=16,
+        num_reserved_decode_tokens=4,
+        enable_priority_scheduling=True,
+        **extra,
+    )
     try:
         lows = _fill_with_low_priority(h, ref)
         h.submit("high", 310, prompt(17, 63), priority=100, max_new_tokens=8)

@@ -18,8 +18,9 @@ PAGE = 4
 
 def cand(key, n_in, n_out, max_new=64, pages=None, priority=None):
     kv_len = n_in + max(n_out - 1, 0)
-    return RetractCandidate(key, n_in, n_out, max_new, pages if pages is not None else -(-kv_len // PAGE),
-                            priority)
+    return RetractCandidate(
+        key, n_in, n_out, max_new, pages if pages is not None else -(-kv_len // PAGE), priority
+    )
 
 
 def keys(cands):
@@ -38,12 +39,23 @@ def test_length_order_ties_pop_from_the_tail_like_sglang():
 
 
 def test_priority_order_least_urgent_first_then_length():
-    cands = [cand(0, 10, 5, priority=1), cand(1, 10, 2, priority=5), cand(2, 10, 9, priority=None),
-             cand(3, 40, 5, priority=1), cand(4, 10, 1, priority=5)]
+    cands = [
+        cand(0, 10, 5, priority=1),
+        cand(1, 10, 2, priority=5),
+        cand(2, 10, 9, priority=None),
+        cand(3, 40, 5, priority=1),
+        cand(4, 10, 1, priority=5),
+    ]
     # Higher values are more urgent (default): no priority, then 1s, then 5s.
     assert keys(retraction_order(cands, "priority")) == [2, 3, 0, 4, 1]
     # Low values first: 5 is the least urgent; no priority still goes first.
-    assert keys(retraction_order(cands, "priority", low_priority_values_first=True)) == [2, 4, 1, 3, 0]
+    assert keys(retraction_order(cands, "priority", low_priority_values_first=True)) == [
+        2,
+        4,
+        1,
+        3,
+        0,
+    ]
 
 
 def test_unknown_policy_is_refused():
@@ -60,8 +72,12 @@ def test_no_retraction_when_the_next_step_fits():
 
 def test_retract_until_the_rest_can_run_twenty_steps():
     # Four requests, each kv 8 tokens (2 pages); 20 more steps need 5 more pages each.
-    cands = [cand(0, 8, 1, max_new=40), cand(1, 7, 2, max_new=40), cand(2, 6, 3, max_new=40),
-             cand(3, 5, 4, max_new=40)]
+    cands = [
+        cand(0, 8, 1, max_new=40),
+        cand(1, 7, 2, max_new=40),
+        cand(2, 6, 3, max_new=40),
+        cand(3, 5, 4, max_new=40),
+    ]
     plan = plan_retraction(cands, 1, PAGE, "length")
     # Free 1 + 2 per victim; the remaining need 5 pages each: 3 victims leave 7 >= 5.
     assert plan.victims == [0, 1, 2] and plan.can_run
@@ -82,8 +98,9 @@ def test_always_keeps_one_request():
 
 def test_new_token_ratio_estimate_is_capped():
     assert retract_new_token_ratio([cand(0, 4, 10, max_new=20)]) == 1.0
-    assert retract_new_token_ratio([cand(0, 4, 10, max_new=200), cand(1, 4, 0, max_new=199)]) == \
-        pytest.approx((10 + 40) / 400)
+    assert retract_new_token_ratio(
+        [cand(0, 4, 10, max_new=200), cand(1, 4, 0, max_new=199)]
+    ) == pytest.approx((10 + 40) / 400)
 
 
 def test_new_token_ratio_decays_jumps_and_resets():

@@ -10,7 +10,6 @@ from collections import defaultdict
 import pytest
 import torch
 import zmq
-from tests.unit.common.model.test_default_model import _greedy
 
 from common import messages as msg
 from common.config import DecodeConfig, ModelConfig, PrefillConfig
@@ -19,6 +18,7 @@ from common.model.runner import ModelRunner
 from decode_node.req import DecodeState
 from decode_node.scheduler import DecodeScheduler
 from prefill_node.scheduler import PrefillScheduler
+from tests.unit.common.model.test_default_model import _greedy
 from transfer.kv_manager import KVManager
 from transfer.loopback_backend import LoopbackBackend
 
@@ -81,32 +81,57 @@ def prompt(n, seed):
 class PD:
     """A prefill loop and a decode loop wired by the loopback backend, plus a gateway socket."""
 
-    def __init__(self, model_dir, decode_pages=64, prefill_pages=128, tokenizer=None,
-                 prefill_cfg=None, **cfg):
+    def __init__(
+        self, model_dir, decode_pages=64, prefill_pages=128, tokenizer=None, prefill_cfg=None, **cfg
+    ):
         n = next(_ids)
         cfg.setdefault("num_reserved_decode_tokens", 8)
         self.config = DecodeConfig(model=ModelConfig(page_size=PAGE), **cfg)
-        self.prefill_runner = ModelRunner.from_path(str(model_dir), progress=False, page_size=PAGE,
-                                                    num_pages=prefill_pages)
-        self.runner = ModelRunner.from_path(str(model_dir), progress=False, page_size=PAGE,
-                                            num_pages=decode_pages)
+        self.prefill_runner = ModelRunner.from_path(
+            str(model_dir), progress=False, page_size=PAGE, num_pages=prefill_pages
+        )
+        self.runner = ModelRunner.from_path(
+            str(model_dir), progress=False, page_size=PAGE, num_pages=decode_pages
+        )
         ctx = zmq.Context.instance()
         self.kv_clock = ManualClock()
-        self.pkv = KVManager(f"pd-p{n}", "prefill", LoopbackBackend(f"pd-p{n}"),
-                             self.prefill_runner.pool, backend_kind="loopback", lease_s=LEASE_S)
-        self.dkv = KVManager(f"pd-d{n}", "decode", LoopbackBackend(f"pd-d{n}"), self.runner.pool,
-                             backend_kind="loopback", lease_s=LEASE_S, clock=self.kv_clock)
+        self.pkv = KVManager(
+            f"pd-p{n}",
+            "prefill",
+            LoopbackBackend(f"pd-p{n}"),
+            self.prefill_runner.pool,
+            backend_kind="loopback",
+            lease_s=LEASE_S,
+        )
+        self.dkv = KVManager(
+            f"pd-d{n}",
+            "decode",
+            LoopbackBackend(f"pd-d{n}"),
+            self.runner.pool,
+            backend_kind="loopback",
+            lease_s=LEASE_S,
+            clock=self.kv_clock,
+        )
         p_sock, p_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
         d_sock, d_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
         self.reply_sock, self.reply_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
         prefill_cfg = {"chunked_prefill_size": 64, "max_prefill_tokens": 256, **(prefill_cfg or {})}
-        self.prefill = PrefillScheduler(PrefillConfig(model=ModelConfig(page_size=PAGE), **prefill_cfg),
-                                        self.prefill_runner, self.pkv, p_sock)
+        self.prefill = PrefillScheduler(
+            PrefillConfig(model=ModelConfig(page_size=PAGE), **prefill_cfg),
+            self.prefill_runner,
+            self.pkv,
+            p_sock,
+        )
         self.known_prefill_nodes = {"p"}
         self.decode = DecodeScheduler(
-            self.config, self.runner, self.dkv, d_sock, tokenizer or FakeTokenizer(),
+            self.config,
+            self.runner,
+            self.dkv,
+            d_sock,
+            tokenizer or FakeTokenizer(),
             lambda node: self.pkv.control_endpoint if node in self.known_prefill_nodes else None,
-            prefill_lookup_timeout_s=1.0)
+            prefill_lookup_timeout_s=1.0,
+        )
         self.to_prefill, self.to_decode = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
         self.to_prefill.connect(p_endpoint)
         self.to_decode.connect(d_endpoint)
@@ -114,14 +139,33 @@ class PD:
         self.is_prefill_paused = False
         self.max_batch = 0
 
-    def submit(self, rid, room, ids, *, to_prefill=True, prefill_node="p", priority=None,
-               return_logprob=False, gateway_id="", **sampling):
+    def submit(
+        self,
+        rid,
+        room,
+        ids,
+        *,
+        to_prefill=True,
+        prefill_node="p",
+        priority=None,
+        return_logprob=False,
+        gateway_id="",
+        **sampling,
+    ):
         g = msg.GenerateReq(
-            rid=rid, room=room, input_ids=ids,
-            sampling={"max_new_tokens": 8, "temperature": 0.0, **sampling}, priority=priority,
-            routing_key=None, prefill_node_id=prefill_node, decode_node_id="d",
-            reply_endpoint=self.reply_endpoint, arrival_time=time.time(),
-            return_logprob=return_logprob, gateway_id=gateway_id)
+            rid=rid,
+            room=room,
+            input_ids=ids,
+            sampling={"max_new_tokens": 8, "temperature": 0.0, **sampling},
+            priority=priority,
+            routing_key=None,
+            prefill_node_id=prefill_node,
+            decode_node_id="d",
+            reply_endpoint=self.reply_endpoint,
+            arrival_time=time.time(),
+            return_logprob=return_logprob,
+            gateway_id=gateway_id,
+        )
         if to_prefill:
             self.to_prefill.send(msg.encode(g))
         self.to_decode.send(msg.encode(g))
@@ -269,8 +313,9 @@ def test_abort_mid_transfer_waits_for_the_prefill_ack(model_dir):
         h.decode.abort("a", None, "client went away")
         # The prefill node stops writing and acknowledges; the pages come back without waiting
         # for any lease.
-        h.run_until(lambda: h.decode.stats.num_held_pages() == 0 and not h.prefill.states,
-                    timeout=LEASE_S)
+        h.run_until(
+            lambda: h.decode.stats.num_held_pages() == 0 and not h.prefill.states, timeout=LEASE_S
+        )
         assert any(isinstance(m, msg.ReqFailed) and m.status == 499 for m in h.replies["a"])
         _assert_all_free(h)
     finally:
@@ -286,7 +331,9 @@ def test_prefill_failure_ends_the_request_with_a_clear_error(model_dir):
         h.run_until(lambda: h.done("a"), timeout=LEASE_S)
         end = h.result("a")
         assert isinstance(end, msg.ReqFailed) and end.status == 500
-        assert "KV transfer from the prefill node failed" in end.error and "shutting down" in end.error
+        assert (
+            "KV transfer from the prefill node failed" in end.error and "shutting down" in end.error
+        )
         _assert_all_free(h)
     finally:
         h.close()
@@ -390,8 +437,14 @@ def test_seeded_sampling_does_not_depend_on_retraction(model_dir):
         h = PD(model_dir, decode_pages=pages, num_reserved_decode_tokens=4)
         try:
             for i in range(3):
-                h.submit(f"s{i}", 50 + i, prompt(17, 30 + i), max_new_tokens=24, temperature=0.8,
-                         seed=1234 + i)
+                h.submit(
+                    f"s{i}",
+                    50 + i,
+                    prompt(17, 30 + i),
+                    max_new_tokens=24,
+                    temperature=0.8,
+                    seed=1234 + i,
+                )
             h.run_until(lambda h=h: h.done("s0", "s1", "s2"))
             runs.append(([h.tokens(f"s{i}") for i in range(3)], h.decode.stats.num_retractions))
         finally:
@@ -423,7 +476,9 @@ def test_lone_request_waits_in_host_memory_while_others_hold_the_pool(model_dir,
         h.run_until(lambda: h.state("a") is DecodeState.RUNNING)
         # Pages of a failed room that cannot be freed yet take the rest of the pool.
         held = _UnsafeReceiver()
-        h.decode.release_queue.add(held, h.decode.allocator.allocate(h.decode.allocator.num_free_pages))
+        h.decode.release_queue.add(
+            held, h.decode.allocator.allocate(h.decode.allocator.num_free_pages)
+        )
         h.run_until(lambda: h.state("a") is DecodeState.RETRACTED)
         assert h.runner.pool.allocator.num_free_pages > 0  # its own pages went back
         for _ in range(3):
@@ -445,10 +500,12 @@ def test_decode_metrics_carry_the_decode_role(pd):
     pd.run_until(lambda: pd.done("m"))
     pd.step()
     text = metrics.render_latest().decode()
-    for line in ('pdserve_queue_requests{queue="running",role="decode"} 0.0',
-                 'pdserve_queue_requests{queue="retracted",role="decode"} 0.0',
-                 'pdserve_kv_pages_held{role="decode"} 0.0',
-                 'pdserve_kv_pages_used{role="decode"} 0.0'):
+    for line in (
+        'pdserve_queue_requests{queue="running",role="decode"} 0.0',
+        'pdserve_queue_requests{queue="retracted",role="decode"} 0.0',
+        'pdserve_kv_pages_held{role="decode"} 0.0',
+        'pdserve_kv_pages_used{role="decode"} 0.0',
+    ):
         assert line in text, line
     assert 'pdserve_inter_token_latency_seconds_count{role="decode"}' in text
     assert 'pdserve_decode_tokens_total{role="decode"}' in text

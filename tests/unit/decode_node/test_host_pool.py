@@ -30,8 +30,10 @@ def test_offload_and_load_bring_every_byte_back_through_fragmented_host_pages(de
     store = HostKVStore(pool, 8)
     address = store.buffer.data_ptr()
     assert store.buffer.is_pinned() == (device.type == "cuda")
-    expect = {rid: pool.buffer[pages].clone() for rid, pages in
-              (("a", [3, 7]), ("b", [0, 1, 2]), ("c", [9]))}
+    expect = {
+        rid: pool.buffer[pages].clone()
+        for rid, pages in (("a", [3, 7]), ("b", [0, 1, 2]), ("c", [9]))
+    }
     store.offload("a", pool, [3, 7])
     store.offload("b", pool, [0, 1, 2])
     store.offload("c", pool, [9])

@@ -1,12 +1,15 @@
-"""The decode and prefill loops under faults: a dead gateway, a lost prefill node, a late write, the drain timeout."""
+"""The decode and prefill loops under faults.
+
+A dead gateway, a lost prefill node, a late write, the drain timeout.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.unit.decode_node import test_decode_scheduler as tds
 from common import messages as msg
 from decode_node.req import DecodeState
+from tests.unit.decode_node import test_decode_scheduler as tds
 from tests.unit.decode_node.test_decode_scheduler import PD, _assert_all_free, prompt
 
 model_dir = tds.model_dir
@@ -61,8 +64,12 @@ def test_a_late_write_fails_every_other_request_holding_its_pages(h):
     pages = list(h.decode.reqs["victim"].pages[:2])
     # A paused prefill node reports that its write of an older room (77) may have landed
     # after the fence, in pages the victim now holds.
-    h.pkv.send(h.dkv.control_endpoint, msg.LateWrite(
-        node_id=h.pkv.node_id, instance_id=h.pkv.instance_id, room=77, dst_pages=pages))
+    h.pkv.send(
+        h.dkv.control_endpoint,
+        msg.LateWrite(
+            node_id=h.pkv.node_id, instance_id=h.pkv.instance_id, room=77, dst_pages=pages
+        ),
+    )
     h.run_until(lambda: h.done("victim"))
     assert isinstance(h.result("victim"), msg.ReqFailed) and h.result("victim").status == 500
     assert "KV integrity" in h.result("victim").error

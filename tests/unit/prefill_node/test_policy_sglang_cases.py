@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from tests.unit.prefill_node.test_schedule_policy import PAGE, make_tree, req, rids
-
 from common.config import PrefillConfig
 from common.kv_pool import PageAllocator
-from prefill_node.request import Req
 from prefill_node.radix_cache import RadixCache
+from prefill_node.request import Req
 from prefill_node.schedule_policy import SchedulePolicy
+from tests.unit.prefill_node.test_schedule_policy import PAGE, make_tree, req, rids
 
 # --- SGLang's exact orders on the smallest cases where pdserve used to differ ------------
 
@@ -79,8 +78,12 @@ def test_dfs_weight_dedup_flag_reaches_the_policy():
     config = PrefillConfig(schedule_policy="dfs-weight", dfs_weight_dedup="off")
     policy = SchedulePolicy.from_config(config, _page1_tree([1]))
     assert policy._dedup is None
-    assert SchedulePolicy.from_config(PrefillConfig(schedule_policy="dfs-weight"),
-                                      _page1_tree([1]))._dedup is not None
+    assert (
+        SchedulePolicy.from_config(
+            PrefillConfig(schedule_policy="dfs-weight"), _page1_tree([1])
+        )._dedup
+        is not None
+    )
 
 
 # --- cache salts ---------------------------------------------------------------------------
@@ -91,8 +94,11 @@ def test_salted_requests_match_only_their_salts_pages_and_are_never_deduped_toge
 
     tree, alloc = make_tree()
     prompt = list(range(50, 90))  # 40 tokens: far past the dedup thresholds
-    queue = [req("a1", prompt, cache_salt="a"), req("b1", prompt, cache_salt="b"),
-             req("plain", prompt)]
+    queue = [
+        req("a1", prompt, cache_salt="a"),
+        req("b1", prompt, cache_salt="b"),
+        req("plain", prompt),
+    ]
     policy = SchedulePolicy("lpm", tree)
     policy.calc_priority(queue)
     # Three salts (none is one): three groups, nobody deprioritized.

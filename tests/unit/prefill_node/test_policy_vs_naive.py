@@ -8,13 +8,22 @@ from collections import Counter
 from os.path import commonprefix
 
 import pytest
-from tests.unit.prefill_node.test_schedule_policy import CACHE_AWARE, INF, PAGE, cache, lpm_workload, make_tree, req, rids
 
 from common.token_keys import token_key
-from prefill_node.request import Req
 from prefill_node.cache_aware_orders import HrrnOrder
 from prefill_node.radix_cache import RadixCache
+from prefill_node.request import Req
 from prefill_node.schedule_policy import SchedulePolicy, prefill_work
+from tests.unit.prefill_node.test_schedule_policy import (
+    CACHE_AWARE,
+    INF,
+    PAGE,
+    cache,
+    lpm_workload,
+    make_tree,
+    req,
+    rids,
+)
 
 
 # --- incremental matching ---------------------------------------------------------------------
@@ -58,8 +67,10 @@ def _sglang_dfs_weight(reqs: list[Req], tree: RadixCache) -> list[Req]:
     """SGLang's dfs-weight on a tree split at every request's match end, naively: a trie
     with one node per page (fully split), children heaviest first, ties in the order the
     real tree got them; a node's own requests after its children's, in queue order."""
-    path = {r: tuple(tuple(r.origin_input_ids[i : i + PAGE]) for i in range(0, _usable(r), PAGE))
-            for r in reqs}
+    path = {
+        r: tuple(tuple(r.origin_input_ids[i : i + PAGE]) for i in range(0, _usable(r), PAGE))
+        for r in reqs
+    }
     weight: Counter[tuple] = Counter()
     for p in path.values():
         for k in range(len(p) + 1):

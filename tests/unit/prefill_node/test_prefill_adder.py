@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from prefill_node.request import Req
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder
+from prefill_node.request import Req
 
 PAGE = 16
 

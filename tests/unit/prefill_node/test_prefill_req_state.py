@@ -15,21 +15,39 @@ from prefill_node.request import Req
 
 S = PrefillState
 LEGAL = {
-    (S.BOOTSTRAP, S.WAITING), (S.BOOTSTRAP, S.FAILED),
-    (S.WAITING, S.PREFILLING), (S.WAITING, S.FAILED),
-    (S.PREFILLING, S.WAITING), (S.PREFILLING, S.TRANSFERRING), (S.PREFILLING, S.FAILED),
-    (S.TRANSFERRING, S.FINISHED), (S.TRANSFERRING, S.FAILED),
+    (S.BOOTSTRAP, S.WAITING),
+    (S.BOOTSTRAP, S.FAILED),
+    (S.WAITING, S.PREFILLING),
+    (S.WAITING, S.FAILED),
+    (S.PREFILLING, S.WAITING),
+    (S.PREFILLING, S.TRANSFERRING),
+    (S.PREFILLING, S.FAILED),
+    (S.TRANSFERRING, S.FINISHED),
+    (S.TRANSFERRING, S.FAILED),
 }
 
 
 def _req(rid: str = "x", state: PrefillState = S.BOOTSTRAP) -> PrefillReq:
-    g = msg.GenerateReq(rid=rid, room=7, input_ids=[1, 2, 3], sampling={}, priority=None,
-                        routing_key=None, prefill_node_id="p", decode_node_id="d",
-                        reply_endpoint="tcp://127.0.0.1:1", arrival_time=0.0,
-                        return_logprob=False)
+    g = msg.GenerateReq(
+        rid=rid,
+        room=7,
+        input_ids=[1, 2, 3],
+        sampling={},
+        priority=None,
+        routing_key=None,
+        prefill_node_id="p",
+        decode_node_id="d",
+        reply_endpoint="tcp://127.0.0.1:1",
+        arrival_time=0.0,
+        return_logprob=False,
+    )
     sender: Any = object()  # the state machine never touches its sender
-    r = PrefillReq(Req(rid=rid, room=7, origin_input_ids=[1, 2, 3], max_new_tokens=1), g,
-                   SamplingParams(), sender)
+    r = PrefillReq(
+        Req(rid=rid, room=7, origin_input_ids=[1, 2, 3], max_new_tokens=1),
+        g,
+        SamplingParams(),
+        sender,
+    )
     r.state = state
     return r
 

@@ -1,4 +1,7 @@
-"""The prefill loop in one process: tiny Llama, real zmq sockets, loopback KV transfer to a test receiver."""
+"""The prefill loop in one process: tiny Llama, real zmq sockets, loopback KV transfer.
+
+The KV goes to a test receiver.
+"""
 
 from __future__ import annotations
 
@@ -40,16 +43,30 @@ class Harness:
         cfg.setdefault("chunked_prefill_size", 64)
         cfg.setdefault("max_prefill_tokens", 256)
         self.config = PrefillConfig(model=ModelConfig(page_size=PAGE), **cfg)
-        self.runner = ModelRunner.from_path(str(model_dir), progress=False, page_size=PAGE,
-                                            num_pages=num_pages)
-        self.ref = ModelRunner.from_path(str(model_dir), progress=False, page_size=PAGE,
-                                         num_pages=num_pages)
+        self.runner = ModelRunner.from_path(
+            str(model_dir), progress=False, page_size=PAGE, num_pages=num_pages
+        )
+        self.ref = ModelRunner.from_path(
+            str(model_dir), progress=False, page_size=PAGE, num_pages=num_pages
+        )
         ctx = zmq.Context.instance()
-        self.kv = KVManager(f"p{n}", "prefill", LoopbackBackend(f"p{n}"), self.runner.pool,
-                            backend_kind="loopback", lease_s=5)
+        self.kv = KVManager(
+            f"p{n}",
+            "prefill",
+            LoopbackBackend(f"p{n}"),
+            self.runner.pool,
+            backend_kind="loopback",
+            lease_s=5,
+        )
         self.dpool = KVPool(self.runner.layout, num_pages)
-        self.decode = KVManager(f"d{n}", "decode", LoopbackBackend(f"d{n}"), self.dpool,
-                                backend_kind="loopback", lease_s=5)
+        self.decode = KVManager(
+            f"d{n}",
+            "decode",
+            LoopbackBackend(f"d{n}"),
+            self.dpool,
+            backend_kind="loopback",
+            lease_s=5,
+        )
         self.req_sock, self.req_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
         self.reply_sock, self.reply_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
         self.sched = PrefillScheduler(self.config, self.runner, self.kv, self.req_sock)
@@ -59,11 +76,24 @@ class Harness:
 
     def submit(self, rid, room, ids, **kw):
         sampling = {"max_new_tokens": 8, "temperature": 0.0}
-        self.push.send(msg.encode(msg.GenerateReq(
-            rid=rid, room=room, input_ids=ids, sampling=kw.pop("sampling", sampling),
-            priority=kw.pop("priority", None), routing_key=None, prefill_node_id="p",
-            decode_node_id="d", reply_endpoint=self.reply_endpoint, arrival_time=time.time(),
-            return_logprob=False, cache_salt=kw.pop("cache_salt", None))))
+        self.push.send(
+            msg.encode(
+                msg.GenerateReq(
+                    rid=rid,
+                    room=room,
+                    input_ids=ids,
+                    sampling=kw.pop("sampling", sampling),
+                    priority=kw.pop("priority", None),
+                    routing_key=None,
+                    prefill_node_id="p",
+                    decode_node_id="d",
+                    reply_endpoint=self.reply_endpoint,
+                    arrival_time=time.time(),
+                    return_logprob=False,
+                    cache_salt=kw.pop("cache_salt", None),
+                )
+            )
+        )
 
     def receive(self, room, num_tokens):
         r = self.decode.create_receiver(room, self.kv.control_endpoint)
@@ -110,8 +140,9 @@ def _check_landed(h, receiver, pages, ids):
     lay = h.runner.layout
 
     def tokens(pages_kv):  # [pages, L, 2, ps, kvh, hd] -> [L, 2, tokens, kvh * hd]
-        flat = pages_kv.permute(1, 2, 0, 3, 4, 5).reshape(lay.num_layers, 2, -1,
-                                                          lay.num_kv_heads * lay.head_dim)
+        flat = pages_kv.permute(1, 2, 0, 3, 4, 5).reshape(
+            lay.num_layers, 2, -1, lay.num_kv_heads * lay.head_dim
+        )
         return flat[:, :, : len(ids)]  # the tail of the last page holds no token
 
     assert_close_scaled(tokens(h.dpool.buffer[pages]), tokens(kv))
@@ -136,8 +167,11 @@ def test_long_prompt_is_prefilled_in_chunks_and_still_lands_exactly(model_dir):
         h.submit("long", 2, ids)
         receiver, pages = h.receive(2, len(ids))
         rounds = []
-        h.run_until(lambda: (rounds.append(1) if h.sched.chunked else None)
-                    or receiver.poll() is KVPoll.Success)
+        h.run_until(
+            lambda: (
+                (rounds.append(1) if h.sched.chunked else None) or receiver.poll() is KVPoll.Success
+            )
+        )
         assert len(rounds) >= 4  # 37 tokens in chunks of 8
         _check_landed(h, receiver, pages, ids)
     finally:
@@ -195,8 +229,11 @@ def test_a_prefix_is_shared_as_soon_as_it_is_computed_not_after_its_transfer(mod
         h.submit("second", 42, second)
         r1, _ = h.receive(41, len(first))
         r2, p2 = h.receive(42, len(second))
-        h.run_until(lambda: r1.poll() is KVPoll.Success and r2.poll() is KVPoll.Success
-                    and not h.sched.states)
+        h.run_until(
+            lambda: (
+                r1.poll() is KVPoll.Success and r2.poll() is KVPoll.Success and not h.sched.states
+            )
+        )
         # "second" ran while "first" was still in flight, and reused its 32 cached tokens.
         assert h.sched.processed_tokens == len(first) + len(second) - 32
         _check_landed(h, r2, p2, second)
@@ -230,8 +267,13 @@ def test_shortest_prefill_first_admits_short_requests_beside_the_capped_chunk(mo
     # The seeds' chunk limit reserves budget beside a long chunked request for shorter
     # waiting ones: they must be admitted in that same round (they used to wait for the
     # long one to finish, so the reservation was never used).
-    h = Harness(model_dir, num_pages=512, chunked_prefill_size=16, max_prefill_tokens=256,
-                schedule_policy="shortest-prefill-first")
+    h = Harness(
+        model_dir,
+        num_pages=512,
+        chunked_prefill_size=16,
+        max_prefill_tokens=256,
+        schedule_policy="shortest-prefill-first",
+    )
     batches: list[list[str]] = []
     schedule = h.sched._schedule
 
@@ -442,8 +484,13 @@ def test_each_request_state_matches_its_queue_after_every_step(model_dir):
         _run_checked(h, lambda: len(h.sched.states) == 3, seen)
         assert all(s.state is PrefillState.BOOTSTRAP for s in h.sched.states.values())
         got = {r: h.receive(60 + r, len(ids[r])) for r in ids}
-        _run_checked(h, lambda: h.sched.states["r1"].state is PrefillState.WAITING
-                     and h.sched.chunked is not None, seen)
+        _run_checked(
+            h,
+            lambda: (
+                h.sched.states["r1"].state is PrefillState.WAITING and h.sched.chunked is not None
+            ),
+            seen,
+        )
         h.sched.abort("r1", None, "client went away")
         assert "r1" not in h.sched.states
         h.sched.check_integrity()
@@ -455,8 +502,9 @@ def test_each_request_state_matches_its_queue_after_every_step(model_dir):
         # Between steps: waiting (r0 ran as soon as it was bootstrapped), the chunk in
         # progress, the pages in flight.
         assert {PrefillState.PREFILLING, PrefillState.TRANSFERRING} <= set(seen["r0"])
-        assert {PrefillState.WAITING, PrefillState.PREFILLING,
-                PrefillState.TRANSFERRING} <= set(seen["r2"]), seen["r2"]
+        assert {PrefillState.WAITING, PrefillState.PREFILLING, PrefillState.TRANSFERRING} <= set(
+            seen["r2"]
+        ), seen["r2"]
         assert h.sched.stats.num_held_pages() == 0
     finally:
         h.close()

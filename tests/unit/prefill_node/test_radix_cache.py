@@ -8,9 +8,9 @@ import random
 import pytest
 
 from common.kv_pool import PageAllocator
-from prefill_node.request import Req
 from prefill_node.prefix_matcher import PrefixMatcher
 from prefill_node.radix_cache import RadixCache, StaleMatchError
+from prefill_node.request import Req
 
 PAGE = 2
 

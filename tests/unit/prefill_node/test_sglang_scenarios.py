@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from common.kv_pool import PageAllocator
-from prefill_node.request import Req
 from decode_node.prealloc_queue import BudgetReq, DecodeBudget
 from decode_node.preemption import is_more_urgent_by, plan_preemption
 from decode_node.retract import RetractCandidate
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder
 from prefill_node.radix_cache import RadixCache
+from prefill_node.request import Req
 from prefill_node.schedule_policy import CacheAgnosticPolicy, CacheAwarePolicy, SchedulePolicy
 
 PAGE = 2
@@ -359,8 +359,7 @@ def test_mixed_chunk_56_tokens_with_59_left_then_3_more():
 # new_chunked_req, 8 or 11 chunk tokens left); pdserve compares the raw extend (56), admits it
 # whole and takes 56 off the chunk budget (0 or 3 left; the 3 then fit a 3-token prompt).
 @pytest.mark.parametrize(
-    ("num_decode", "result", "left"),
-    [(8, AddReqResult.OTHER, 0), (5, AddReqResult.CONTINUE, 3)],
+    ("num_decode", "result", "left"), [(8, AddReqResult.OTHER, 0), (5, AddReqResult.CONTINUE, 3)]
 )
 def test_mixed_chunk_at_page_16_admits_56_tokens_whole(
     num_decode: int, result: AddReqResult, left: int

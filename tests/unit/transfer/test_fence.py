@@ -1,4 +1,7 @@
-"""Write fencing (transfer/fence.py): a paused writer posts nothing; pages are reused only after the fence."""
+"""Write fencing (transfer/fence.py): a paused writer posts nothing.
+
+Pages are reused only after the fence.
+"""
 
 from __future__ import annotations
 
@@ -24,10 +27,12 @@ def _pair(prefill_clock=None, decode_clock=None):
     p_pool, d_pool = KVPool(LAYOUT, 16), KVPool(LAYOUT, 16)
     p_pool.buffer.copy_(torch.randn_like(p_pool.buffer))
     kw = dict(backend_kind="loopback", lease_s=LEASE_S)
-    prefill = KVManager(f"fp{n}", "prefill", LoopbackBackend(f"fp{n}"), p_pool,
-                        clock=prefill_clock or Clock(), **kw)
-    decode = KVManager(f"fd{n}", "decode", LoopbackBackend(f"fd{n}"), d_pool,
-                       clock=decode_clock or Clock(), **kw)
+    prefill = KVManager(
+        f"fp{n}", "prefill", LoopbackBackend(f"fp{n}"), p_pool, clock=prefill_clock or Clock(), **kw
+    )
+    decode = KVManager(
+        f"fd{n}", "decode", LoopbackBackend(f"fd{n}"), d_pool, clock=decode_clock or Clock(), **kw
+    )
     return prefill, decode
 
 
@@ -176,10 +181,18 @@ def test_a_write_that_straddles_the_fence_is_reported_and_its_pages_new_owners_w
     n = next(_names)
     p_pool, d_pool = KVPool(LAYOUT, 16), KVPool(LAYOUT, 16)
     backend = PausingBackend(f"fp{n}", pclock)
-    prefill = KVManager(f"fp{n}", "prefill", backend, p_pool, backend_kind="loopback",
-                        lease_s=LEASE_S, clock=pclock)
-    decode = KVManager(f"fd{n}", "decode", LoopbackBackend(f"fd{n}"), d_pool,
-                       backend_kind="loopback", lease_s=LEASE_S, clock=Clock())
+    prefill = KVManager(
+        f"fp{n}", "prefill", backend, p_pool, backend_kind="loopback", lease_s=LEASE_S, clock=pclock
+    )
+    decode = KVManager(
+        f"fd{n}",
+        "decode",
+        LoopbackBackend(f"fd{n}"),
+        d_pool,
+        backend_kind="loopback",
+        lease_s=LEASE_S,
+        clock=Clock(),
+    )
     reported: list[tuple[int, list[int]]] = []
     decode.on_late_write = lambda room, pages: reported.append((room, pages))
     try:

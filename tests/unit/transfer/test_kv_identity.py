@@ -1,4 +1,7 @@
-"""Peers are processes, not names: a restarted prefill or decode node is noticed and handshaken anew."""
+"""Peers are processes, not names: a restarted prefill or decode node is noticed.
+
+It is then handshaken anew.
+"""
 
 from __future__ import annotations
 
@@ -33,8 +36,15 @@ def _manager(name: str, role: str, endpoint: str = "tcp://127.0.0.1:0") -> KVMan
     while True:  # a port just closed by the old process may take a moment to free
         backend = LoopbackBackend(name)
         try:
-            return KVManager(name, role, backend, pool, backend_kind="loopback",
-                             control_endpoint=endpoint, lease_s=5.0)
+            return KVManager(
+                name,
+                role,
+                backend,
+                pool,
+                backend_kind="loopback",
+                control_endpoint=endpoint,
+                lease_s=5.0,
+            )
         except zmq.ZMQError:
             backend.close()
             if time.monotonic() > deadline:
@@ -104,10 +114,19 @@ def test_control_messages_naming_another_instance_are_dropped():
         push.connect(decode.control_endpoint)
         # A process that took the prefill node's name (but is not the one we shook hands
         # with) claims the room is done and failed: neither is believed.
-        for fake in (msg.TransferDone(room=7, node_id="rp3", first_token_id=1, first_logprob=None,
-                                      top_logprobs=[], room_echo=7, num_pages=2,
-                                      instance_id="impostor"),
-                     msg.TransferFailed(room=7, node_id="rp3", reason="x", instance_id="impostor")):
+        for fake in (
+            msg.TransferDone(
+                room=7,
+                node_id="rp3",
+                first_token_id=1,
+                first_logprob=None,
+                top_logprobs=[],
+                room_echo=7,
+                num_pages=2,
+                instance_id="impostor",
+            ),
+            msg.TransferFailed(room=7, node_id="rp3", reason="x", instance_id="impostor"),
+        ):
             push.send(msg.encode(fake))
         push.close()
         drive([decode], lambda: decode.metrics.num_dropped["unexpected_message"] == 2)

@@ -22,18 +22,31 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype="
 _names = itertools.count()
 
 
-def make_pair(lease_s=5.0, bootstrap_timeout_s=5.0, waiting_timeout_s=5.0, decode_layout=LAYOUT,
-              prefill_token=None, decode_token=None, num_pages=32):
+def make_pair(
+    lease_s=5.0,
+    bootstrap_timeout_s=5.0,
+    waiting_timeout_s=5.0,
+    decode_layout=LAYOUT,
+    prefill_token=None,
+    decode_token=None,
+    num_pages=32,
+):
     n = next(_names)
     p_pool, d_pool = KVPool(LAYOUT, num_pages), KVPool(decode_layout, num_pages)
     torch.manual_seed(n)
     p_pool.buffer.copy_(torch.randn_like(p_pool.buffer))
-    kw = dict(backend_kind="loopback", lease_s=lease_s, bootstrap_timeout_s=bootstrap_timeout_s,
-              waiting_timeout_s=waiting_timeout_s)
-    prefill = KVManager(f"p{n}", "prefill", LoopbackBackend(f"p{n}"), p_pool,
-                        auth_token=prefill_token, **kw)
-    decode = KVManager(f"d{n}", "decode", LoopbackBackend(f"d{n}"), d_pool,
-                       auth_token=decode_token, **kw)
+    kw = dict(
+        backend_kind="loopback",
+        lease_s=lease_s,
+        bootstrap_timeout_s=bootstrap_timeout_s,
+        waiting_timeout_s=waiting_timeout_s,
+    )
+    prefill = KVManager(
+        f"p{n}", "prefill", LoopbackBackend(f"p{n}"), p_pool, auth_token=prefill_token, **kw
+    )
+    decode = KVManager(
+        f"d{n}", "decode", LoopbackBackend(f"d{n}"), d_pool, auth_token=decode_token, **kw
+    )
     return prefill, decode
 
 
@@ -52,27 +65,45 @@ def test_chunked_transfer_of_concurrent_rooms_lands_byte_for_byte(pair):
     dst_pages = {101: [2, 3, 4, 11], 102: [15, 14], 103: [5, 6, 7, 8, 9, 10]}
     senders = {r: prefill.create_sender(r, n) for r, n in rooms.items()}
     receivers = {r: decode.create_receiver(r, prefill.control_endpoint) for r in rooms}
-    drive([prefill, decode], lambda: all(r.poll() is KVPoll.WaitingForInput for r in receivers.values()))
+    drive(
+        [prefill, decode],
+        lambda: all(r.poll() is KVPoll.WaitingForInput for r in receivers.values()),
+    )
     for r, rec in receivers.items():
         rec.send_metadata(dst_pages[r], aux_slot=r % 7)
-    drive([prefill, decode], lambda: all(s.poll() is KVPoll.WaitingForInput for s in senders.values()))
+    drive(
+        [prefill, decode], lambda: all(s.poll() is KVPoll.WaitingForInput for s in senders.values())
+    )
     assert senders[101].aux_slot == 101 % 7
     # Chunks that end mid-page: only whole pages go until the last chunk.
     for r, n in rooms.items():
         for end in (5, 9):
             senders[r].send(src_pages[r], min(end, n - 1))
-        senders[r].send(src_pages[r], n, AuxData(first_token_id=r, room_echo=r, first_logprob=-0.5,
-                                                  top_logprobs=[(r, -0.5), (7, -1.25)]))
-    drive([prefill, decode], lambda: all(x.poll() is KVPoll.Success
-                                         for x in (*senders.values(), *receivers.values())))
+        senders[r].send(
+            src_pages[r],
+            n,
+            AuxData(
+                first_token_id=r,
+                room_echo=r,
+                first_logprob=-0.5,
+                top_logprobs=[(r, -0.5), (7, -1.25)],
+            ),
+        )
+    drive(
+        [prefill, decode],
+        lambda: all(x.poll() is KVPoll.Success for x in (*senders.values(), *receivers.values())),
+    )
     for r in rooms:
         assert torch.equal(decode.pool.buffer[dst_pages[r]], prefill.pool.buffer[src_pages[r]])
         aux = receivers[r].aux
         assert aux.first_token_id == r and aux.first_logprob == -0.5
         assert aux.top_logprobs == [(r, -0.5), (7, -1.25)]
         assert receivers[r].is_release_safe()
-        assert receivers[r].status.history == [KVPoll.Bootstrapping, KVPoll.WaitingForInput,
-                                               KVPoll.Transferring]
+        assert receivers[r].status.history == [
+            KVPoll.Bootstrapping,
+            KVPoll.WaitingForInput,
+            KVPoll.Transferring,
+        ]
     untouched = sorted(set(range(32)) - {p for ps in dst_pages.values() for p in ps})
     assert torch.count_nonzero(decode.pool.buffer[untouched]) == 0
 
@@ -83,8 +114,10 @@ def _ready_room(prefill, decode, room, tokens=8, dst=(0, 1)):
     drive([prefill, decode], lambda: receiver.poll() is KVPoll.WaitingForInput)
     receiver.send_metadata(list(dst))
     # Ready to write: the decode side granted the room's lease (transfer/fence.py).
-    drive([prefill, decode], lambda: sender.poll() is KVPoll.WaitingForInput
-          and sender.fence.has_grant)
+    drive(
+        [prefill, decode],
+        lambda: sender.poll() is KVPoll.WaitingForInput and sender.fence.has_grant,
+    )
     return sender, receiver
 
 
@@ -99,8 +132,10 @@ def test_fake_backend_completes_rooms_through_the_control_socket():
         sender, receiver = _ready_room(prefill, decode, 41)
         sender.send([0, 1], 5)
         sender.send([0, 1], 8, AuxData(first_token_id=9, room_echo=41))
-        drive([prefill, decode], lambda: receiver.poll() is KVPoll.Success
-              and sender.poll() is KVPoll.Success)
+        drive(
+            [prefill, decode],
+            lambda: receiver.poll() is KVPoll.Success and sender.poll() is KVPoll.Success,
+        )
         assert receiver.aux.first_token_id == 9
         assert prefill.backend.num_pages_written == 2  # counted, nothing moved
     finally:
@@ -251,7 +286,8 @@ def test_garbage_on_the_control_socket_is_dropped_and_the_next_transfer_works(pa
     assert after == before + 1  # the garbage frame; the stranger's renew counts as unauthorized
     rejected = metrics.REGISTRY.get_sample_value(
         "pdserve_rejected_messages_total",
-        {"role": "prefill", "socket": "prefill_kv_control", "reason": FailureReason.UNAUTHORIZED})
+        {"role": "prefill", "socket": "prefill_kv_control", "reason": FailureReason.UNAUTHORIZED},
+    )
     assert rejected is not None and rejected >= 1  # exported, not only counted in memory
     sender, receiver = _ready_room(prefill, decode, 21)
     sender.send([1, 2], 8, AuxData(first_token_id=3, room_echo=21))

@@ -1,4 +1,4 @@
-"""A writer whose loop is inside a long model step stays alive to its receivers (transfer/leases.py).
+"""A writer whose loop is in a long model step stays alive to its receivers (transfer/leases.py).
 
 The prefill node reads a TransferRequest only between model steps; a batched prefill of
 long prompts on a CPU can outlast the lease. Its lease thread keeps telling every peer it

@@ -141,9 +141,7 @@ class _CudaPool:
     buffer = _CudaBuffer()
 
 
-def test_a_cpu_backend_refuses_a_gpu_pool(
-    recording_agent: list[dict[str, str | None]],
-) -> None:
+def test_a_cpu_backend_refuses_a_gpu_pool(recording_agent: list[dict[str, str | None]]) -> None:
     backend = make_backend("nixl", "cpu-node")
     with pytest.raises(BackendError, match="cuda.*device='cuda'"):
         backend.register_pool(_CudaPool())  # type: ignore[arg-type]

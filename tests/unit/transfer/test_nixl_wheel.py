@@ -64,7 +64,10 @@ def test_the_module_prints_this_machines_requirement_using_only_torch() -> None:
 def test_the_module_takes_a_cuda_version_and_a_nixl_release() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "transfer.nixl_wheel", "--cuda", "13.0", "--nixl-version", "1.6.0"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert (done.returncode, done.stdout) == (0, "nixl-cu13==1.6.0\n"), done.stderr
 
@@ -72,7 +75,10 @@ def test_the_module_takes_a_cuda_version_and_a_nixl_release() -> None:
 def test_the_module_fails_loudly_for_an_unknown_cuda() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "transfer.nixl_wheel", "--cuda", "11.8"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2 and done.stdout == ""
     assert re.search(r"CUDA 11\.8", done.stderr)

@@ -1,4 +1,4 @@
-"""`pdserve launch`'s pure parts: flag routing, the token kept off command lines, restart back-off."""
+"""`pdserve launch`'s pure parts: flag routing, token kept off command lines, restart back-off."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ def test_flags_reach_the_roles_that_know_them() -> None:
 
 def test_the_token_goes_by_environment_never_argv() -> None:
     assert _without(["--auth-token", "s", "--x", "1", "--auth-token=s2"], "--auth-token") == [
-        "--x", "1"
+        "--x",
+        "1",
     ]
     assert child_env("s3cret")[TOKEN_ENV] == "s3cret"
 
@@ -32,11 +33,14 @@ def test_help_lists_every_flag_launch_passes_on_with_its_roles() -> None:
     from common.launch.launcher import build_parser
 
     text = build_parser().format_help()
-    for flag, roles in (("--schedule-policy", "[prefill]"),
-                        ("--disaggregation-bootstrap-port", "[bootstrap]"),
-                        ("--lease-timeout", "[bootstrap,prefill,decode]"),
-                        ("--retraction-policy", "[decode]"), ("--api-key", "[bootstrap]"),
-                        ("--dtype", "[prefill,decode]")):
+    for flag, roles in (
+        ("--schedule-policy", "[prefill]"),
+        ("--disaggregation-bootstrap-port", "[bootstrap]"),
+        ("--lease-timeout", "[bootstrap,prefill,decode]"),
+        ("--retraction-policy", "[decode]"),
+        ("--api-key", "[bootstrap]"),
+        ("--dtype", "[prefill,decode]"),
+    ):
         line = next((x for x in text.splitlines() if x.strip().startswith(flag + " ")), "")
         assert roles in line, (flag, line)
     # Flags launch owns itself are not listed as passed on.
@@ -59,12 +63,32 @@ def test_launch_gives_each_node_its_own_id_and_registries() -> None:
 def test_a_colocated_process_gets_the_flags_both_roles_take_but_the_backend() -> None:
     from common.launch.launcher import colocated_args
 
-    prefill = ["--disaggregation-transfer-backend", "fake", "--schedule-policy", "lpm",
-               "--lease-timeout", "3"]
-    decode = ["--disaggregation-transfer-backend", "fake", "--retraction-policy", "length",
-              "--lease-timeout", "3", "--prefill-endpoint", "p=tcp://h:1"]
-    assert colocated_args(prefill, decode) == ["--schedule-policy", "lpm", "--lease-timeout",
-                                               "3", "--retraction-policy", "length"]
+    prefill = [
+        "--disaggregation-transfer-backend",
+        "fake",
+        "--schedule-policy",
+        "lpm",
+        "--lease-timeout",
+        "3",
+    ]
+    decode = [
+        "--disaggregation-transfer-backend",
+        "fake",
+        "--retraction-policy",
+        "length",
+        "--lease-timeout",
+        "3",
+        "--prefill-endpoint",
+        "p=tcp://h:1",
+    ]
+    assert colocated_args(prefill, decode) == [
+        "--schedule-policy",
+        "lpm",
+        "--lease-timeout",
+        "3",
+        "--retraction-policy",
+        "length",
+    ]
 
 
 # --- --gpus: one GPU per node -----------------------------------------------------------------
@@ -78,7 +102,9 @@ def test_each_node_gets_its_own_gpu_in_order_and_runs_on_cuda() -> None:
     placed = place_on_gpus("0,1,2,3", NODES, device=None)
     assert list(placed) == NODES  # prefill first, then decode; GPU 3 is left unused
     assert [p.env for p in placed.values()] == [
-        {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "2"}
+        {"CUDA_VISIBLE_DEVICES": "0"},
+        {"CUDA_VISIBLE_DEVICES": "1"},
+        {"CUDA_VISIBLE_DEVICES": "2"},
     ]
     assert all(p.args == ("--device", "cuda") for p in placed.values())
     assert place_on_gpus(" 4, 6 ,GPU-8f2c", NODES, None)["decode-0"].env == {
@@ -153,8 +179,12 @@ def test_launch_gives_each_child_its_gpu_and_the_bootstrap_none(started: list[_S
 
     assert main(["--gpus", "3,1,0", "--num-prefill", "1", "--num-decode", "2"]) == 1
     seen = {c.name: (c.env.get("CUDA_VISIBLE_DEVICES"), _device_of(c.argv)) for c in started}
-    assert seen == {"bootstrap": ("", None), "prefill-0": ("3", "cuda"),
-                    "decode-0": ("1", "cuda"), "decode-1": ("0", "cuda")}
+    assert seen == {
+        "bootstrap": ("", None),
+        "prefill-0": ("3", "cuda"),
+        "decode-0": ("1", "cuda"),
+        "decode-1": ("0", "cuda"),
+    }
 
 
 def test_launch_colocated_gives_each_process_one_gpu(started: list[_Started]) -> None:

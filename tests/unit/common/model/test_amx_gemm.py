@@ -22,8 +22,9 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.pow(2.0, e - 7)
 
 
-def _check(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None) -> None:
+def _check(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
     """Within a bfloat16 rounding of the float64 product (and of the sum with the bias:
     torch rounds the product, then the sum), plus float32 accumulation error."""
     product = x.double() @ weight.double().t()

@@ -76,8 +76,11 @@ def test_agreement_counts_first_tokens_whole_continuations_and_common_prefixes()
     gp = _prompts_module()
     ref = [[1, 2, 3], [1, 2, 3], [4, 5, 6], [7, 8, 9]]
     got = [[1, 2, 3], [1, 2, 0], [0, 5, 6], [7, 8, 9]]
-    assert gp.agreement(ref, got) == {"first_token": 0.75, "all_tokens": 0.5,
-                                      "mean_common_prefix": (3 + 2 + 0 + 3) / 4}
+    assert gp.agreement(ref, got) == {
+        "first_token": 0.75,
+        "all_tokens": 0.5,
+        "mean_common_prefix": (3 + 2 + 0 + 3) / 4,
+    }
 
 
 def test_forced_agreement_compares_choices_and_distributions_step_by_step():

@@ -27,13 +27,13 @@ def fresh(monkeypatch):
 
 def _info(variant: str) -> float | None:
     return metrics.REGISTRY.get_sample_value(
-        "pdserve_cpu_kernels_info", {"role": metrics.ROLE, "variant": variant})
+        "pdserve_cpu_kernels_info", {"role": metrics.ROLE, "variant": variant}
+    )
 
 
 def test_variants_by_cpu_flags_best_first():
     everything = frozenset().union(*(v.needs for v in build.VARIANTS))
-    assert [v.name for v in library.supported(everything)] == ["amx", "avx512", "avx2",
-                                                               "portable"]
+    assert [v.name for v in library.supported(everything)] == ["amx", "avx512", "avx2", "portable"]
     assert [v.name for v in library.supported(AVX2_ONLY)] == ["avx2", "portable"]
     assert [v.name for v in library.supported(frozenset())] == ["portable"]  # aarch64 too
 
@@ -67,8 +67,9 @@ def test_a_forced_variant_loads_that_library_only(fresh):
         library.use_variant("avx9000")
 
 
-def test_without_libraries_the_model_runs_torch_ops_logged_and_counted(fresh, tmp_path,
-                                                                      monkeypatch, caplog):
+def test_without_libraries_the_model_runs_torch_ops_logged_and_counted(
+    fresh, tmp_path, monkeypatch, caplog
+):
     caplog.set_level(logging.WARNING, logger=library.__name__)
     monkeypatch.setattr(library, "LIB_DIR", tmp_path / "not-built")
     assert library.load_library() is None

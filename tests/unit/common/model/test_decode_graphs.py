@@ -35,8 +35,15 @@ def model_dir(tmp_path_factory):
 
 
 def _runner(model_dir, device, **kw) -> ModelRunner:
-    return ModelRunner.from_path(str(model_dir), progress=False, page_size=PAGE, num_pages=96,
-                                 device=str(device), dtype="float32", **kw)
+    return ModelRunner.from_path(
+        str(model_dir),
+        progress=False,
+        page_size=PAGE,
+        num_pages=96,
+        device=str(device),
+        dtype="float32",
+        **kw,
+    )
 
 
 def test_padded_bucket_steps_match_plain_decode_and_touch_no_live_page(model_dir, device):
@@ -67,8 +74,9 @@ def test_padded_bucket_steps_match_plain_decode_and_touch_no_live_page(model_dir
     assert graphs.scratch_page == graphed.pool.num_pages
     assert graphed.pool.allocator.num_used_pages == len(live)
     for p_plain, p_graph in zip(sum(tables[0], []), sum(tables[1], [])):
-        torch.testing.assert_close(graphed.pool.buffer[p_graph], plain.pool.buffer[p_plain],
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            graphed.pool.buffer[p_graph], plain.pool.buffer[p_plain], atol=1e-5, rtol=0
+        )
     if device.type == "cuda":
         assert graphs.is_captured and set(graphs.graphs) == set(graphs.buckets)
 
@@ -97,4 +105,5 @@ def test_one_page_table_column_prefix_is_all_a_step_copies(model_dir):
     table = graphs.host[3 * graphs.max_bs :].view(graphs.width, graphs.max_bs)
     assert table[:2, 0].tolist() == [p * runner.layer_stride for p in pages]
     assert graphs.host[2 * graphs.max_bs].item() == (
-        pages[1] * runner.layer_stride * PAGE + (7 - 1) % PAGE)
+        pages[1] * runner.layer_stride * PAGE + (7 - 1) % PAGE
+    )

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from common.kv_pool import pages_needed
-from common.model.default_model import default_gguf_path, default_model_dir
 from common.model.cpu.gemm import PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
+from common.model.default_model import default_gguf_path, default_model_dir
 from common.model.runner import ExtendRequest, ModelRunner
 from common.model.spec import ModelSpec
 
@@ -53,8 +53,9 @@ def test_greedy_equals_transformers_on_the_gguf(tokenizer):
     from transformers import AutoModelForCausalLM
 
     gguf = default_gguf_path()
-    ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                               dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     ref.eval()
     # Greedy for exactly NEW_TOKENS: no stop at EOS and no EOS suppression on either side.
     ref.generation_config.eos_token_id = None
@@ -63,8 +64,9 @@ def test_greedy_equals_transformers_on_the_gguf(tokenizer):
     for text in PROMPTS:
         ids = tokenizer.encode(text)
         with torch.no_grad():
-            expect = ref.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                  pad_token_id=2)[0, len(ids):].tolist()
+            expect = ref.generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2
+            )[0, len(ids) :].tolist()
         assert len(expect) == NEW_TOKENS
         assert _greedy(runner, ids, NEW_TOKENS) == expect
     # Whichever product kernel the runner settles on (common.model.cpu.gemm), the same tokens:
@@ -88,8 +90,11 @@ def test_offline_generation_cuts_at_a_stop_string():
     free_text = full[-1].text
     assert isinstance(full[-1], OfflineResult) and len(free_text) > 20
     stop = free_text[10:14]
-    items = list(generate_stream(runner, tok, ids,
-                                 SamplingParams(max_new_tokens=40, temperature=0, stop=(stop,))))
+    items = list(
+        generate_stream(
+            runner, tok, ids, SamplingParams(max_new_tokens=40, temperature=0, stop=(stop,))
+        )
+    )
     result = items[-1]
     assert result.finish_reason.kind.value == "stop" and result.finish_reason.matched == stop
     assert result.text == free_text[: free_text.index(stop)]

@@ -16,12 +16,14 @@ from common.model.cpu.gemm import PANELS, PREFILL_KERNELS, ROW_MAJOR, LinearWeig
 from tests.support.tiny_products import logits_on, tiny_runner
 
 KERNEL = f32_gemm()
-needs_kernel = pytest.mark.skipif(KERNEL is None,
-                                  reason="neither AVX-512 nor AVX2+FMA here (or no C compiler)")
+needs_kernel = pytest.mark.skipif(
+    KERNEL is None, reason="neither AVX-512 nor AVX2+FMA here (or no C compiler)"
+)
 
 
-def _check(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None) -> None:
+def _check(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
     """Within float32 accumulation error of the float64 product: k roundings of terms no
     larger than the sum of |x| |W| (plus the bias's rounding)."""
     exact = x.double() @ weight.double().t()

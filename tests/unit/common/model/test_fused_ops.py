@@ -51,8 +51,11 @@ def test_add_rms_norm(dtype, rows, transposed):
     # which bfloat16's rounding shows at most as one of its own ulps
     _close(got_h, expect_h, 8 if dtype == torch.float32 else 1)
     # and without a residual (the first layer's norm)
-    _close(_ops(dtype).add_rms_norm(x.clone(), None, w, 1e-5), rms_norm(x, w, 1e-5),
-           8 if dtype == torch.float32 else 1)
+    _close(
+        _ops(dtype).add_rms_norm(x.clone(), None, w, 1e-5),
+        rms_norm(x, w, 1e-5),
+        8 if dtype == torch.float32 else 1,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -61,8 +64,9 @@ def test_add_rms_norm(dtype, rows, transposed):
 def test_rope_store_rotates_like_apply_rope_and_writes_the_pool(dtype, rows, transposed):
     g = torch.Generator().manual_seed(rows + 1)
     heads, kv_heads, d, ps, layers = 9, 3, 64, 16, 2
-    qkv = _maybe_transposed(torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).to(dtype),
-                            transposed)
+    qkv = _maybe_transposed(
+        torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).to(dtype), transposed
+    )
     positions = torch.randint(0, 500, (rows,), generator=g)
     angles = torch.outer(torch.arange(512, dtype=torch.float32), torch.rand(d // 2, generator=g))
     emb = torch.cat([angles, angles], dim=-1)
@@ -76,13 +80,15 @@ def test_rope_store_rotates_like_apply_rope_and_writes_the_pool(dtype, rows, tra
     layer = 1
     expect_pool = pool.clone()
     qk_size = (heads + kv_heads) * d
-    expect = apply_rope(qkv[:, :qk_size].reshape(rows, heads + kv_heads, d), cos[positions],
-                        sin_rot[positions])
+    expect = apply_rope(
+        qkv[:, :qk_size].reshape(rows, heads + kv_heads, d), cos[positions], sin_rot[positions]
+    )
     k_slots = slots + 2 * layer * ps
     expect_pool.index_copy_(0, k_slots, expect[:, heads:].reshape(rows, kv_heads * d))
     expect_pool.index_copy_(0, k_slots + ps, qkv[:, qk_size:])
-    got = _ops(dtype).rope_store(qkv, positions, cos, sin_rot, pool, slots, 2 * layer * ps, ps,
-                                 heads, kv_heads, d)
+    got = _ops(dtype).rope_store(
+        qkv, positions, cos, sin_rot, pool, slots, 2 * layer * ps, ps, heads, kv_heads, d
+    )
     assert torch.equal(got, expect)  # products and the add rounded where torch rounds them
     assert torch.equal(pool, expect_pool)  # and nothing else in the pool written
 

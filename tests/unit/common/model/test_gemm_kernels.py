@@ -54,8 +54,14 @@ def test_packed_without_a_pack_is_row_major():
 
 def test_buckets():
     assert [bucket_of(n) for n in (1, 2, 3, 5, 9, 17, 33, 64)] == [1, 2, 4, 8, 16, 32, 64, 64]
-    assert [bucket_of(n) for n in (65, 128, 129, 1000, 4097, 8192)] == [128, 128, 256, 1024,
-                                                                       8192, 8192]
+    assert [bucket_of(n) for n in (65, 128, 129, 1000, 4097, 8192)] == [
+        128,
+        128,
+        256,
+        1024,
+        8192,
+        8192,
+    ]
     assert bucket_of(100_000) == BUCKETS[-1] == 8192
 
 
@@ -113,8 +119,9 @@ def test_warm_up_measures_then_fixes_every_bucket(monkeypatch):
     assert chooser.is_frozen and set(chooser.choices()) == set(BUCKETS)
     expect = {b: PACKED if b in (8, 512) else ROW_MAJOR for b in BUCKETS if b <= 1024}
     # buckets warm-up did not reach take the nearest measured one below: 1024's choice
-    expect |= {b: expect[MEASURED_PREFILL_ROWS] for b in PREFILL_BUCKETS
-               if b > MEASURED_PREFILL_ROWS}
+    expect |= {
+        b: expect[MEASURED_PREFILL_ROWS] for b in PREFILL_BUCKETS if b > MEASURED_PREFILL_ROWS
+    }
     assert chooser.choices() == expect
     assert max(rows for rows, _ in calls) == MEASURED_PREFILL_ROWS
     # from here on, timings favouring another kernel change nothing, over many passes
@@ -180,8 +187,12 @@ def test_prefill_buckets_are_timed_over_their_own_products(monkeypatch):
 
     monkeypatch.setattr(gemm, "time_products", timed)
     weights = [(LinearWeight.of(torch.randn(4, 4)), 4) for _ in range(12)]
-    gemm.measure(KernelChooser(KERNELS, trials=1, prefill_trials=1), weights, torch.float32,
-                 prefill_products=weights[:4])
+    gemm.measure(
+        KernelChooser(KERNELS, trials=1, prefill_trials=1),
+        weights,
+        torch.float32,
+        prefill_products=weights[:4],
+    )
     assert seen == {"decode": {12}, "prefill": {4}}
 
 
@@ -221,8 +232,12 @@ def test_prefill_buckets_choose_between_row_output_kernels_by_seconds_per_row():
     assert chooser.candidates(1024) == (ROW_MAJOR, PACKED)  # weight_major's rows are strided
     # One bucket's passes differ in length: packed's time per row is lower, though its
     # longer passes took more seconds in all.
-    passes = [(600, ROW_MAJOR, 6.0), (1000, PACKED, 5.0), (600, ROW_MAJOR, 6.0),
-              (1000, PACKED, 5.0)]
+    passes = [
+        (600, ROW_MAJOR, 6.0),
+        (1000, PACKED, 5.0),
+        (600, ROW_MAJOR, 6.0),
+        (1000, PACKED, 5.0),
+    ]
     for rows, kernel, seconds in passes:
         assert chooser.pick(rows) == kernel
         chooser.record(rows, kernel, seconds)
@@ -247,19 +262,36 @@ def test_prefill_without_a_row_output_kernel_is_row_major():
 def _tiny_runner_inputs():
     from common.model.spec import ModelSpec
 
-    spec = ModelSpec(architecture="llama", vocab_size=32, hidden_size=8, intermediate_size=16,
-                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6,
-                     rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=True,
-                     attention_bias=False)
+    spec = ModelSpec(
+        architecture="llama",
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attention_bias=False,
+    )
     g = torch.Generator().manual_seed(0)
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     shapes = {"model.embed_tokens.weight": (32, 8), "model.norm.weight": (8,)}
     p = "model.layers.0."
-    for name, shape in {"self_attn.q_proj.weight": (8, 8), "self_attn.k_proj.weight": (4, 8),
-                        "self_attn.v_proj.weight": (4, 8), "self_attn.o_proj.weight": (8, 8),
-                        "mlp.gate_proj.weight": (16, 8), "mlp.up_proj.weight": (16, 8),
-                        "mlp.down_proj.weight": (8, 16), "input_layernorm.weight": (8,),
-                        "post_attention_layernorm.weight": (8,)}.items():
+    for name, shape in {
+        "self_attn.q_proj.weight": (8, 8),
+        "self_attn.k_proj.weight": (4, 8),
+        "self_attn.v_proj.weight": (4, 8),
+        "self_attn.o_proj.weight": (8, 8),
+        "mlp.gate_proj.weight": (16, 8),
+        "mlp.up_proj.weight": (16, 8),
+        "mlp.down_proj.weight": (8, 16),
+        "input_layernorm.weight": (8,),
+        "post_attention_layernorm.weight": (8,),
+    }.items():
         names.append(p + name)
         shapes[p + name] = shape
     return spec, {n: torch.randn(*shapes[n], generator=g) for n in names}

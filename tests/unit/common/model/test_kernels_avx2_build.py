@@ -20,11 +20,20 @@ import pytest
 from common.model.cpu import library
 
 ROOT = Path(__file__).resolve().parents[4]
-MODULES = ["test_prefill_attention.py", "test_paged_attention.py", "test_fused_ops.py",
-           "test_f32_gemm.py", "test_amx_gemm.py", "test_model_runner.py"]
+MODULES = [
+    "test_prefill_attention.py",
+    "test_paged_attention.py",
+    "test_fused_ops.py",
+    "test_f32_gemm.py",
+    "test_amx_gemm.py",
+    "test_model_runner.py",
+]
 # what each variant's library reports: f32_gemm_ready, amx_gemm_ready, f32_gemm_panel
-EXPECTED = {"avx512": "ready 1 0 panel 32", "avx2": "ready 1 0 panel 16",
-            "portable": "ready 0 0 panel 0"}
+EXPECTED = {
+    "avx512": "ready 1 0 panel 32",
+    "avx2": "ready 1 0 panel 16",
+    "portable": "ready 0 0 panel 0",
+}
 
 CHILD = """
 import sys
@@ -44,8 +53,15 @@ OTHERS = [name for name in EXPECTED if name in RUNNABLE and name != library.load
 @pytest.mark.parametrize("variant", OTHERS)
 def test_each_other_variant_passes_the_kernel_tests(variant):
     files = [str(Path(__file__).with_name(m)) for m in MODULES]
-    proc = subprocess.run([sys.executable, "-c", CHILD, variant, *files], cwd=ROOT,
-                          env=dict(os.environ), capture_output=True, text=True, timeout=900, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, variant, *files],
+        cwd=ROOT,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert EXPECTED[variant] in out

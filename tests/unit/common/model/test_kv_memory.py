@@ -37,15 +37,16 @@ def test_the_cpu_reads_the_machine_memory():
 
 def test_a_runner_sizes_its_pool_by_the_fraction(tmp_path, monkeypatch):
     _save_tiny(tmp_path, "llama")
-    monkeypatch.setattr(runner_module, "device_memory",
-                        lambda device: DeviceMemory(total=64 * MIB, free=48 * MIB))
-    runner = ModelRunner.from_path(str(tmp_path), progress=False, page_size=4,
-                                   mem_fraction_static=0.5)
+    monkeypatch.setattr(
+        runner_module, "device_memory", lambda device: DeviceMemory(total=64 * MIB, free=48 * MIB)
+    )
+    runner = ModelRunner.from_path(
+        str(tmp_path), progress=False, page_size=4, mem_fraction_static=0.5
+    )
     want = (32 * MIB - 16 * MIB) // runner.layout.bytes_per_page
     assert runner.pool.num_pages == want
     with pytest.raises(ValueError, match="leaves no KV pool"):
-        ModelRunner.from_path(str(tmp_path), progress=False, page_size=4,
-                              mem_fraction_static=0.2)
+        ModelRunner.from_path(str(tmp_path), progress=False, page_size=4, mem_fraction_static=0.2)
 
 
 def test_the_flags_are_checked():

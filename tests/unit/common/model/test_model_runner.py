@@ -20,14 +20,29 @@ PAGE = 4
 
 def _save_tiny(tmp_path, arch: str):
     torch.manual_seed(0)
-    common = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6)
+    common = dict(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+    )
     if arch == "llama":
         cfg = transformers.LlamaConfig(
-            **common, tie_word_embeddings=False, rope_theta=500000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+            **common,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
         model = transformers.LlamaForCausalLM(cfg)
     else:
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=10000.0)
@@ -69,7 +84,8 @@ def test_full_prompt_matches_reference(pair):
     torch.testing.assert_close(out.logits[0], expect[-1], atol=ATOL, rtol=0)
     ref_logp = torch.log_softmax(expect, -1)
     torch.testing.assert_close(
-        out.target_logprobs[0], ref_logp[torch.arange(22), torch.tensor(ids[1:])], atol=ATOL, rtol=0)
+        out.target_logprobs[0], ref_logp[torch.arange(22), torch.tensor(ids[1:])], atol=ATOL, rtol=0
+    )
     top_vals, top_ids = out.top_logprobs[0]
     assert top_ids.tolist() == ref_logp.topk(3, -1).indices.tolist()
     runner.pool.allocator.free(pages)
@@ -79,8 +95,9 @@ def _prefill_kernel(runner):
     """The paged prefill kernel, also where the model would not take it: float32 on the
     CPU, head dim 16, the tiny models are its case."""
     spec = runner.spec
-    kernel = paged_prefill_attention(runner.device, torch.float32, spec.num_heads,
-                                     spec.num_kv_heads, spec.head_dim, always=True)
+    kernel = paged_prefill_attention(
+        runner.device, torch.float32, spec.num_heads, spec.num_kv_heads, spec.head_dim, always=True
+    )
     assert kernel is not None
     return kernel
 
@@ -92,11 +109,13 @@ def test_bfloat16_prefill_on_the_kernel_and_on_torch_near_float32(tmp_path, arch
     (measured: 0.3-0.8% for either; attention at a wrong position or scale moves them by
     tens of percent)."""
     ref = _save_tiny(tmp_path, arch)
-    runner = ModelRunner.from_path(str(tmp_path), progress=False, page_size=PAGE, num_pages=64,
-                                   dtype="bfloat16")
+    runner = ModelRunner.from_path(
+        str(tmp_path), progress=False, page_size=PAGE, num_pages=64, dtype="bfloat16"
+    )
     spec = runner.spec
-    kernel = paged_prefill_attention(runner.device, torch.bfloat16, spec.num_heads,
-                                     spec.num_kv_heads, spec.head_dim, always=True)
+    kernel = paged_prefill_attention(
+        runner.device, torch.bfloat16, spec.num_heads, spec.num_kv_heads, spec.head_dim, always=True
+    )
     assert kernel is not None
     ids = _prompt(120, 5)
     expect = _ref_logits(ref, ids)
@@ -163,8 +182,9 @@ def test_batched_extend_then_decode_of_different_lengths(pair):
     saved = model.attention.prefill_kernel
     model.attention.prefill_kernel = _prefill_kernel(runner)
     try:
-        _extend_then_decode_match_reference(ref, runner,
-                                            [_prompt(n, 10 + n) for n in (5, 17, 11, 1)], steps=9)
+        _extend_then_decode_match_reference(
+            ref, runner, [_prompt(n, 10 + n) for n in (5, 17, 11, 1)], steps=9
+        )
     finally:
         model.attention.prefill_kernel = saved
     runner.pool.check_integrity()
@@ -180,8 +200,9 @@ def test_decode_matches_reference_on_every_product_kernel(pair, kernel):
     model.chooser = KernelChooser((kernel,), trials=1, prefill_trials=1)
     model.head_chooser = KernelChooser((kernel,), trials=1, prefill_trials=1)
     try:
-        _extend_then_decode_match_reference(ref, runner,
-                                            [_prompt(n, 40 + n) for n in (6, 13, 9, 70)], steps=3)
+        _extend_then_decode_match_reference(
+            ref, runner, [_prompt(n, 40 + n) for n in (6, 13, 9, 70)], steps=3
+        )
         assert model.chooser.choices()[4] == kernel  # 4 rows: bucket 4, one kernel to try
         # the extend's 98 rows: bucket 128
         assert model.chooser.choices()[128] == (ROW_MAJOR if kernel == WEIGHT_MAJOR else kernel)
@@ -200,8 +221,9 @@ def test_extend_and_decode_on_torch_ops_match_reference(pair, without):
     if without == "both":
         model.fused = None
     try:
-        _extend_then_decode_match_reference(ref, runner, [_prompt(n, 70 + n) for n in (6, 21, 2)],
-                                            steps=3)
+        _extend_then_decode_match_reference(
+            ref, runner, [_prompt(n, 70 + n) for n in (6, 21, 2)], steps=3
+        )
     finally:
         model.attention.decode_kernel, model.attention.prefill_kernel, model.fused = saved
 
@@ -244,7 +266,12 @@ def test_prefill_of_many_rows_reuses_one_buffer_per_role(pair, monkeypatch, step
         return out
 
     monkeypatch.setattr(Workspace, "take", spy)
-    saved = model.chooser, model.attention.decode_kernel, model.attention.prefill_kernel, model.fused
+    saved = (
+        model.chooser,
+        model.attention.decode_kernel,
+        model.attention.prefill_kernel,
+        model.fused,
+    )
     model.chooser = KernelChooser((ROW_MAJOR,), trials=1, prefill_trials=1)
     if steps == "torch_ops":
         model.attention.decode_kernel = model.attention.prefill_kernel = model.fused = None
@@ -253,7 +280,12 @@ def test_prefill_of_many_rows_reuses_one_buffer_per_role(pair, monkeypatch, step
         assert sum(map(len, prompts)) >= WORKSPACE_ROWS
         _extend_then_decode_match_reference(ref, runner, prompts, steps=3)
     finally:
-        model.chooser, model.attention.decode_kernel, model.attention.prefill_kernel, model.fused = saved
+        (
+            model.chooser,
+            model.attention.decode_kernel,
+            model.attention.prefill_kernel,
+            model.fused,
+        ) = saved
     assert model._ws is None  # dropped with its pass
     layers = runner.spec.num_layers
     roles = {"qkv", "o", "gate_up", "down"}

@@ -7,19 +7,39 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model.cpu.paged_attention import PagedDecodeAttention, paged_decode_attention, splits_for
+from common.model.cpu.paged_attention import (
+    PagedDecodeAttention,
+    paged_decode_attention,
+    splits_for,
+)
 
 CPU = torch.device("cpu")
 
 
-def _pool(num_pages: int, layers: int, page_size: int, kv_heads: int, head_dim: int,
-          dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+def _pool(
+    num_pages: int,
+    layers: int,
+    page_size: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    g: torch.Generator,
+) -> torch.Tensor:
     """KVPool.rows' layout: per page, per layer, a K row then a V row."""
-    return torch.randn(num_pages * 2 * layers, page_size * kv_heads * head_dim, generator=g).to(dtype)
+    return torch.randn(num_pages * 2 * layers, page_size * kv_heads * head_dim, generator=g).to(
+        dtype
+    )
 
 
-def _reference(rows_t: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, layer: int,
-               q: torch.Tensor, page_size: int, kv_heads: int) -> torch.Tensor:
+def _reference(
+    rows_t: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    layer: int,
+    q: torch.Tensor,
+    page_size: int,
+    kv_heads: int,
+) -> torch.Tensor:
     """float64 attention over the gathered pages, the padding masked (as the SDPA path does)."""
     bsz, heads, d = q.shape
     width = rows.shape[1]
@@ -30,8 +50,9 @@ def _reference(rows_t: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, lay
     k = k.repeat_interleave(groups, dim=2).transpose(1, 2)
     v = v.repeat_interleave(groups, dim=2).transpose(1, 2)
     mask = torch.arange(width * page_size)[None, :] < lens[:, None]
-    out = F.scaled_dot_product_attention(q.double()[:, :, None], k, v,
-                                         attn_mask=mask[:, None, None, :], scale=d**-0.5)
+    out = F.scaled_dot_product_attention(
+        q.double()[:, :, None], k, v, attn_mask=mask[:, None, None, :], scale=d**-0.5
+    )
     return out.reshape(bsz, heads * d)
 
 
@@ -44,8 +65,14 @@ def _kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> Pag
 
 # (heads, kv_heads, head_dim, page_size): SmolLM2's GQA, plain multi-head, a 128 head dim,
 # 4 query heads per KV head, one-token and large pages
-SHAPES = [(9, 3, 64, 16), (4, 4, 64, 16), (8, 2, 128, 16), (8, 2, 32, 4), (6, 3, 64, 1),
-          (6, 2, 48, 64)]
+SHAPES = [
+    (9, 3, 64, 16),
+    (4, 4, 64, 16),
+    (8, 2, 128, 16),
+    (8, 2, 32, 4),
+    (6, 3, 64, 1),
+    (6, 2, 48, 64),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -60,7 +87,7 @@ def test_equals_attention_over_the_gathered_pages(dtype, shape, lens):
     num_pages = bsz * width + 2
     rows_t = _pool(num_pages, layers, ps, kv_heads, d, dtype, g)
     # each sequence's pages anywhere in the pool, in no order
-    rows = (torch.randperm(num_pages, generator=g)[: bsz * width].view(bsz, width) * 2 * layers)
+    rows = torch.randperm(num_pages, generator=g)[: bsz * width].view(bsz, width) * 2 * layers
     lens_t = torch.tensor(lens)
     # q as the model passes it: a view with the K heads after the query heads in each row
     qk = torch.randn(bsz, heads + kv_heads, d, generator=g).to(dtype)

@@ -15,8 +15,9 @@ CPU = torch.device("cpu")
 LAYERS, LAYER = 3, 1
 
 
-def _kernel(heads: int, kv_heads: int, head_dim: int,
-            dtype: torch.dtype = torch.float32) -> PagedPrefillAttention:
+def _kernel(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32
+) -> PagedPrefillAttention:
     # always: the model takes it in bfloat16 only without AMX, its results hold everywhere
     kernel = paged_prefill_attention(CPU, dtype, heads, kv_heads, head_dim, always=True)
     # CI and the image have a C compiler: a kernel that did not build fails here, not silently
@@ -24,8 +25,15 @@ def _kernel(heads: int, kv_heads: int, head_dim: int,
     return kernel
 
 
-def _span(total: int, heads: int, kv_heads: int, d: int, ps: int, g: torch.Generator,
-          dtype: torch.dtype = torch.float32):
+def _span(
+    total: int,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    ps: int,
+    g: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+):
     """A pool whose every slot is NaN but the span's `total` tokens (this layer's K and V), on
     pages anywhere in it; returns the pool rows, the span's rows, and its K, V [total, kvh, d]."""
     pages = -(-total // ps)
@@ -50,8 +58,9 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -
     vv = v.double().repeat_interleave(groups, dim=1).transpose(0, 1)
     total = k.shape[0]
     visible = torch.arange(total)[None, :] <= (prefix + torch.arange(n))[:, None]
-    out = F.scaled_dot_product_attention(q.double().transpose(0, 1), kk, vv,
-                                         attn_mask=visible, scale=d**-0.5)
+    out = F.scaled_dot_product_attention(
+        q.double().transpose(0, 1), kk, vv, attn_mask=visible, scale=d**-0.5
+    )
     return out.transpose(0, 1).reshape(n, heads * d)
 
 
@@ -69,8 +78,15 @@ def _assert_close(out: torch.Tensor, expect: torch.Tensor, rel: float) -> None:
 # (heads, kv_heads, head_dim, page_size): SmolLM2's GQA, multi-head, a 128 head dim (two
 # tiles), 80 (a tile and a single vector), 16 (the tests' tiny models), 8 query heads per KV
 # head, one-token and large pages
-SHAPES = [(9, 3, 64, 16), (4, 4, 64, 16), (8, 2, 128, 16), (4, 2, 80, 4), (4, 2, 16, 4),
-          (8, 1, 32, 1), (6, 3, 64, 64)]
+SHAPES = [
+    (9, 3, 64, 16),
+    (4, 4, 64, 16),
+    (8, 2, 128, 16),
+    (4, 2, 80, 4),
+    (4, 2, 16, 4),
+    (8, 1, 32, 1),
+    (6, 3, 64, 64),
+]
 # (prefix, new): a whole prompt, one token, a block edge, a later chunk off page boundaries,
 # one token after a long prefix (decode-like), and a long span
 SPANS = [(0, 1), (0, 7), (0, 64), (0, 65), (13, 30), (199, 1), (0, 300), (100, 150)]
@@ -105,8 +121,9 @@ def test_threads_and_output_rows_of_a_wider_tensor(threads, dtype):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _kernel(heads, kv_heads, d, dtype)(rows_t, rows, LAYER, q, 70,
-                                           wide[:, 4 : 4 + heads * d], ps, d**-0.5)
+        _kernel(heads, kv_heads, d, dtype)(
+            rows_t, rows, LAYER, q, 70, wide[:, 4 : 4 + heads * d], ps, d**-0.5
+        )
     finally:
         torch.set_num_threads(before)
     _assert_close(wide[:, 4 : 4 + heads * d], _reference(q, k, v, 70), 2e-6)
@@ -137,8 +154,14 @@ def test_supports():
     assert not PagedPrefillAttention.supports(torch.device("cuda"), torch.float32, 9, 3, 64)
 
 
-@pytest.mark.parametrize("flags", [frozenset({"avx2"}), frozenset({"avx512f", "avx512_bf16"}),
-                                   frozenset({"avx512f", "avx512_bf16", "amx_bf16"})])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        frozenset({"avx2"}),
+        frozenset({"avx512f", "avx512_bf16"}),
+        frozenset({"avx512f", "avx512_bf16", "amx_bf16"}),
+    ],
+)
 def test_the_model_takes_the_kernel_where_torch_measured_slower(monkeypatch, flags):
     """float32 on every CPU (AVX2 or AVX-512); bfloat16 only without AMX (where torch's
     flash kernel runs on the tiles); `always` in every case."""

@@ -21,8 +21,10 @@ def test_bit_equal_to_transformers(dtype, rows, hidden):
         ref.weight.copy_(torch.randn(hidden, generator=g) * 0.5 + 1.0)
     ref = ref.to(dtype)
     # a spread of magnitudes, as hidden states have (a few large outlier channels)
-    x = torch.randn(rows, hidden, generator=g) * torch.logspace(-2, 2, hidden)[torch.randperm(
-        hidden, generator=g)]
+    x = (
+        torch.randn(rows, hidden, generator=g)
+        * torch.logspace(-2, 2, hidden)[torch.randperm(hidden, generator=g)]
+    )
     x = x.to(dtype)
     with torch.no_grad():
         expect = ref(x)

@@ -24,22 +24,28 @@ from common.model.triton_attention import (
     triton_available,
 )
 from common.model.triton_fused import TritonFusedOps, triton_fused_ops
-from tests.unit.common.model.test_fused_ops import _close, _maybe_transposed  # the C kernels' tests' yardsticks
+from tests.unit.common.model.test_fused_ops import (  # the C kernels' tests' yardsticks
+    _close,
+    _maybe_transposed,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LAYERS, LAYER = 2, 1
 
 
-def _pool(num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-          dtype: torch.dtype) -> torch.Tensor:
+def _pool(
+    num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> torch.Tensor:
     """KVPool.rows' layout, every element NaN: a kernel that reads a slot it was not given
     (an unused page, a slot past a sequence's end) turns its output NaN."""
-    return torch.full((num_pages * 2 * LAYERS, page_size * kv_heads * head_dim), float("nan"),
-                      dtype=dtype)
+    return torch.full(
+        (num_pages * 2 * LAYERS, page_size * kv_heads * head_dim), float("nan"), dtype=dtype
+    )
 
 
-def _fill(rows_t: torch.Tensor, pages: list[int], num_tokens: int, page_size: int,
-          g: torch.Generator) -> None:
+def _fill(
+    rows_t: torch.Tensor, pages: list[int], num_tokens: int, page_size: int, g: torch.Generator
+) -> None:
     """Random K and V (every layer) in the first num_tokens slots of these pages."""
     for i, page in enumerate(pages):
         used = min(page_size, num_tokens - i * page_size)
@@ -47,8 +53,14 @@ def _fill(rows_t: torch.Tensor, pages: list[int], num_tokens: int, page_size: in
         block[:, :used] = torch.randn(block[:, :used].shape, generator=g).to(rows_t.dtype)
 
 
-def _attention64(rows_t: torch.Tensor, pages: list[int], q: torch.Tensor, q_pos: torch.Tensor,
-                 page_size: int, kv_heads: int) -> torch.Tensor:
+def _attention64(
+    rows_t: torch.Tensor,
+    pages: list[int],
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    page_size: int,
+    kv_heads: int,
+) -> torch.Tensor:
     """float64 causal attention of q [n, heads, d] at positions q_pos over one sequence's
     pages (keys 0 .. max(q_pos)), each KV head repeated for its query heads."""
     n, heads, d = q.shape
@@ -81,9 +93,9 @@ def _assert_close(got: torch.Tensor, expect: torch.Tensor, dtype: torch.dtype) -
 ATTN_SHAPES = [(4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 64), (8, 1, 80, 4)]
 
 
-def _decode_case(shape: tuple[int, int, int, int], lens: list[int], dtype: torch.dtype,
-                 seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                     list[list[int]]]:
+def _decode_case(
+    shape: tuple[int, int, int, int], lens: list[int], dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
     heads, kv_heads, d, ps = shape
     g = torch.Generator().manual_seed(seed)
     width = max(-(-n // ps) for n in lens)
@@ -111,12 +123,19 @@ def test_decode_equals_attention_over_the_gathered_pages(dtype, shape):
     heads, kv_heads, d, ps = shape
     lens = [1, ps, 5 * ps + 3, 2]
     rows_t, table, lens_t, q, tables = _decode_case(shape, lens, dtype, seed=d + ps + heads)
-    out = paged_decode_attention(rows_t.to(DEVICE), table.to(DEVICE), lens_t.to(DEVICE), LAYER,
-                                 q.to(DEVICE), ps, d**-0.5, kv_heads)
+    out = paged_decode_attention(
+        rows_t.to(DEVICE),
+        table.to(DEVICE),
+        lens_t.to(DEVICE),
+        LAYER,
+        q.to(DEVICE),
+        ps,
+        d**-0.5,
+        kv_heads,
+    )
     assert out.shape == (len(lens), heads * d) and out.dtype == dtype
     for b, n in enumerate(lens):
-        expect = _attention64(rows_t, tables[b], q[b : b + 1], torch.tensor([n - 1]), ps,
-                              kv_heads)
+        expect = _attention64(rows_t, tables[b], q[b : b + 1], torch.tensor([n - 1]), ps, kv_heads)
         _assert_close(out[b : b + 1], expect, dtype)
 
 
@@ -129,15 +148,19 @@ def test_decode_reads_a_page_major_table_view():
     page_major = table.t().contiguous().to(DEVICE)  # [W, B]
     view = page_major.t()
     assert view.stride(1) != 1
-    got = paged_decode_attention(rows_t.to(DEVICE), view, lens_t.to(DEVICE), LAYER,
-                                 q.to(DEVICE), 16, 64**-0.5, 2)
-    want = paged_decode_attention(rows_t.to(DEVICE), table.to(DEVICE), lens_t.to(DEVICE), LAYER,
-                                  q.to(DEVICE), 16, 64**-0.5, 2)
+    got = paged_decode_attention(
+        rows_t.to(DEVICE), view, lens_t.to(DEVICE), LAYER, q.to(DEVICE), 16, 64**-0.5, 2
+    )
+    want = paged_decode_attention(
+        rows_t.to(DEVICE), table.to(DEVICE), lens_t.to(DEVICE), LAYER, q.to(DEVICE), 16, 64**-0.5, 2
+    )
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize(("num_splits", "dtype"), [(1, torch.float32), (2, torch.float32),
-                                                   (5, torch.float32), (3, torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("num_splits", "dtype"),
+    [(1, torch.float32), (2, torch.float32), (5, torch.float32), (3, torch.bfloat16)],
+)
 def test_decode_splits_merge_to_the_same_attention(num_splits, dtype):
     """Each split's partial softmax merged by its log-sum-exp; splits past a short
     sequence's end hold no keys (weight 0); the output is written where asked."""
@@ -147,8 +170,18 @@ def test_decode_splits_merge_to_the_same_attention(num_splits, dtype):
     out = torch.full((len(lens), 6 * 64), float("nan"), dtype=dtype, device=DEVICE)
     # int32 indices, the lengths a strided view: both read as given
     lens_view = torch.stack([lens_t, lens_t * 0], dim=1).int().to(DEVICE)[:, 0]
-    got = paged_decode_attention(rows_t.to(DEVICE), table.int().to(DEVICE), lens_view, LAYER,
-                                 q.to(DEVICE), 16, 64**-0.5, 2, out=out, num_splits=num_splits)
+    got = paged_decode_attention(
+        rows_t.to(DEVICE),
+        table.int().to(DEVICE),
+        lens_view,
+        LAYER,
+        q.to(DEVICE),
+        16,
+        64**-0.5,
+        2,
+        out=out,
+        num_splits=num_splits,
+    )
     assert got is out
     for b, n in enumerate(lens):
         expect = _attention64(rows_t, tables[b], q[b : b + 1], torch.tensor([n - 1]), 16, 2)
@@ -212,14 +245,23 @@ def test_extend_equals_causal_attention_over_the_gathered_pages(dtype, shape):
     # the spans' columns unbound from one [S, 3] tensor, as the backend's prepare() does
     meta = torch.tensor([[st, n, p] for st, (p, n) in zip(starts, spans, strict=True)]).to(DEVICE)
     q_starts, num_new, prefixes = meta.unbind(1)
-    out = paged_extend_attention(rows_t.to(DEVICE), table.to(DEVICE), q_starts, num_new,
-                                 prefixes, max(n for _, n in spans), LAYER, q.to(DEVICE), ps,
-                                 d**-0.5, kv_heads)
+    out = paged_extend_attention(
+        rows_t.to(DEVICE),
+        table.to(DEVICE),
+        q_starts,
+        num_new,
+        prefixes,
+        max(n for _, n in spans),
+        LAYER,
+        q.to(DEVICE),
+        ps,
+        d**-0.5,
+        kv_heads,
+    )
     assert out.shape == (num_tokens, heads * d) and out.dtype == dtype
     for s, (prefix, n) in enumerate(spans):
         rows = slice(starts[s], starts[s] + n)
-        expect = _attention64(rows_t, tables[s], q[rows], prefix + torch.arange(n), ps,
-                              kv_heads)
+        expect = _attention64(rows_t, tables[s], q[rows], prefix + torch.arange(n), ps, kv_heads)
         _assert_close(out[rows], expect, dtype)
 
 
@@ -235,8 +277,20 @@ def test_extend_writes_only_its_spans_rows_of_out():
     out = wide[:, : heads * d]
     table = (torch.tensor([[2, 0]]) * 2 * LAYERS).to(DEVICE)
     one = torch.tensor([1], device=DEVICE)  # q rows 1..5: positions 15..19
-    paged_extend_attention(rows_t.to(DEVICE), table, one, one * 5, one * 15, 5, LAYER,
-                           q.to(DEVICE), ps, d**-0.5, kv_heads, out=out)
+    paged_extend_attention(
+        rows_t.to(DEVICE),
+        table,
+        one,
+        one * 5,
+        one * 15,
+        5,
+        LAYER,
+        q.to(DEVICE),
+        ps,
+        d**-0.5,
+        kv_heads,
+        out=out,
+    )
     expect = _attention64(rows_t, [2, 0], q[1:], 15 + torch.arange(5), ps, kv_heads)
     _assert_close(out[1:], expect, torch.float32)
     assert bool((wide[0] == -7).all()) and bool((wide[:, heads * d :] == -7).all())
@@ -279,8 +333,9 @@ def test_add_rms_norm(dtype, transposed):
 def test_rope_store_rotates_like_apply_rope_and_writes_the_pool(dtype, transposed):
     g = torch.Generator().manual_seed(6)
     rows, heads, kv_heads, d, ps = 7, 9, 3, 64, 16
-    qkv = _maybe_transposed(torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).to(dtype),
-                            transposed).to(DEVICE)
+    qkv = _maybe_transposed(
+        torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).to(dtype), transposed
+    ).to(DEVICE)
     positions = torch.randint(0, 500, (rows,), generator=g).to(DEVICE)
     angles = torch.outer(torch.arange(512, dtype=torch.float32), torch.rand(d // 2, generator=g))
     emb = torch.cat([angles, angles], dim=-1)
@@ -293,13 +348,15 @@ def test_rope_store_rotates_like_apply_rope_and_writes_the_pool(dtype, transpose
     slots = ((slots // ps) * (LAYERS * 2 * ps) + slots % ps).to(DEVICE)  # layer 0's K slots
     expect_pool = pool.clone()
     qk_size = (heads + kv_heads) * d
-    expect = apply_rope(qkv[:, :qk_size].reshape(rows, heads + kv_heads, d), cos[positions],
-                        sin_rot[positions])
+    expect = apply_rope(
+        qkv[:, :qk_size].reshape(rows, heads + kv_heads, d), cos[positions], sin_rot[positions]
+    )
     k_slots = slots + 2 * LAYER * ps
     expect_pool.index_copy_(0, k_slots, expect[:, heads:].reshape(rows, kv_heads * d))
     expect_pool.index_copy_(0, k_slots + ps, qkv[:, qk_size:])
-    got = _ops(dtype).rope_store(qkv, positions, cos, sin_rot, pool, slots, 2 * LAYER * ps, ps,
-                                 heads, kv_heads, d)
+    got = _ops(dtype).rope_store(
+        qkv, positions, cos, sin_rot, pool, slots, 2 * LAYER * ps, ps, heads, kv_heads, d
+    )
     assert torch.equal(got, expect)  # products and the add rounded where torch rounds them
     assert torch.equal(pool, expect_pool)  # and nothing else in the pool written
 
@@ -372,7 +429,13 @@ build(ta._merge_splits_kernel, {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile them")
 def test_kernels_compile_for_an_h200():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE], check=False, env=env,
-                          capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[4])
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[4],
+    )
     assert done.returncode == 0, done.stderr[-4000:]

@@ -27,9 +27,15 @@ ATOL = 1e-4
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"triton_{request.param}")
     ref = _save_tiny(path, request.param)
-    runner = ModelRunner.from_path(str(path), progress=False, page_size=PAGE, num_pages=64,
-                                   device=str(DEVICE), dtype="float32",
-                                   attention_backend="triton")
+    runner = ModelRunner.from_path(
+        str(path),
+        progress=False,
+        page_size=PAGE,
+        num_pages=64,
+        device=str(DEVICE),
+        dtype="float32",
+        attention_backend="triton",
+    )
     return ref, runner
 
 
@@ -66,13 +72,16 @@ def test_a_batch_of_spans_then_batched_decode_match_transformers(pair):
     if graphs is None:
         graphs = DecodeGraphs(runner, 4, capture=False)
     try:
-        runner.extend([ExtendRequest(p[:k], 0, t) for p, k, t in zip(prompts, prefixes, tables)
-                       if k])
-        out = runner.extend([ExtendRequest(p[k:], k, t)
-                             for p, k, t in zip(prompts, prefixes, tables)])
+        runner.extend(
+            [ExtendRequest(p[:k], 0, t) for p, k, t in zip(prompts, prefixes, tables) if k]
+        )
+        out = runner.extend(
+            [ExtendRequest(p[k:], k, t) for p, k, t in zip(prompts, prefixes, tables)]
+        )
         for i, p in enumerate(prompts):
-            torch.testing.assert_close(out.logits[i].cpu(), _ref_logits(ref, p)[-1],
-                                       atol=ATOL, rtol=0)
+            torch.testing.assert_close(
+                out.logits[i].cpu(), _ref_logits(ref, p)[-1], atol=ATOL, rtol=0
+            )
         seqs = [list(p) for p in prompts]
         tokens = [int(x) for x in out.logits.argmax(-1).tolist()]
         for _ in range(3):

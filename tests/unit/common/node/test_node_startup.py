@@ -1,4 +1,4 @@
-"""The node start-up every node process shares (common/node/process.py): registration, READY line, close."""
+"""Every node process's start-up (common/node/process.py): registration, READY line, close."""
 
 from __future__ import annotations
 
@@ -45,23 +45,45 @@ def test_node_args_resolve_the_configs_defaults() -> None:
 def test_registration_advertises_the_endpoints_peers_dial() -> None:
     process = NodeProcess(_node(node_id="p0", advertise_host="10.0.0.7"), lambda: False, dict)
     try:
-        served = ServedNode("p0.prefill", "prefill", "tcp://10.0.0.7:5", "tcp://127.0.0.1:6", 4,
-                            dict, GatewayWatch(), kv_events_endpoint="tcp://127.0.0.1:7",
-                            colocated_with="p0.decode")
+        served = ServedNode(
+            "p0.prefill",
+            "prefill",
+            "tcp://10.0.0.7:5",
+            "tcp://127.0.0.1:6",
+            4,
+            dict,
+            GatewayWatch(),
+            kv_events_endpoint="tcp://127.0.0.1:7",
+            colocated_with="p0.decode",
+        )
         reg = process.registration(served, _runner(), "loopback", "t")
     finally:
         process.http.shutdown()
     assert isinstance(reg, msg.RegisterNode)
-    assert (reg.control_endpoint, reg.kv_events_endpoint) == ("tcp://10.0.0.7:6",
-                                                              "tcp://10.0.0.7:7")
+    assert (reg.control_endpoint, reg.kv_events_endpoint) == (
+        "tcp://10.0.0.7:6",
+        "tcp://10.0.0.7:7",
+    )
     assert (reg.node_id, reg.role, reg.colocated_with, reg.max_running_requests) == (
-        "p0.prefill", "prefill", "p0.decode", 4)
+        "p0.prefill",
+        "prefill",
+        "p0.decode",
+        4,
+    )
     assert (reg.backend, reg.auth_token, reg.num_pages, reg.kv_layout) == (
-        "loopback", "t", 64, {"num_layers": 2})
+        "loopback",
+        "t",
+        64,
+        {"num_layers": 2},
+    )
     assert reg.instance_id == process.node.instance_id
     assert reg.http_url == process.http_url and reg.protocol_version == msg.PROTOCOL_VERSION
-    plain = process.registration(ServedNode("p0", "prefill", "e", "tcp://h:1", 0, dict,
-                                            GatewayWatch()), _runner(), "nixl", None)
+    plain = process.registration(
+        ServedNode("p0", "prefill", "e", "tcp://h:1", 0, dict, GatewayWatch()),
+        _runner(),
+        "nixl",
+        None,
+    )
     assert plain.kv_events_endpoint == "" and plain.colocated_with == ""
 
 
@@ -78,18 +100,33 @@ def test_serve_announces_runs_until_stopped_and_closes(capsys: pytest.CaptureFix
     process = NodeProcess(_node(node_id="p0", drain_timeout_s=0.0), step, lambda: {"x": 1})
     holder["process"] = process
     watches = [GatewayWatch(), GatewayWatch()]
-    halves = [ServedNode("p0.prefill", "prefill", "tcp://127.0.0.1:5", "tcp://127.0.0.1:6", 0,
-                         dict, watches[0]),
-              ServedNode("p0.decode", "decode", "tcp://127.0.0.1:8", "tcp://127.0.0.1:6", 0,
-                         dict, watches[1])]
-    process.serve(_runner(), halves, backend="loopback", auth_token=None,
-                  drain=lambda: True, on_drain_timeout=lambda: None,
-                  close=[lambda: closed.append("kv"), lambda: closed.append("events")],
-                  decode_node_id="p0.decode")
+    halves = [
+        ServedNode(
+            "p0.prefill", "prefill", "tcp://127.0.0.1:5", "tcp://127.0.0.1:6", 0, dict, watches[0]
+        ),
+        ServedNode(
+            "p0.decode", "decode", "tcp://127.0.0.1:8", "tcp://127.0.0.1:6", 0, dict, watches[1]
+        ),
+    ]
+    process.serve(
+        _runner(),
+        halves,
+        backend="loopback",
+        auth_token=None,
+        drain=lambda: True,
+        on_drain_timeout=lambda: None,
+        close=[lambda: closed.append("kv"), lambda: closed.append("events")],
+        decode_node_id="p0.decode",
+    )
     ready = parse_ready(capsys.readouterr().out)
-    assert ready == {"role": "prefill", "node_id": "p0", "http_url": process.http_url,
-                     "request_endpoint": "tcp://127.0.0.1:5",
-                     "control_endpoint": "tcp://127.0.0.1:6", "decode_node_id": "p0.decode"}
+    assert ready == {
+        "role": "prefill",
+        "node_id": "p0",
+        "http_url": process.http_url,
+        "request_endpoint": "tcp://127.0.0.1:5",
+        "control_endpoint": "tcp://127.0.0.1:6",
+        "decode_node_id": "p0.decode",
+    }
     assert steps and closed == ["kv", "events"]
     assert process.registries == []  # standalone: no --bootstrap-url
     for watch in watches:
@@ -104,10 +141,18 @@ def test_serve_closes_even_when_the_loop_fails() -> None:
         raise RuntimeError("boom")
 
     process = NodeProcess(_node(), step, dict)
-    served = ServedNode("n", "decode", "tcp://127.0.0.1:5", "tcp://127.0.0.1:6", 0, dict,
-                        GatewayWatch())
+    served = ServedNode(
+        "n", "decode", "tcp://127.0.0.1:5", "tcp://127.0.0.1:6", 0, dict, GatewayWatch()
+    )
     with pytest.raises(RuntimeError, match="boom"):
-        process.serve(_runner(), [served], backend="fake", auth_token=None, drain=lambda: True,
-                      on_drain_timeout=lambda: None, close=[lambda: closed.append("kv")])
+        process.serve(
+            _runner(),
+            [served],
+            backend="fake",
+            auth_token=None,
+            drain=lambda: True,
+            on_drain_timeout=lambda: None,
+            close=[lambda: closed.append("kv")],
+        )
     process.http.shutdown()
     assert closed == ["kv"]

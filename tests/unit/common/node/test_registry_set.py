@@ -1,4 +1,7 @@
-"""A node's registry links to every bootstrap replica (common/node/registry_set.py), with fake clients' answers."""
+"""A node's registry links to every bootstrap replica (common/node/registry_set.py).
+
+With fake clients' answers.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +11,35 @@ from common import messages as msg
 from common.node.registry_set import RegistrySet, expand_url
 
 REGISTER = msg.RegisterNode(
-    node_id="prefill-0", role="prefill", request_endpoint="tcp://127.0.0.1:1",
-    control_endpoint="tcp://127.0.0.1:2", http_url="", backend="fake", backend_metadata=b"",
-    kv_layout={}, num_pages=8, max_running_requests=0, protocol_version=msg.PROTOCOL_VERSION,
-    auth_token=None, instance_id="i1")
+    node_id="prefill-0",
+    role="prefill",
+    request_endpoint="tcp://127.0.0.1:1",
+    control_endpoint="tcp://127.0.0.1:2",
+    http_url="",
+    backend="fake",
+    backend_metadata=b"",
+    kv_layout={},
+    num_pages=8,
+    max_running_requests=0,
+    protocol_version=msg.PROTOCOL_VERSION,
+    auth_token=None,
+    instance_id="i1",
+)
 
 
 def test_a_name_with_several_addresses_is_one_replica_per_address(monkeypatch):
     def fake(host, port, type=0):  # noqa: A002 - socket.getaddrinfo's name
         assert host == "boot-registry" and port == 8998
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port))
-                for ip in ("10.0.0.7", "10.0.0.5", "10.0.0.7")]
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port))
+            for ip in ("10.0.0.7", "10.0.0.5", "10.0.0.7")
+        ]
 
     monkeypatch.setattr(socket, "getaddrinfo", fake)
     assert expand_url("http://boot-registry:8998") == [
-        "http://10.0.0.5:8998", "http://10.0.0.7:8998"]
+        "http://10.0.0.5:8998",
+        "http://10.0.0.7:8998",
+    ]
     assert expand_url("http://127.0.0.1:8998") == ["http://127.0.0.1:8998"]
     assert expand_url("http://localhost:8998") == ["http://localhost:8998"]
 
@@ -37,8 +54,9 @@ def test_an_unresolvable_name_stays_as_given(monkeypatch):
 
 def test_replicas_are_joined_and_left_as_the_name_resolves_and_answers_are_merged():
     answers = {"now": ["http://127.0.0.1:9", "http://127.0.0.1:10"]}
-    regs = RegistrySet(["http://boot:8998"], REGISTER, resolve=lambda url: answers["now"],
-                       resolve_interval_s=3600)
+    regs = RegistrySet(
+        ["http://boot:8998"], REGISTER, resolve=lambda url: answers["now"], resolve_interval_s=3600
+    )
     regs._refresh()
     try:
         by_url = {c.url: c for c in regs.clients()}

@@ -1,4 +1,7 @@
-"""Both roles' early endings (common/node/scheduling.py): abort, orphans, fail_all, isolate, drain."""
+"""Both roles' early endings: abort, orphans, fail_all, isolate, drain.
+
+All in common/node/scheduling.py.
+"""
 
 from __future__ import annotations
 
@@ -26,10 +29,20 @@ class Req:
 
 
 def _generate(rid: str, gateway_id: str = "gw-a") -> msg.GenerateReq:
-    return msg.GenerateReq(rid=rid, room=0, input_ids=[1, 2], sampling={}, priority=None,
-                           routing_key=None, prefill_node_id="p", decode_node_id="d",
-                           reply_endpoint=REPLY, arrival_time=0.0, return_logprob=False,
-                           gateway_id=gateway_id)
+    return msg.GenerateReq(
+        rid=rid,
+        room=0,
+        input_ids=[1, 2],
+        sampling={},
+        priority=None,
+        routing_key=None,
+        prefill_node_id="p",
+        decode_node_id="d",
+        reply_endpoint=REPLY,
+        arrival_time=0.0,
+        return_logprob=False,
+        gateway_id=gateway_id,
+    )
 
 
 @dataclass
@@ -40,8 +53,9 @@ class Ended:
     calls: list[tuple[str, int, str, bool, str]] = field(default_factory=list)
     fail_on: set[str] = field(default_factory=set)
 
-    def __call__(self, r: Req, status: int, error: str, /, *, notify: bool,
-                 peer_reason: str) -> None:
+    def __call__(
+        self, r: Req, status: int, error: str, /, *, notify: bool, peer_reason: str
+    ) -> None:
         if r.rid in self.fail_on:
             raise RuntimeError("end broke")
         self.calls.append((r.rid, status, error, notify, peer_reason))
@@ -68,8 +82,14 @@ class Stats:
 def _failures(*rids: str, notify_aborts: bool = False, watch: GatewayWatch | None = None):
     reqs = {rid: Req(rid, room, _generate(rid, f"gw-{rid}")) for room, rid in enumerate(rids)}
     end, push, stats = Ended(reqs), Push(), Stats()
-    failures = RequestFailures(reqs, end, push, stats, watch or GatewayWatch(),  # type: ignore[arg-type]
-                               notify_aborts=notify_aborts)
+    failures = RequestFailures(
+        reqs,
+        end,
+        push,
+        stats,
+        watch or GatewayWatch(),  # type: ignore[arg-type]
+        notify_aborts=notify_aborts,
+    )
     return failures, reqs, end, push, stats
 
 
@@ -79,8 +99,10 @@ def test_abort_by_rid_or_by_room_and_nothing_when_none_matches():
     failures.abort(None, 2, "client left")  # c's room
     failures.abort("zzz", 99, "nobody")
     assert list(reqs) == ["a"]
-    assert end.calls == [("b", 499, "aborted: client left", False, "aborted: client left"),
-                         ("c", 499, "aborted: client left", False, "aborted: client left")]
+    assert end.calls == [
+        ("b", 499, "aborted: client left", False, "aborted: client left"),
+        ("c", 499, "aborted: client left", False, "aborted: client left"),
+    ]
 
 
 def test_aborts_tell_the_gateway_where_the_role_asks():
@@ -95,8 +117,7 @@ def test_orphans_are_the_requests_of_a_gateway_that_is_gone_and_checked_at_inter
     failures, reqs, end, _, _ = _failures("a", "b", watch=watch)
     failures.abort_orphans(10.0)
     assert list(reqs) == ["a"]
-    assert end.calls == [("b", 499, "aborted: its gateway is gone", False,
-                          "its gateway is gone")]
+    assert end.calls == [("b", 499, "aborted: its gateway is gone", False, "its gateway is gone")]
     watch.is_alive = lambda gateway_id, now: False
     failures.abort_orphans(10.5)  # within the interval: not checked
     assert list(reqs) == ["a"]
@@ -115,8 +136,15 @@ def test_isolate_fails_that_request_alone():
     failures, reqs, end, push, stats = _failures("a", "b")
     failures.isolate("a", REPLY, "sampling", ValueError("bad"))
     assert list(reqs) == ["b"]
-    assert end.calls == [("a", 500, "internal error while sampling: ValueError", True,
-                          "internal error while sampling")]
+    assert end.calls == [
+        (
+            "a",
+            500,
+            "internal error while sampling: ValueError",
+            True,
+            "internal error while sampling",
+        )
+    ]
     assert push.sent == [] and stats.outcomes == []  # `end` told the gateway
 
 
@@ -125,8 +153,12 @@ def test_isolate_forgets_a_request_it_cannot_end_and_still_answers_the_gateway()
     end.fail_on.add("a")
     failures.isolate("a", REPLY, "sampling", ValueError("bad"))
     assert list(reqs) == ["b"]
-    assert push.sent == [(REPLY, msg.ReqFailed(rid="a", status=500,
-                                               error="internal error while sampling: ValueError"))]
+    assert push.sent == [
+        (
+            REPLY,
+            msg.ReqFailed(rid="a", status=500, error="internal error while sampling: ValueError"),
+        )
+    ]
     assert stats.outcomes == ["error"]
 
 
@@ -153,10 +185,15 @@ def test_drain_adds_requests_aborts_and_passes_the_rest_on():
                 raise ValueError("cannot take it")
             added.append(m.rid)
 
-        frames = [_generate("new"), _generate("broken"), msg.AbortReq(node_id="g", room=None, rid="old", reason="r"),
-                  msg.Heartbeat(node_id="x", load={}, auth_token=None)]
+        frames = [
+            _generate("new"),
+            _generate("broken"),
+            msg.AbortReq(node_id="g", room=None, rid="old", reason="r"),
+            msg.Heartbeat(node_id="x", load={}, auth_token=None),
+        ]
         for m in frames:
             push.send(encode(m))
+
         def handled() -> int:
             return len(added) + len(others) + len(end.calls) + len(sent.sent)
 
@@ -180,8 +217,11 @@ class State(enum.Enum):
 
 
 def test_check_transition_allows_only_the_table():
-    table = {State.A: frozenset({State.B}), State.B: frozenset({State.DONE}),
-             State.DONE: frozenset()}
+    table = {
+        State.A: frozenset({State.B}),
+        State.B: frozenset({State.DONE}),
+        State.DONE: frozenset(),
+    }
     check_transition(table, "r", State.A, State.B)
     with pytest.raises(IllegalTransition, match="request r: A -> DONE"):
         check_transition(table, "r", State.A, State.DONE)
