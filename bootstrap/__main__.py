@@ -1,4 +1,7 @@
-"""`python -m bootstrap` (or `pdserve bootstrap`): the registry, router and OpenAI API in one process."""
+"""`python -m bootstrap` (or `pdserve bootstrap`): the gateway process.
+
+The registry, the router and the OpenAI API, in one process.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from bootstrap.api_keys import ApiKeyError
 from common import metrics, socket_auth
-from common.config import BootstrapConfig, ConfigError, add_bootstrap_args
+from common.config import BootstrapConfig, ConfigError
+from common.flags import add_bootstrap_args
 from common.ready import READY_PREFIX, ready_line  # noqa: F401  (READY_PREFIX: for tests)
 
 if TYPE_CHECKING:  # the service pulls in transformers and torch: import it after the flags check

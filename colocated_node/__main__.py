@@ -1,4 +1,6 @@
-"""`python -m colocated_node` (or `pdserve colocated`): prefill and decode in one process, on one KV pool.
+"""`python -m colocated_node` (or `pdserve colocated`): prefill and decode in one process.
+
+Both on one KV pool.
 
 The baseline a user would otherwise run (SGLang or vLLM without disaggregation), and the
 right choice for one small machine: one model, one KV pool, and the loop alternates one
@@ -26,7 +28,8 @@ import sys
 import uuid
 
 from colocated_node.shared_pool import ReclaimingAllocator
-from common.config import ConfigError, DecodeConfig, PrefillConfig, add_colocated_args
+from common.config import ConfigError, DecodeConfig, PrefillConfig
+from common.flags import add_colocated_args
 from common.model.loader import resolve_model_dir
 from common.node.process import (
     NodeProcess,
@@ -61,8 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Its metrics carry role="prefill" or "decode" by the half that counts them; what is
     # counted for the whole process (requests, messages) goes under "decode".
-    node = start_node("colocated", pconfig.node, pconfig.host, pconfig.port,
-                      pconfig.transfer.auth_token, metrics_role="decode")
+    node = start_node(
+        "colocated",
+        pconfig.node,
+        pconfig.host,
+        pconfig.port,
+        pconfig.transfer.auth_token,
+        metrics_role="decode",
+    )
     prefill_id, decode_id = f"{node.node_id}.prefill", f"{node.node_id}.decode"
     runner = build_runner(pconfig.model)
     tokenizer = Tokenizer.from_pretrained(resolve_model_dir(pconfig.model.model_path))
@@ -73,23 +82,44 @@ def main(argv: list[str] | None = None) -> int:
         # that keep a dead peer's pages from being reused guard nothing here. They are long,
         # so a prefill step longer than the cluster's lease (the decode half grants only
         # between steps of the one loop) does not fail the rooms it delays.
-        return build_kv_manager(node_id, role, pconfig.transfer, runner.pool,
-                                control_endpoint=control_endpoint, instance_id=node.instance_id,
-                                backend_kind="loopback", backend_name=f"{node_id}-{tag}",
-                                lease_s=max(pconfig.transfer.lease_s, COLOCATED_LEASE_S))
+        return build_kv_manager(
+            node_id,
+            role,
+            pconfig.transfer,
+            runner.pool,
+            control_endpoint=control_endpoint,
+            instance_id=node.instance_id,
+            backend_kind="loopback",
+            backend_name=f"{node_id}-{tag}",
+            lease_s=max(pconfig.transfer.lease_s, COLOCATED_LEASE_S),
+        )
 
     pkv = manager(prefill_id, "prefill", node.endpoint(node.control_port))
     dkv = manager(decode_id, "decode", node.endpoint(0))
     psock, pendpoint = bind_request_socket(node)
     dsock, dendpoint = bind_request_socket(dataclasses.replace(node, request_port=0))
-    events = None if pconfig.disable_radix_cache else KVEventPublisher(
-        prefill_id, node.instance_id, runner.pool.num_pages, node.endpoint(pconfig.kv_events_port))
+    events = (
+        None
+        if pconfig.disable_radix_cache
+        else KVEventPublisher(
+            prefill_id,
+            node.instance_id,
+            runner.pool.num_pages,
+            node.endpoint(pconfig.kv_events_port),
+        )
+    )
     prefill = PrefillScheduler(pconfig, runner, kv=pkv, request_socket=psock, events=events)
     if prefill.tree is not None:  # the decode side may take the cache's unused pages
         runner.pool.allocator = ReclaimingAllocator(prefill.allocator, prefill.tree)  # type: ignore[assignment]
-    decode = DecodeScheduler(dconfig, runner, dkv, dsock, tokenizer,
-                             lambda node_id: pkv.control_endpoint if node_id == prefill_id else None,
-                             prefill_endpoints=lambda: [pkv.control_endpoint])
+    decode = DecodeScheduler(
+        dconfig,
+        runner,
+        dkv,
+        dsock,
+        tokenizer,
+        lambda node_id: pkv.control_endpoint if node_id == prefill_id else None,
+        prefill_endpoints=lambda: [pkv.control_endpoint],
+    )
 
     def step() -> bool:
         did_prefill = prefill.step()
@@ -97,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         return did_prefill or did_decode
 
     def health() -> dict:
-        return {"kv_pages_held": prefill.stats.num_held_pages() + decode.stats.num_held_pages(),
-                "free_pages": runner.pool.allocator.num_free_pages}
+        return {
+            "kv_pages_held": prefill.stats.num_held_pages() + decode.stats.num_held_pages(),
+            "free_pages": runner.pool.allocator.num_free_pages,
+        }
 
     def fail_all() -> None:
         for side in (prefill, decode):
@@ -107,22 +139,40 @@ def main(argv: list[str] | None = None) -> int:
     process = NodeProcess(node, step, health)
     # Both halves name the prefill half's control endpoint (the one the process announces).
     halves = [
-        ServedNode(prefill_id, "prefill", pendpoint, pkv.control_endpoint,
-                   pconfig.max_running_requests or 0,
-                   lambda: {"free_pages": runner.pool.allocator.num_free_pages},
-                   prefill.gateway_watch,
-                   kv_events_endpoint=events.endpoint if events is not None else "",
-                   colocated_with=decode_id),
-        ServedNode(decode_id, "decode", dendpoint, pkv.control_endpoint,
-                   decode.max_running_requests, decode.load, decode.gateway_watch,
-                   colocated_with=prefill_id),
+        ServedNode(
+            prefill_id,
+            "prefill",
+            pendpoint,
+            pkv.control_endpoint,
+            pconfig.max_running_requests or 0,
+            lambda: {"free_pages": runner.pool.allocator.num_free_pages},
+            prefill.gateway_watch,
+            kv_events_endpoint=events.endpoint if events is not None else "",
+            colocated_with=decode_id,
+        ),
+        ServedNode(
+            decode_id,
+            "decode",
+            dendpoint,
+            pkv.control_endpoint,
+            decode.max_running_requests,
+            decode.load,
+            decode.gateway_watch,
+            colocated_with=prefill_id,
+        ),
     ]
-    process.serve(runner, halves, backend="loopback", auth_token=pconfig.transfer.auth_token,
-                  drain=lambda: not prefill.states and decode.is_idle(),
-                  on_drain_timeout=fail_all,
-                  close=[pkv.close, dkv.close, *([events.close] if events is not None else [])],
-                  decode_request_endpoint=dendpoint, prefill_node_id=prefill_id,
-                  decode_node_id=decode_id)
+    process.serve(
+        runner,
+        halves,
+        backend="loopback",
+        auth_token=pconfig.transfer.auth_token,
+        drain=lambda: not prefill.states and decode.is_idle(),
+        on_drain_timeout=fail_all,
+        close=[pkv.close, dkv.close, *([events.close] if events is not None else [])],
+        decode_request_endpoint=dendpoint,
+        prefill_node_id=prefill_id,
+        decode_node_id=decode_id,
+    )
     return 0
 
 

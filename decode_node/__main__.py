@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.config import ConfigError, DecodeConfig, add_decode_args
+from common.config import ConfigError, DecodeConfig
+from common.flags import add_decode_args
 from common.model.loader import resolve_model_dir
 from common.node.process import (
     NodeProcess,
@@ -35,9 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     node = start_node("decode", config.node, config.host, config.port, config.transfer.auth_token)
     runner = build_runner(config.model)
     tokenizer = Tokenizer.from_pretrained(resolve_model_dir(config.model.model_path))
-    kv = build_kv_manager(node.node_id, "decode", config.transfer, runner.pool,
-                          control_endpoint=node.endpoint(node.control_port),
-                          instance_id=node.instance_id, device=config.model.device)
+    kv = build_kv_manager(
+        node.node_id,
+        "decode",
+        config.transfer,
+        runner.pool,
+        control_endpoint=node.endpoint(node.control_port),
+        instance_id=node.instance_id,
+        device=config.model.device,
+    )
     request_socket, request_endpoint = bind_request_socket(node)
     static = config.static_prefill_endpoints
     processes: list[NodeProcess] = []  # the process, once made: the registry's peer table
@@ -54,24 +61,50 @@ def main(argv: list[str] | None = None) -> int:
         return peer.get("control_endpoint") if peer else None
 
     def prefill_endpoints() -> list[str]:
-        return [*static.values(), *(p["control_endpoint"] for p in peers().values()
-                                    if p.get("role") == "prefill" and p.get("control_endpoint"))]
+        return [
+            *static.values(),
+            *(
+                p["control_endpoint"]
+                for p in peers().values()
+                if p.get("role") == "prefill" and p.get("control_endpoint")
+            ),
+        ]
 
     # The registry's table reaches us a heartbeat (lease/3) after the gateway's: a request
     # naming a prefill node not known here yet asks for the table at once (registry_client).
-    scheduler = DecodeScheduler(config, runner, kv, request_socket, tokenizer, prefill_endpoint_for,
-                                prefill_lookup_timeout_s=max(2.0, config.transfer.lease_s),
-                                prefill_endpoints=prefill_endpoints)
+    scheduler = DecodeScheduler(
+        config,
+        runner,
+        kv,
+        request_socket,
+        tokenizer,
+        prefill_endpoint_for,
+        prefill_lookup_timeout_s=max(2.0, config.transfer.lease_s),
+        prefill_endpoints=prefill_endpoints,
+    )
     load = scheduler.load
     process = NodeProcess(node, scheduler.step, lambda: {**load()})
     processes.append(process)
-    served = ServedNode(node.node_id, "decode", request_endpoint, kv.control_endpoint,
-                        scheduler.max_running_requests, load, scheduler.gateway_watch)
-    process.serve(runner, [served], backend=config.transfer.backend,
-                  auth_token=config.transfer.auth_token, drain=scheduler.is_idle,
-                  on_drain_timeout=lambda: scheduler.fail_all(
-                      503, "the decode node is shutting down (drain timeout)"),
-                  close=[kv.close])
+    served = ServedNode(
+        node.node_id,
+        "decode",
+        request_endpoint,
+        kv.control_endpoint,
+        scheduler.max_running_requests,
+        load,
+        scheduler.gateway_watch,
+    )
+    process.serve(
+        runner,
+        [served],
+        backend=config.transfer.backend,
+        auth_token=config.transfer.auth_token,
+        drain=scheduler.is_idle,
+        on_drain_timeout=lambda: scheduler.fail_all(
+            503, "the decode node is shutting down (drain timeout)"
+        ),
+        close=[kv.close],
+    )
     return 0
 
 

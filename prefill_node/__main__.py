@@ -6,7 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from common.config import ConfigError, PrefillConfig, add_prefill_args
+from common.config import ConfigError, PrefillConfig
+from common.flags import add_prefill_args
 from common.node.process import (
     NodeProcess,
     ServedNode,
@@ -34,12 +35,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     node = start_node("prefill", config.node, config.host, config.port, config.transfer.auth_token)
     runner = build_runner(config.model, decodes=False)
-    kv = build_kv_manager(node.node_id, "prefill", config.transfer, runner.pool,
-                          control_endpoint=node.endpoint(node.control_port),
-                          instance_id=node.instance_id, device=config.model.device)
+    kv = build_kv_manager(
+        node.node_id,
+        "prefill",
+        config.transfer,
+        runner.pool,
+        control_endpoint=node.endpoint(node.control_port),
+        instance_id=node.instance_id,
+        device=config.model.device,
+    )
     request_socket, request_endpoint = bind_request_socket(node)
-    events = None if config.disable_radix_cache else KVEventPublisher(
-        node.node_id, node.instance_id, runner.pool.num_pages, node.endpoint(config.kv_events_port))
+    events = (
+        None
+        if config.disable_radix_cache
+        else KVEventPublisher(
+            node.node_id,
+            node.instance_id,
+            runner.pool.num_pages,
+            node.endpoint(config.kv_events_port),
+        )
+    )
     scheduler = PrefillScheduler(config, runner, kv, request_socket, events=events)
 
     def load() -> dict[str, Any]:
@@ -56,15 +71,27 @@ def main(argv: list[str] | None = None) -> int:
     process = NodeProcess(
         node, scheduler.step, lambda: {"kv_pages_held": scheduler.stats.num_held_pages(), **load()}
     )
-    served = ServedNode(node.node_id, "prefill", request_endpoint, kv.control_endpoint,
-                        config.max_running_requests or 0, load, scheduler.gateway_watch,
-                        kv_events_endpoint=events.endpoint if events is not None else "")
-    process.serve(runner, [served], backend=config.transfer.backend,
-                  auth_token=config.transfer.auth_token,
-                  drain=lambda: not scheduler.states,
-                  on_drain_timeout=lambda: scheduler.fail_all(
-                      503, "the prefill node is shutting down (drain timeout)"),
-                  close=[kv.close, *([events.close] if events is not None else [])])
+    served = ServedNode(
+        node.node_id,
+        "prefill",
+        request_endpoint,
+        kv.control_endpoint,
+        config.max_running_requests or 0,
+        load,
+        scheduler.gateway_watch,
+        kv_events_endpoint=events.endpoint if events is not None else "",
+    )
+    process.serve(
+        runner,
+        [served],
+        backend=config.transfer.backend,
+        auth_token=config.transfer.auth_token,
+        drain=lambda: not scheduler.states,
+        on_drain_timeout=lambda: scheduler.fail_all(
+            503, "the prefill node is shutting down (drain timeout)"
+        ),
+        close=[kv.close, *([events.close] if events is not None else [])],
+    )
     return 0
 
 

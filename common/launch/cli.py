@@ -11,39 +11,56 @@ import os
 import sys
 import time
 
-from common.config import ConfigError, ModelConfig, add_model_args
+from common.config import ConfigError, ModelConfig
+from common.flags import add_model_args
 from common.launch.roles import ROLE_MODULES
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from common.launch.offline import OfflineResult, generate_stream
     from common.model.loader import resolve_model_dir
     from common.model.runner import ModelRunner
-    from common.launch.offline import OfflineResult, generate_stream
     from common.sampling_params import SamplingParams
     from common.tokenizer import Tokenizer
 
     cfg = ModelConfig.from_args(args)
     model_dir = resolve_model_dir(cfg.model_path)
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    runner = ModelRunner.from_path(str(model_dir), dtype=cfg.resolved_dtype(), device=cfg.device,
-                                   page_size=cfg.page_size, context_length=cfg.context_length,
-                                   max_total_tokens=cfg.max_total_tokens or 8192,
-                                   pack_weights=cfg.pack_weights,
-                                   cpu_kernels=cfg.cpu_kernels,
-                                   attention_backend=cfg.attention_backend,
-                                   cuda_graph_max_bs=cfg.cuda_graph_max_bs,
-                                   disable_cuda_graph=cfg.disable_cuda_graph)
+    runner = ModelRunner.from_path(
+        str(model_dir),
+        dtype=cfg.resolved_dtype(),
+        device=cfg.device,
+        page_size=cfg.page_size,
+        context_length=cfg.context_length,
+        max_total_tokens=cfg.max_total_tokens or 8192,
+        pack_weights=cfg.pack_weights,
+        cpu_kernels=cfg.cpu_kernels,
+        attention_backend=cfg.attention_backend,
+        cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+        disable_cuda_graph=cfg.disable_cuda_graph,
+    )
     prompt = " ".join(args.prompt)
-    ids = (tokenizer.encode(prompt) if args.raw
-           else tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    ids = (
+        tokenizer.encode(prompt)
+        if args.raw
+        else tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    )
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     start = time.perf_counter()
     for item in generate_stream(runner, tokenizer, ids, params):
         if isinstance(item, OfflineResult):
             dt = time.perf_counter() - start
-            print(f"\n[{len(item.token_ids)} tokens in {dt:.2f} s, finish_reason="
-                  f"{item.finish_reason.kind.value}]", file=sys.stderr)
+            print(
+                f"\n[{len(item.token_ids)} tokens in {dt:.2f} s, finish_reason="
+                f"{item.finish_reason.kind.value}]",
+                file=sys.stderr,
+            )
         else:
             print(item, end="", flush=True)
     return 0
@@ -55,7 +72,9 @@ def role_command(role: str, args: list[str]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving")
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Prefill/decode disaggregated LLM serving"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for role, module in ROLE_MODULES.items():
         sub.add_parser(role, help=f"run one {role} process (python -m {module}; see its --help)")

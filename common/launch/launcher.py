@@ -37,16 +37,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import (
-    add_bootstrap_args,
-    add_colocated_args,
-    add_decode_args,
-    add_prefill_args,
-)
+from common.flags import add_bootstrap_args, add_colocated_args, add_decode_args, add_prefill_args
 from common.launch.roles import ROLE_MODULES
 from common.ready import parse_ready
 
-ROLE_PARSERS = {"bootstrap": add_bootstrap_args, "prefill": add_prefill_args, "decode": add_decode_args}
+ROLE_PARSERS = {
+    "bootstrap": add_bootstrap_args,
+    "prefill": add_prefill_args,
+    "decode": add_decode_args,
+}
 # Launch gives each child these itself (a node's id and registries, the API's address).
 LAUNCH_OWNED = {"--host", "--port", "--model-path", "--node-id", "--bootstrap-url"}
 TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
@@ -70,29 +69,47 @@ def role_flags_help() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve launch", description=__doc__.splitlines()[0],
-                                epilog=role_flags_help(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pdserve launch",
+        description=__doc__.splitlines()[0],
+        epilog=role_flags_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="the OpenAI API port")
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
-    p.add_argument("--colocated", action="store_true",
-                   help="run --num-prefill colocated processes (prefill and decode in one "
-                        "process on one KV pool, the non-disaggregated baseline; the right "
-                        "choice for one small machine) instead of separate prefill and "
-                        "decode nodes")
-    p.add_argument("--num-bootstrap", type=int, default=1,
-                   help="bootstrap replicas (gateway + registry); each node registers with "
-                        "every one, a client may use any (API ports --port, --port+1, ...)")
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="run --num-prefill colocated processes (prefill and decode in one "
+        "process on one KV pool, the non-disaggregated baseline; the right "
+        "choice for one small machine) instead of separate prefill and "
+        "decode nodes",
+    )
+    p.add_argument(
+        "--num-bootstrap",
+        type=int,
+        default=1,
+        help="bootstrap replicas (gateway + registry); each node registers with "
+        "every one, a client may use any (API ports --port, --port+1, ...)",
+    )
     p.add_argument("--model-path", default=None, help="HF directory or .gguf (default: built-in)")
-    p.add_argument("--gpus", default=None, metavar="0,1,...",
-                   help="one GPU per node process, in order: prefill nodes first, then decode "
-                        "(CUDA indices or UUIDs, as CUDA_VISIBLE_DEVICES takes them); each node "
-                        "runs on --device cuda and sees only its own GPU")
+    p.add_argument(
+        "--gpus",
+        default=None,
+        metavar="0,1,...",
+        help="one GPU per node process, in order: prefill nodes first, then decode "
+        "(CUDA indices or UUIDs, as CUDA_VISIBLE_DEVICES takes them); each node "
+        "runs on --device cuda and sees only its own GPU",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--no-restart", dest="restart", action="store_false",
-                   help="stop the whole cluster when one process exits (default: restart it)")
+    p.add_argument(
+        "--no-restart",
+        dest="restart",
+        action="store_false",
+        help="stop the whole cluster when one process exits (default: restart it)",
+    )
     return p
 
 
@@ -179,18 +196,26 @@ def place_on_gpus(gpus: str, nodes: Sequence[str], device: str | None) -> dict[s
         raise LaunchError(f"--gpus {gpus!r} has an empty entry; give e.g. --gpus 0,1")
     twice = next((g for i, g in enumerate(names) if g in names[:i]), None)
     if twice is not None:
-        raise LaunchError(f"--gpus lists GPU {twice} twice; each node needs its own "
-                          "(to share one GPU, leave out --gpus and pass --device cuda)")
+        raise LaunchError(
+            f"--gpus lists GPU {twice} twice; each node needs its own "
+            "(to share one GPU, leave out --gpus and pass --device cuda)"
+        )
     if len(names) < len(nodes):
-        raise LaunchError(f"--gpus names {len(names)} GPU{'s' if len(names) != 1 else ''} for "
-                          f"{len(nodes)} nodes ({', '.join(nodes)}); give one per node")
+        raise LaunchError(
+            f"--gpus names {len(names)} GPU{'s' if len(names) != 1 else ''} for "
+            f"{len(nodes)} nodes ({', '.join(nodes)}); give one per node"
+        )
     if device is not None and device not in ("cuda", "cuda:0"):
-        raise LaunchError(f"--gpus runs every node on its own GPU, but --device {device} was "
-                          "given; leave --device out (or pass cuda: each node sees only its "
-                          "own GPU, as cuda:0)")
+        raise LaunchError(
+            f"--gpus runs every node on its own GPU, but --device {device} was "
+            "given; leave --device out (or pass cuda: each node sees only its "
+            "own GPU, as cuda:0)"
+        )
     extra = ("--device", "cuda") if device is None else ()
-    return {node: GpuPlacement({"CUDA_VISIBLE_DEVICES": gpu}, extra)
-            for node, gpu in zip(nodes, names, strict=False)}
+    return {
+        node: GpuPlacement({"CUDA_VISIBLE_DEVICES": gpu}, extra)
+        for node, gpu in zip(nodes, names, strict=False)
+    }
 
 
 class Backoff:
@@ -225,8 +250,9 @@ class Child:
     def start(self) -> None:
         self.started_at = time.monotonic()
         self.restart_at = None
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=None, text=True,
-                                     bufsize=1, env=self.env)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1, env=self.env
+        )
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
 
     def _read(self, proc: subprocess.Popen[str]) -> None:
@@ -247,13 +273,19 @@ class Child:
                 return
             delay = self.backoff.delay_after_exit(now - self.started_at)
             self.restart_at = now + delay
-            print(f"pdserve launch: {self.name} exited ({_exit_text(code)}) after "
-                  f"{now - self.started_at:.0f} s; restarting it in {delay:g} s", file=sys.stderr,
-                  flush=True)
+            print(
+                f"pdserve launch: {self.name} exited ({_exit_text(code)}) after "
+                f"{now - self.started_at:.0f} s; restarting it in {delay:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
         elif now >= self.restart_at:
             self.num_restarts += 1
-            print(f"pdserve launch: restarting {self.name} (restart {self.num_restarts})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"pdserve launch: restarting {self.name} (restart {self.num_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
             self.start()
 
 
@@ -285,27 +317,36 @@ def main(argv: list[str]) -> int:
     if not token:
         # A cluster of its own: closed with a token nobody else knows.
         token = secrets.token_urlsafe(32)
-        print("pdserve launch: no --auth-token given; this cluster uses a random token of its "
-              "own", flush=True)
+        print(
+            "pdserve launch: no --auth-token given; this cluster uses a random token of its own",
+            flush=True,
+        )
     env = child_env(token)
     if args.num_bootstrap < 1:
         raise SystemExit("pdserve launch: error: --num-bootstrap must be >= 1")
-    roles = ((("colocated", args.num_prefill),) if args.colocated
-             else (("prefill", args.num_prefill), ("decode", args.num_decode)))
+    roles = (
+        (("colocated", args.num_prefill),)
+        if args.colocated
+        else (("prefill", args.num_prefill), ("decode", args.num_decode))
+    )
     nodes = [(role, f"{role}-{i}") for role, count in roles for i in range(count)]
     placements: dict[str, GpuPlacement] = {}
     if args.gpus is not None:
         try:
-            placements = place_on_gpus(args.gpus, [name for _, name in nodes],
-                                       _value(per_role[roles[0][0]], "--device", None))
+            placements = place_on_gpus(
+                args.gpus,
+                [name for _, name in nodes],
+                _value(per_role[roles[0][0]], "--device", None),
+            )
         except LaunchError as exc:
             print(f"pdserve launch: error: {exc}", file=sys.stderr)
             return 2
     boot_env = {**env, **BOOTSTRAP_GPU_ENV} if placements else env
     base_registry = int(registry_port or "8998")
     reply_port = _value(per_role["bootstrap"], "--reply-port", None)
-    boot_args = _without(_without(per_role["bootstrap"], "--disaggregation-bootstrap-port"),
-                         "--reply-port")
+    boot_args = _without(
+        _without(per_role["bootstrap"], "--disaggregation-bootstrap-port"), "--reply-port"
+    )
     registries = [f"http://{args.host}:{base_registry + i}" for i in range(args.num_bootstrap)]
     model = ["--model-path", args.model_path] if args.model_path else []
     py = sys.executable
@@ -315,24 +356,62 @@ def main(argv: list[str]) -> int:
         if reply_port is not None:
             own += ["--reply-port", str(int(reply_port) + i)]
         name = "bootstrap" if args.num_bootstrap == 1 else f"bootstrap-{i}"
-        children.append(Child(name, [py, "-m", "bootstrap", "--host", args.host, "--port",
-                                     str(args.port + i), *own, *model, *boot_args], boot_env))
+        children.append(
+            Child(
+                name,
+                [
+                    py,
+                    "-m",
+                    "bootstrap",
+                    "--host",
+                    args.host,
+                    "--port",
+                    str(args.port + i),
+                    *own,
+                    *model,
+                    *boot_args,
+                ],
+                boot_env,
+            )
+        )
     urls = [a for url in registries for a in ("--bootstrap-url", url)]
     for role, name in nodes:
         gpu = placements.get(name, GpuPlacement({}, ()))
-        children.append(Child(name, [
-            py, "-m", ROLE_MODULES[role], "--host", args.host, "--port", "0",
-            "--node-id", name, *urls, *model, *per_role[role], *gpu.args],
-            {**env, **gpu.env}))
+        children.append(
+            Child(
+                name,
+                [
+                    py,
+                    "-m",
+                    ROLE_MODULES[role],
+                    "--host",
+                    args.host,
+                    "--port",
+                    "0",
+                    "--node-id",
+                    name,
+                    *urls,
+                    *model,
+                    *per_role[role],
+                    *gpu.args,
+                ],
+                {**env, **gpu.env},
+            )
+        )
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     try:
         if not _wait_healthy(children, registries, token, args, stopping):
             return 1
-        apis = ", ".join(f"http://{args.host}:{args.port + i}/v1" for i in range(args.num_bootstrap))
-        shape = (f"{args.num_prefill} colocated" if args.colocated
-                 else f"{args.num_prefill} prefill, {args.num_decode} decode")
+        apis = ", ".join(
+            f"http://{args.host}:{args.port + i}/v1" for i in range(args.num_bootstrap)
+        )
+        shape = (
+            f"{args.num_prefill} colocated"
+            if args.colocated
+            else f"{args.num_prefill} prefill, {args.num_decode} decode"
+        )
         print(f"pdserve is up: OpenAI API at {apis} ({shape}). Ctrl-C stops it.", flush=True)
         while not stopping.is_set():
             if not args.restart:
@@ -349,8 +428,13 @@ def main(argv: list[str]) -> int:
         _stop_all(children)
 
 
-def _wait_healthy(children: list[Child], registries: list[str], token: str | None,
-                  args: argparse.Namespace, stopping: threading.Event) -> bool:
+def _wait_healthy(
+    children: list[Child],
+    registries: list[str],
+    token: str | None,
+    args: argparse.Namespace,
+    stopping: threading.Event,
+) -> bool:
     """Until every process is up and every replica's registry has every node healthy."""
     deadline = time.monotonic() + args.startup_timeout
     # A colocated process registers a prefill and a decode node.
@@ -362,8 +446,10 @@ def _wait_healthy(children: list[Child], registries: list[str], token: str | Non
             return False
         if all(c.ready for c in children):
             try:
-                if all(sum(1 for n in _registered(url, token) if n.get("healthy")) >= want
-                       for url in registries):
+                if all(
+                    sum(1 for n in _registered(url, token) if n.get("healthy")) >= want
+                    for url in registries
+                ):
                     return True
             except OSError:
                 pass

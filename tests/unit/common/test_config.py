@@ -16,6 +16,8 @@ from common.config import (
     ModelConfig,
     PrefillConfig,
     TransferConfig,
+)
+from common.flags import (
     add_model_args,
     add_transfer_args,
     parse_bootstrap_config,
@@ -227,8 +229,9 @@ def test_resolved_dtype(dtype: str, device: str, resolved: str) -> None:
         (set(), "float32"),
     ],
 )
-def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch: pytest.MonkeyPatch, flags: set[str],
-                                               resolved: str) -> None:
+def test_auto_dtype_on_cpu_follows_native_bf16(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], resolved: str
+) -> None:
     import common.cpu_features as cpu_features
 
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
@@ -278,10 +281,7 @@ def test_power_of_two_page_sizes_parse(page_size: int) -> None:
             ["--schedule-policy=shortest-prefill-first", "--disable-radix-cache"],
             "drop --disable-radix-cache",
         ),
-        (
-            ["--abort-on-priority-when-disabled", "--enable-priority-scheduling"],
-            "contradicts",
-        ),
+        (["--abort-on-priority-when-disabled", "--enable-priority-scheduling"], "contradicts"),
     ],
 )
 def test_invalid_prefill_flags_raise_one_line_error(argv: list[str], fragment: str) -> None:
@@ -369,9 +369,7 @@ def test_shortest_prefill_first_runs_with_radix_cache() -> None:
 
 
 def test_priority_flags_without_priority_scheduling_are_accepted() -> None:
-    cfg = parse_prefill_config(
-        ["--schedule-low-priority-values-first"]
-    )
+    cfg = parse_prefill_config(["--schedule-low-priority-values-first"])
     assert cfg.enable_priority_scheduling is False
     assert cfg.schedule_low_priority_values_first is True
     assert parse_prefill_config(
