@@ -19,6 +19,7 @@ from common.model.cpu.f32_gemm import f32_gemm
 from common.model.cpu.fused_ops import FusedOps, fused_ops
 from common.model.cpu.gemm import (
     AMX,
+    HEAD_MEASURED_ROWS,
     PACKED,
     PANELS,
     PREFILL_LAYERS,
@@ -335,6 +336,7 @@ class LlamaModel:
             self.head_chooser,
             [(self.lm_head, self.spec.hidden_size)],
             self.dtype,
+            max_prefill_rows=HEAD_MEASURED_ROWS,
             keep_all_copies=keep_all_copies,
         )
 

@@ -4,7 +4,7 @@ At 1-64 rows a product's time is its weight's bytes over the memory bandwidth, a
 bfloat16 product leaves part of it unused; this kernel streams the weight through the
 tiles, each tile loaded ahead of its use. The weight is packed once into the tiles' layout.
 Whether it runs at a row count is the model's measured choice (common.model.cpu.gemm;
-bench/model_runner.py --kernel-tables prints the table). Where the CPU, the loaded variant
+bench/kernel_tables.py prints the table). Where the CPU, the loaded variant
 (amx only) or the kernel does not allow AMX, `amx_gemm()` is None and the torch kernels are
 all there is.
 """

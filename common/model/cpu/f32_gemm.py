@@ -7,8 +7,8 @@ memory idle while they multiply. This kernel overlaps the two: the weight is pac
 into column panels of the build's width (`F32Gemm.panel`: 32 columns for AVX-512, 16 for
 AVX2) and the next panel is prefetched during the current one's multiply-adds. At long
 prompts' rows the libraries' products are compute-bound and at least as fast. Which runs at
-a row count is the model's measured choice (common.model.cpu.gemm; bench/model_runner.py
---kernel-tables prints the table). Where the loaded variant has neither AVX-512F nor AVX2
+a row count is the model's measured choice (common.model.cpu.gemm; bench/kernel_tables.py
+prints the table). Where the loaded variant has neither AVX-512F nor AVX2
 with FMA (portable), `f32_gemm()` is None.
 """
 

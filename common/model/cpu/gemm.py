@@ -10,7 +10,7 @@ The kernels compute the same product:
                 panel fetched during the current one's multiply-adds (common.model.cpu.f32_gemm)
 The first three are the libraries' (MKL, oneDNN); amx and panels are hand-written. Which
 one is fastest depends on the CPU, the dtype and the row count, not monotonically
-(bench/model_runner.py --kernel-tables prints the table for a machine). So the model
+(bench/kernel_tables.py prints the table for a machine). So the model
 measures instead of guessing, once: at warm-up (`measure`) each row bucket (1, 2, 4, ...,
 64 for decode; 128, 256, ..., 8192 for prefill, longer passes in the last) runs every
 kernel over the model's products for TRIALS (5; PREFILL_TRIALS, 3, for prefill)
@@ -20,7 +20,8 @@ pdserve's own GEMMs run only where they clearly pay. Decode buckets time every l
 products (at few rows the weights stream from memory, and how many fit in cache changes
 the order); prefill buckets, compute-bound, time the first PREFILL_LAYERS layers' (the
 layers' shapes are all alike). Then `freeze` fixes every bucket: those warm-up did not
-reach (prefill beyond MEASURED_PREFILL_ROWS) take the choice of the nearest measured
+reach (prefill beyond MEASURED_PREFILL_ROWS, or HEAD_MEASURED_ROWS for the LM head) take
+the choice of the nearest measured
 bucket below them in their phase, and the copies of the weights no bucket chose are
 dropped (LinearWeight.keep_only). A fixed choice never changes (the kernels round
 differently, and a node's greedy output must not change during its life); a chooser never
@@ -65,6 +66,10 @@ TRIALS = 5
 PREFILL_TRIALS = 3
 # warm-up measures the prefill buckets up to this many rows; larger ones take its choice
 MEASURED_PREFILL_ROWS = 1024
+# the LM head's up to this many: it runs on one row per request (its last token), on a
+# prompt's every row only for prompt logprobs (SmolLM2 float32: 6.6 s measuring up to
+# 1024 rows, 1.8 s up to 128)
+HEAD_MEASURED_ROWS = 128
 # and times them over this many layers' products (all layers' shapes are alike; at these
 # rows the products are compute-bound, so the choices match all layers' at a seventh of
 # the time for SmolLM2)

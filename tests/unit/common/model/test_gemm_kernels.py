@@ -227,6 +227,30 @@ def test_a_runner_chooses_at_warm_up_and_keeps_its_choices(monkeypatch):
     assert (model.chooser.choices(), model.head_chooser.choices()) == before
 
 
+def test_warm_up_times_the_head_up_to_its_rows_and_the_layers_prefill_on_four_layers(
+    monkeypatch,
+):
+    from common.model.cpu import gemm
+    from common.model.runner import ModelRunner
+
+    spec, weights = _tiny_runner_inputs()
+    runner = ModelRunner(spec, weights, num_pages=8)
+    model = runner.model
+    rows_by_target: dict[str, set[int]] = {"head": set(), "layers": set()}
+
+    def timed(products, rows, kernel, dtype):
+        head = products[0][0] is model.lm_head
+        rows_by_target["head" if head else "layers"].add(rows)
+        return 1.0
+
+    monkeypatch.setattr(gemm, "time_products", timed)
+    model.choose_kernels()
+    assert max(rows_by_target["head"]) == gemm.HEAD_MEASURED_ROWS
+    assert max(rows_by_target["layers"]) == gemm.MEASURED_PREFILL_ROWS
+    assert model.head_chooser is not None and model.head_chooser.is_frozen
+    assert set(model.head_chooser.choices()) == set(BUCKETS)
+
+
 def test_prefill_buckets_choose_between_row_output_kernels_by_seconds_per_row():
     chooser = KernelChooser(KERNELS, prefill_trials=2)
     assert chooser.candidates(1024) == (ROW_MAJOR, PACKED)  # weight_major's rows are strided
