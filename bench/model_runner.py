@@ -398,7 +398,7 @@ def main() -> None:
         t = time.perf_counter()
         # As a node's warm-up: every bucket chosen, then fixed; the weights' other copies
         # kept for the side-by-side runs on torch's ops.
-        runner.model.choose_kernels(keep_all_copies=True)
+        runner.choose_kernels(keep_all_copies=True)
         print(f"# {dtype_name}: kernels chosen at warm-up in {time.perf_counter() - t:.1f} s")
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
         hf.eval()

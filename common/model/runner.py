@@ -10,6 +10,12 @@ import torch
 
 from common.kv_pool import KVLayout, KVPool, pages_needed, torch_dtype
 from common.model.attention import AttentionBatch
+from common.model.cpu.gemm import (
+    DECODE_BUCKETS,
+    PREFILL_BUCKETS,
+    SUBSET_FROM_ROWS,
+    bucket_of,
+)
 from common.model.cpu.library import report_variant
 from common.model.cuda_graph import DecodeGraphs
 from common.model.llama import LlamaModel
@@ -22,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GRAPH_MAX_BS = 128  # --cuda-graph-max-bs
 DEFAULT_WARMUP_TOKENS = 8192  # the prefill the pool's sizing leaves activations for
+# a bound on the forward passes one row bucket takes to choose its kernels (it takes
+# trials x kernels, 25 at most)
+MAX_CHOOSING_PASSES = 60
 
 
 @dataclass(frozen=True)
@@ -188,8 +197,8 @@ class ModelRunner:
         """One small extend and decode step, so a node's first request does not pay torch's
         first-call costs (a process's first prefill takes about three times as long); on
         the CPU, first the product kernels are chosen for every row bucket and fixed
-        (LlamaModel.choose_kernels), so a node's numerics never change once it serves."""
-        self.model.choose_kernels()
+        (`choose_kernels`), so a node's numerics never change once it serves."""
+        self.choose_kernels()
         n = max(
             1, min(num_tokens, self.context_length - 2, (self.pool.num_pages - 1) * self.page_size)
         )
@@ -201,6 +210,43 @@ class ModelRunner:
             self.pool.allocator.free(pages)
         if self.graphs is not None:
             self.graphs.capture()
+
+    def choose_kernels(self, *, keep_all_copies: bool = False) -> None:
+        """The CPU's product kernels, chosen once (common.model.cpu.gemm): decode's row buckets
+        and the short prefill ones in forward passes, where the products meet the caches as
+        the attention and the fused steps leave them (timed alone, the weights' streaming
+        is not what a forward sees, and the order of the kernels differs); the rest by
+        timing the products alone (LlamaModel.choose_kernels), which then fixes every
+        bucket. The passes' KV goes to pages freed after."""
+        model = self.model
+        if model.chooser is None or model.head_chooser is None or model.chooser.is_frozen:
+            return
+        choosers = (model.chooser, model.head_chooser)
+        ps = self.page_size
+        page = self.pool.allocator.allocate(1)  # every sequence of a pass reads this page
+        try:
+            for rows in DECODE_BUCKETS:
+                for _ in range(MAX_CHOOSING_PASSES):
+                    if all(bucket_of(rows) in c.choices() for c in choosers):
+                        break
+                    self.decode([0] * rows, [ps] * rows, [page] * rows)
+        finally:
+            self.pool.allocator.free(page)
+        for rows in PREFILL_BUCKETS:
+            num_pages = pages_needed(rows, ps)
+            if rows >= SUBSET_FROM_ROWS or rows > self.context_length:
+                break
+            if num_pages > self.pool.allocator.num_free_pages:
+                break  # a small pool: product timing decides
+            pages = self.pool.allocator.allocate(num_pages)
+            try:
+                for _ in range(MAX_CHOOSING_PASSES):
+                    if rows in model.chooser.choices():
+                        break
+                    self.extend([ExtendRequest([0] * rows, 0, pages)])
+            finally:
+                self.pool.allocator.free(pages)
+        model.choose_kernels(keep_all_copies=keep_all_copies)
 
     @property
     def page_size(self) -> int:

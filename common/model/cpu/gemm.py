@@ -15,14 +15,15 @@ measures instead of guessing, once: at warm-up (`measure`) each row bucket (1, 2
 64 for decode; 128, 256, ..., 8192 for prefill, longer passes in the last) runs every
 kernel over the model's products for TRIALS (5; PREFILL_TRIALS, 3, for prefill)
 interleaved rounds, and `KernelChooser` keeps the one with the lowest median; a
-hand-written kernel only where it beats the best library kernel by MIN_GAIN (10%), so
-pdserve's own GEMMs run only where they clearly pay. Decode buckets time every layer's
+hand-written kernel only where it beats the best library kernel by MIN_GAIN (3%), so
+pdserve's own GEMMs run only where they measurably pay. Decode buckets time every layer's
 products (at few rows the weights stream from memory, and how many fit in cache changes
-the order); prefill buckets, compute-bound, time the first PREFILL_LAYERS layers' (the
-layers' shapes are all alike). Then `freeze` fixes every bucket: those warm-up did not
-reach (prefill beyond MEASURED_PREFILL_ROWS, or HEAD_MEASURED_ROWS for the LM head) take
-the choice of the nearest measured
-bucket below them in their phase, and the copies of the weights no bucket chose are
+the order), and so do prefill buckets below SUBSET_FROM_ROWS; larger ones, compute-bound,
+time the first PREFILL_LAYERS layers' (the layers' shapes are all alike). The LM head is
+timed right after a pass of the layers' products, as a forward leaves the caches. Then
+`freeze` fixes every bucket: those warm-up did not reach (prefill beyond
+MEASURED_PREFILL_ROWS, or HEAD_MEASURED_ROWS for the LM head) take the choice of the
+nearest measured bucket below them in their phase, and the copies of the weights no bucket chose are
 dropped (LinearWeight.keep_only). A fixed choice never changes (the kernels round
 differently, and a node's greedy output must not change during its life); a chooser never
 frozen (tests, a runner without warm-up) measures a bucket on its first passes instead and
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,9 +59,11 @@ BUCKETS = DECODE_BUCKETS + PREFILL_BUCKETS
 # the kernels a prefill bucket may choose: their output rows are contiguous
 PREFILL_KERNELS = (ROW_MAJOR, PACKED, PANELS)
 # pdserve's own kernels: chosen only where their median beats the best library kernel's
-# by MIN_GAIN
+# by MIN_GAIN, beyond the medians' noise. Not 10%: a forward's product seconds understate
+# what a whole pass gains (SmolLM2 float32, 2-core Xeon: panels 7% ahead in the products of
+# 128-token prefills gave those prefills 17-25% more tokens/s, 10.6% at one decode row 6%).
 HAND_WRITTEN = (AMX, PANELS)
-MIN_GAIN = 0.10
+MIN_GAIN = 0.03
 TRIALS = 5
 # a prefill pass times 120+ products of a millisecond or more: less noisy than decode's
 PREFILL_TRIALS = 3
@@ -70,10 +73,13 @@ MEASURED_PREFILL_ROWS = 1024
 # prompt's every row only for prompt logprobs (SmolLM2 float32: 6.6 s measuring up to
 # 1024 rows, 1.8 s up to 128)
 HEAD_MEASURED_ROWS = 128
-# and times them over this many layers' products (all layers' shapes are alike; at these
-# rows the products are compute-bound, so the choices match all layers' at a seventh of
-# the time for SmolLM2)
+# and from SUBSET_FROM_ROWS rows times them over PREFILL_LAYERS layers' products only (all
+# layers' shapes are alike, and there the products are compute-bound: the choices match all
+# layers' at a seventh of the time for SmolLM2). Below, the weights' streaming still
+# counts: over four layers, which stay in cache, the panel product's lead at 128 rows
+# shrank from 11% to 7% (a whole 128-token prefill: 24%).
 PREFILL_LAYERS = 4
+SUBSET_FROM_ROWS = 512
 # oneDNN's reorder takes the expected row count as a layout hint; 8 measured as good as
 # 1 or 32 across 1-64 rows, and the packed weight serves every row count.
 PACK_HINT_ROWS = 8
@@ -286,24 +292,37 @@ def measure(
     max_prefill_rows: int = MEASURED_PREFILL_ROWS,
     prefill_products: Sequence[tuple[LinearWeight, int]] | None = None,
     keep_all_copies: bool = False,
+    before: Callable[[int], None] | None = None,
 ) -> None:
     """Warm-up's measurement: each decode bucket over `products`, and each prefill bucket up
-    to `max_prefill_rows` over `prefill_products` (default `products`), at the bucket's
-    largest row count, every candidate kernel in interleaved rounds until the bucket
-    chooses; then `chooser.freeze()`, and the weights keep only the copies chosen (all of
-    them with `keep_all_copies`: a bench's side-by-side runs of other kernels)."""
+    to `max_prefill_rows` over `products` too below SUBSET_FROM_ROWS and over
+    `prefill_products` (default `products`) from there, at the bucket's largest row count,
+    every candidate kernel in interleaved rounds until the bucket chooses; then
+    `chooser.freeze()`, and the weights keep only the copies chosen (all of them with
+    `keep_all_copies`: a bench's side-by-side runs of other kernels). `before(rows)`:
+    untimed work before each timed pass, so that the products meet the caches as a forward
+    leaves them (the LM head: after the layers' products)."""
     if chooser.is_frozen:
         return
+
+    def timed_pass(products: Sequence[tuple[LinearWeight, int]], rows: int, kernel: str) -> float:
+        if before is not None:
+            before(rows)
+        return time_products(products, rows, kernel, dtype)
+
     for bucket in BUCKETS:
         prefill = is_prefill_bucket(bucket)
         if prefill and bucket > max_prefill_rows:
             continue
-        timed = (prefill_products or products) if prefill else products
+        if bucket in chooser.choices():  # chosen already (in a forward's passes)
+            continue
+        subset = prefill and bucket >= SUBSET_FROM_ROWS
+        timed = (prefill_products or products) if subset else products
         for kernel in chooser.candidates(bucket):  # one untimed pass: first-call costs
             time_products(timed, bucket, kernel, dtype)
         while bucket not in chooser.choices():
             for kernel in chooser.candidates(bucket):
-                chooser.record(bucket, kernel, time_products(timed, bucket, kernel, dtype))
+                chooser.record(bucket, kernel, timed_pass(timed, bucket, kernel))
     chooser.freeze()
     if not keep_all_copies:
         kept = chooser.chosen_kernels()
