@@ -37,35 +37,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.flags import add_bootstrap_args, add_colocated_args, add_decode_args, add_prefill_args
+from common.launch.role_args import (
+    colocated_args,
+    role_flags_help,
+    split_extra_args,
+    value,
+    without,
+)
 from common.launch.roles import ROLE_MODULES
 from common.ready import parse_ready
 
-ROLE_PARSERS = {
-    "bootstrap": add_bootstrap_args,
-    "prefill": add_prefill_args,
-    "decode": add_decode_args,
-}
-# Launch gives each child these itself (a node's id and registries, the API's address).
-LAUNCH_OWNED = {"--host", "--port", "--model-path", "--node-id", "--bootstrap-url"}
 TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
-
-
-def role_flags_help() -> str:
-    """Every flag launch passes on, with the roles that take it and its help."""
-    parsers = {role: _role_parser(role) for role in ROLE_PARSERS}
-    lines = ["flags passed on to the roles that take them (see pdserve <role> --help):"]
-    seen: set[str] = set()
-    for parser in parsers.values():
-        for action in parser._actions:
-            flags = [f for f in action.option_strings if f.startswith("--")]
-            if not flags or flags[0] in seen or flags[0] in LAUNCH_OWNED:
-                continue
-            seen.add(flags[0])
-            roles = ",".join(r for r, p in parsers.items() if flags[0] in p._option_string_actions)
-            text = (action.help or "").replace("%%", "%")
-            lines.append(f"  {flags[0]:44} [{roles}] {text}".rstrip())
-    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,42 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop the whole cluster when one process exits (default: restart it)",
     )
     return p
-
-
-def _role_parser(role: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False)
-    ROLE_PARSERS[role](parser)
-    return parser
-
-
-def colocated_args(prefill: list[str], decode: list[str]) -> list[str]:
-    """A colocated process's flags: the prefill nodes' and then the decode nodes' others,
-    less those it has no use for (--disaggregation-transfer-backend: it hands over in memory)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_colocated_args(parser)
-    both = _union(prefill, decode)
-    for flag in {a.split("=", 1)[0] for a in both if a.startswith("--")}:
-        if flag not in parser._option_string_actions:
-            both = _without(both, flag)
-    return both
-
-
-def split_extra_args(extra: list[str]) -> dict[str, list[str]]:
-    """Give each `--flag [value]` to every role whose parser accepts it; unknown -> error."""
-    parsers = {role: _role_parser(role) for role in ROLE_PARSERS}
-    out: dict[str, list[str]] = {role: [] for role in ROLE_PARSERS}
-    i = 0
-    while i < len(extra):
-        flag = extra[i].split("=", 1)[0]
-        takers = [r for r, p in parsers.items() if flag in p._option_string_actions]
-        if not takers or flag in LAUNCH_OWNED:
-            raise SystemExit(f"pdserve launch: error: unknown or reserved flag {extra[i]}")
-        action = parsers[takers[0]]._option_string_actions[flag]
-        n = 1 if "=" in extra[i] or action.nargs == 0 else 2
-        for role in takers:
-            out[role] += extra[i : i + n]
-        i += n
-    return out
 
 
 def child_env(token: str | None = None) -> dict[str, str]:
@@ -310,10 +256,10 @@ def main(argv: list[str]) -> int:
     args, extra = build_parser().parse_known_args(argv)
     per_role = split_extra_args(extra)
     per_role["colocated"] = colocated_args(per_role["prefill"], per_role["decode"])
-    registry_port = _value(per_role["bootstrap"], "--disaggregation-bootstrap-port", "8998")
-    token = _value(per_role["bootstrap"], "--auth-token", os.environ.get(TOKEN_ENV))
+    registry_port = value(per_role["bootstrap"], "--disaggregation-bootstrap-port", "8998")
+    token = value(per_role["bootstrap"], "--auth-token", os.environ.get(TOKEN_ENV))
     for role in per_role:  # the children read it from the environment, not from `ps`
-        per_role[role] = _without(per_role[role], "--auth-token")
+        per_role[role] = without(per_role[role], "--auth-token")
     if not token:
         # A cluster of its own: closed with a token nobody else knows.
         token = secrets.token_urlsafe(32)
@@ -336,16 +282,16 @@ def main(argv: list[str]) -> int:
             placements = place_on_gpus(
                 args.gpus,
                 [name for _, name in nodes],
-                _value(per_role[roles[0][0]], "--device", None),
+                value(per_role[roles[0][0]], "--device", None),
             )
         except LaunchError as exc:
             print(f"pdserve launch: error: {exc}", file=sys.stderr)
             return 2
     boot_env = {**env, **BOOTSTRAP_GPU_ENV} if placements else env
     base_registry = int(registry_port or "8998")
-    reply_port = _value(per_role["bootstrap"], "--reply-port", None)
-    boot_args = _without(
-        _without(per_role["bootstrap"], "--disaggregation-bootstrap-port"), "--reply-port"
+    reply_port = value(per_role["bootstrap"], "--reply-port", None)
+    boot_args = without(
+        without(per_role["bootstrap"], "--disaggregation-bootstrap-port"), "--reply-port"
     )
     registries = [f"http://{args.host}:{base_registry + i}" for i in range(args.num_bootstrap)]
     model = ["--model-path", args.model_path] if args.model_path else []
@@ -470,38 +416,3 @@ def _stop_all(children: list[Child], grace_s: float = 20.0) -> None:
             c.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             c.proc.kill()
-
-
-def _union(first: list[str], second: list[str]) -> list[str]:
-    """``first`` and then the flags of ``second`` that ``first`` does not give."""
-    given = {a.split("=", 1)[0] for a in first if a.startswith("--")}
-    out, i = list(first), 0
-    while i < len(second):
-        flag = second[i].split("=", 1)[0]
-        n = 1 if "=" in second[i] or i + 1 >= len(second) or second[i + 1].startswith("--") else 2
-        if flag not in given:
-            out += second[i : i + n]
-        i += n
-    return out
-
-
-def _without(args: list[str], flag: str) -> list[str]:
-    """``args`` without ``flag`` and its value (``--flag v`` or ``--flag=v``)."""
-    out, i = [], 0
-    while i < len(args):
-        if args[i] == flag:
-            i += 2
-            continue
-        if not args[i].startswith(flag + "="):
-            out.append(args[i])
-        i += 1
-    return out
-
-
-def _value(args: list[str], flag: str, default: str | None) -> str | None:
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return default

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.launch.launcher import TOKEN_ENV, Backoff, _without, child_env, split_extra_args
+from common.launch.launcher import TOKEN_ENV, Backoff, child_env
+from common.launch.role_args import split_extra_args, without
 
 
 def test_flags_reach_the_roles_that_know_them() -> None:
@@ -15,7 +16,7 @@ def test_flags_reach_the_roles_that_know_them() -> None:
 
 
 def test_the_token_goes_by_environment_never_argv() -> None:
-    assert _without(["--auth-token", "s", "--x", "1", "--auth-token=s2"], "--auth-token") == [
+    assert without(["--auth-token", "s", "--x", "1", "--auth-token=s2"], "--auth-token") == [
         "--x",
         "1",
     ]
@@ -61,7 +62,7 @@ def test_launch_gives_each_node_its_own_id_and_registries() -> None:
 
 
 def test_a_colocated_process_gets_the_flags_both_roles_take_but_the_backend() -> None:
-    from common.launch.launcher import colocated_args
+    from common.launch.role_args import colocated_args
 
     prefill = [
         "--disaggregation-transfer-backend",
