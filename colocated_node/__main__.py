@@ -35,6 +35,7 @@ from common.node.process import (
     NodeProcess,
     ServedNode,
     bind_request_socket,
+    build_grammar,
     build_runner,
     start_node,
 )
@@ -108,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             node.endpoint(pconfig.kv_events_port),
         )
     )
-    prefill = PrefillScheduler(pconfig, runner, kv=pkv, request_socket=psock, events=events)
+    # One compiler and cache for both halves: a grammar compiles once per process.
+    grammar = build_grammar(pconfig.node, pconfig.model, runner.spec.vocab_size, tokenizer)
+    prefill = PrefillScheduler(
+        pconfig, runner, kv=pkv, request_socket=psock, events=events, grammar=grammar
+    )
     if prefill.tree is not None:  # the decode side may take the cache's unused pages
         runner.pool.allocator = ReclaimingAllocator(prefill.allocator, prefill.tree)  # type: ignore[assignment]
     decode = DecodeScheduler(
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer,
         lambda node_id: pkv.control_endpoint if node_id == prefill_id else None,
         prefill_endpoints=lambda: [pkv.control_endpoint],
+        grammar=grammar,
     )
 
     def step() -> bool:

@@ -15,6 +15,7 @@ from common.cpu_features import has_native_bf16
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")  # common.model.attention
 TRANSFER_BACKENDS = ("nixl", "fake")
+GRAMMAR_BACKENDS = ("xgrammar", "none")  # common.grammar
 RETRACTION_POLICIES = ("length", "priority")
 # Cache-aware policies other than shortest-prefill-first run as fcfs without the radix cache.
 FALLBACK_CACHE_AWARE_POLICIES = ("lpm", "dfs-weight", "hrrn")
@@ -192,8 +193,16 @@ class NodeConfig:
     control_port: int = 0  # KV transfer control; 0: any free port
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
+    # Structured output (common/grammar/): xgrammar, or none (a request with a grammar: 400)
+    grammar_backend: str = "xgrammar"
+    grammar_compile_timeout_s: float = 30.0  # a compile still running then fails its request
 
     def __post_init__(self) -> None:
+        _check_choice(self.grammar_backend, GRAMMAR_BACKENDS, "--grammar-backend")
+        _check(
+            self.grammar_compile_timeout_s > 0,
+            f"--grammar-compile-timeout {self.grammar_compile_timeout_s} must be positive",
+        )
         _check_port(self.request_port, "--request-port")
         _check_port(self.control_port, "--control-port")
         _check_non_negative(self.drain_timeout_s, "--drain-timeout")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from common.config import (
     DTYPES,
+    GRAMMAR_BACKENDS,
     PREFILL_ROUTERS,
     RETRACTION_POLICIES,
     SCHEDULE_POLICIES,
@@ -82,6 +83,19 @@ def _add_node_args(parser: Parser) -> None:
         type=float,
         help="on SIGTERM, seconds to let running requests finish; those still running then "
         "get a clean 503 error (default 30)",
+    )
+    add(
+        "--grammar-backend",
+        help=f"structured output (response_format, tools, /generate's json_schema, regex, "
+        f"ebnf): one of {', '.join(GRAMMAR_BACKENDS)}; none answers such requests 400 "
+        "(default xgrammar)",
+    )
+    add(
+        "--grammar-compile-timeout",
+        dest="grammar_compile_timeout_s",
+        type=float,
+        help="seconds a request waits for its grammar to compile before it fails with 500; "
+        "the compile goes on for later requests with the same grammar (default 30)",
     )
     parser.set_defaults(**field_values(NodeConfig, NodeConfig()))
     parser.set_defaults(bootstrap_urls=None)  # argparse's append needs a list or None

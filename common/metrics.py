@@ -219,3 +219,15 @@ REJECTED_MESSAGES: Final = _counter(
     "socket",
     "reason",
 )
+
+# --- structured output -------------------------------------------------------------------
+GRAMMAR_COMPILE_SECONDS: Final = _histogram(
+    "pdserve_grammar_compile_seconds",
+    "Time to compile one grammar (JSON schema, regex, EBNF, structural tag), cache misses only.",
+    _LATENCY_BUCKETS,
+)
+GRAMMAR_CACHE_TOTAL: Final = _counter(
+    "pdserve_grammar_cache_total",
+    "Grammar lookups at request arrival, by result (hit: compiled or compiling already; miss).",
+    "result",
+)

@@ -1,4 +1,4 @@
-"""Batched next-token sampling (greedy, temperature, top-k, top-p, min-p) with logprobs."""
+"""Batched next-token sampling (greedy, temperature, top-k, top-p, min-p, grammar masks)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.grammar.backend import GrammarState
+from common.grammar.mask import GrammarMasker
 from common.sampling_params import SamplingParams
 
 
@@ -40,13 +42,19 @@ class Sampler:
     Filtering is vectorised over the batch; each random row draws with its own
     generator only, so a seeded request's tokens don't depend on its batch companions.
     Generators live on the logits' device; None draws from torch's default generator.
+    A row whose request follows a grammar (`grammars[i]` set) is masked first, in place:
+    the tokens its grammar forbids get -inf before greedy, sampling and logprobs.
     """
+
+    def __init__(self) -> None:
+        self._masker: GrammarMasker | None = None
 
     def sample(
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        grammars: Sequence[GrammarState | None] | None = None,
     ) -> SampleOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -63,6 +71,12 @@ class Sampler:
                     f"logits on {logits.device}"
                 )
         logits = logits.float()
+        if grammars is not None and any(g is not None for g in grammars):
+            if len(grammars) != batch_size:
+                raise ValueError(f"{len(grammars)} grammar states for {batch_size} rows")
+            if self._masker is None:
+                self._masker = GrammarMasker()
+            self._masker.apply(logits, grammars)
         device = logits.device
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:

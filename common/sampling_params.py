@@ -14,6 +14,10 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 INT64_MAX = 2**63 - 1  # integers travel as msgpack int64 and become torch int64 tensors
 GREEDY_TEMPERATURE_EPS = 1e-5
+# A grammar travels with the request to both nodes and is compiled on each: bound its text.
+MAX_GRAMMAR_CHARS = 256 * 1024
+# SGLang's names: at most one of them constrains a request's output (common/grammar/).
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Structured output: the output must match this grammar (at most one is set).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar that constrains the output; None when there is none."""
+        for name in GRAMMAR_FIELDS:
+            text = getattr(self, name)
+            if text is not None:
+                return name, text
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -77,6 +95,15 @@ class SamplingParams:
             if tid < 0 or (vocab_size is not None and tid >= vocab_size):
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
                 _fail(f"stop_token_ids[{i}]", f"must be a token id in {bound}, got {tid}")
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            _fail(given[1], f"cannot be combined with {given[0]}: pass one grammar")
+        for name in given:
+            text = getattr(self, name)
+            if not text:
+                _fail(name, "must be a non-empty string")
+            if len(text) > MAX_GRAMMAR_CHARS:
+                _fail(name, f"must be at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
 
     def to_wire(self) -> dict[str, Any]:
         """Plain dict for msgpack (tuples become lists)."""
@@ -92,6 +119,7 @@ class SamplingParams:
             "ignore_eos": self.ignore_eos,
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs,
+            **{name: getattr(self, name) for name in GRAMMAR_FIELDS},
         }
 
     @classmethod
@@ -131,6 +159,12 @@ def _as_float(name: str, value: Any) -> float:
     return float(value)
 
 
+def _as_optional_str(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        _fail(name, f"must be a string, got {type(value).__name__}")
+    return value
+
+
 def _as_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         _fail(name, f"must be a boolean, got {type(value).__name__}")
@@ -164,4 +198,5 @@ _WIRE_CHECKS = {
     "ignore_eos": _as_bool,
     "logprobs": _as_bool,
     "top_logprobs": _as_int,
+    **{name: _as_optional_str for name in GRAMMAR_FIELDS},
 }

@@ -12,6 +12,7 @@ from common.node.process import (
     NodeProcess,
     ServedNode,
     bind_request_socket,
+    build_grammar,
     build_runner,
     start_node,
 )
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_endpoint_for,
         prefill_lookup_timeout_s=max(2.0, config.transfer.lease_s),
         prefill_endpoints=prefill_endpoints,
+        grammar=build_grammar(config.node, config.model, runner.spec.vocab_size, tokenizer),
     )
     load = scheduler.load
     process = NodeProcess(node, scheduler.step, lambda: {**load()})

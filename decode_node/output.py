@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from common import messages as msg
+from common.grammar.backend import GrammarError
 from common.stop import FinishReason
 from decode_node.req import DecodeReq
 
@@ -10,12 +11,20 @@ from decode_node.req import DecodeReq
 def append_token(req: DecodeReq, token_id: int) -> FinishReason | None:
     """Add `token_id` to the output; the finish reason if it ends the request.
 
-    Checks, in order: stop token ids and eos (unless ignore_eos), max_new_tokens, then
-    stop strings through the incremental detokenizer (a match wins), then the context.
+    Checks, in order: the grammar (a token it refuses raises GrammarError; one that ends
+    it finishes the request, ignore_eos or not), stop token ids and eos (unless
+    ignore_eos), max_new_tokens, then stop strings through the incremental detokenizer
+    (a match wins), then the context.
     """
+    if req.grammar is not None and not req.grammar.accept(token_id):
+        raise GrammarError(
+            500, f"token {token_id} does not match the request's grammar on the decode node"
+        )
     req.output_ids.append(token_id)
     num = len(req.output_ids)
     finish = req.stop.check_token(token_id, num)
+    if finish is None and req.grammar is not None and req.grammar.is_terminated:
+        finish = FinishReason.stop(token_id)
     if req.detokenizer is not None:
         _, is_matched = req.stop.feed(req.detokenizer.add([token_id]))
         if is_matched:

@@ -10,7 +10,7 @@ PREALLOC   receiver created; waits for the handshake and for the KV budget
 TRANSFER   destination pages allocated and sent to the prefill node; KV arriving
 WAITING    KV and first token committed; waits for a slot in the running batch
 RUNNING    decoded one token per iteration
-RETRACTED  device pages freed, KV kept in host memory, output and sampler state kept
+RETRACTED  device pages freed, KV kept in host memory, output, sampler and grammar state kept
 FINISHED / FAILED are terminal: nothing leaves them and they hold no pages.
 """
 
@@ -22,6 +22,7 @@ from enum import Enum
 import torch
 
 from common import messages as msg
+from common.grammar.backend import GrammarState, GrammarTicket
 from common.node.scheduling import check_transition
 from common.sampling_params import SamplingParams
 from common.stop import StopChecker
@@ -83,6 +84,10 @@ class DecodeReq:
     output_ids: list[int] = field(default_factory=list)
     last_token_at: float | None = None
     num_retractions: int = 0
+    # Structured output: the compile under way (from arrival), then the matcher, built from
+    # the compiled grammar and the output tokens so far (the prefill node's first token on).
+    grammar_ticket: GrammarTicket | None = None
+    grammar: GrammarState | None = None
 
     @property
     def rid(self) -> str:

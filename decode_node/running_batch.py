@@ -81,7 +81,12 @@ class RunningBatch:
         logits = self.runner.decode(
             [r.output_ids[-1] for r in batch], [r.seq_len for r in batch], [r.pages for r in batch]
         )
-        out = self.sampler.sample(logits, [r.sampling for r in batch], [r.generator for r in batch])
+        out = self.sampler.sample(
+            logits,
+            [r.sampling for r in batch],
+            [r.generator for r in batch],
+            [r.grammar for r in batch],
+        )
         return batch, out
 
     def remove(self, r: DecodeReq) -> bool:

@@ -7,8 +7,10 @@ One step (`step()`), like nano-vllm's:
      retracted, admit prealloc requests under the KV budget: allocate destination pages
      and send them to the prefill node (send_metadata);
   3. poll the KVManager (handshakes, TransferDone, leases, timeouts);
-  4. transfer queue: commit the first token of each finished room and stream it; failed
-     rooms fail their request, their pages are freed once no write can land any more;
+  4. transfer queue: commit the first token of each finished room and stream it (a request
+     with a grammar waits until its grammar, compiled off the loop since arrival, is ready;
+     its matcher starts from the first token); failed rooms fail their request, their
+     pages are freed once no write can land any more;
   5. waiting -> running up to max_running_requests; if the pool cannot hold the next
      token of every running request, retract (policy order) until the rest can run
      RETRACT_DECODE_STEPS more steps; one runner.decode for the whole batch; sample,
@@ -27,6 +29,7 @@ import zmq
 from common import messages as msg
 from common import stages
 from common.config import DecodeConfig
+from common.grammar.backend import GrammarBackend, GrammarError, GrammarState
 from common.ipc import PushPool
 from common.kv_pool import pages_needed
 from common.model.runner import ModelRunner
@@ -80,8 +83,10 @@ class DecodeScheduler:
         clock: Callable[[], float] = time.monotonic,
         prefill_lookup_timeout_s: float = PREFILL_LOOKUP_TIMEOUT_S,
         prefill_endpoints: Callable[[], list[str]] = list,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         self.config = config
+        self.grammar = grammar  # None: structured output is off here (400 for a grammar)
         self.runner = runner
         self.kv = kv
         self.request_socket = request_socket
@@ -178,6 +183,8 @@ class DecodeScheduler:
             g, checked, self.limits, self.tokenizer, self.runner.device, self.clock()
         )
         req.marks[stages.DECODE_RECEIVED] = received
+        if self.grammar is not None and checked.grammar is not None:
+            req.grammar_ticket = self.grammar.submit(*checked.grammar)
         self.reqs[g.rid] = req
         self.prealloc_queue.add(req)
         self._attach_receiver(req)
@@ -190,6 +197,8 @@ class DecodeScheduler:
         sampling = check_request(g, self.limits)
         if isinstance(sampling, Rejection):
             return sampling
+        if sampling.grammar is not None and self.grammar is None:
+            return Rejection(400, "structured output is off on this node (--grammar-backend none)")
         limit = self.config.max_queued_requests
         if limit is not None and len(self.prealloc_queue) >= limit:
             return Rejection(503, "the decode node's queue is full; retry later")
@@ -310,6 +319,8 @@ class DecodeScheduler:
             reason = r.receiver.failure_reason if r.receiver is not None else "no receiver"
             self._fail(r, 500, f"KV transfer from the prefill node failed: {reason}")
         for r in done:
+            if not self._grammar_ready(r):
+                continue
             assert r.receiver is not None and r.receiver.aux is not None
             aux = r.receiver.aux
             r.receiver.clear()
@@ -321,12 +332,37 @@ class DecodeScheduler:
             if r.max_new_tokens == 0:
                 self._finish(r, FinishReason.length())
                 continue
-            finish = self._emit(r, aux.first_token_id, aux.first_logprob, aux.top_logprobs, r.marks)
+            try:
+                finish = self._emit(
+                    r, aux.first_token_id, aux.first_logprob, aux.top_logprobs, r.marks
+                )
+            except GrammarError as exc:
+                self._fail(r, exc.status, str(exc))
+                continue
             if finish is not None:
                 self._finish(r, finish)
                 continue
             r.advance(DecodeState.WAITING)
             self.waiting_queue.append(r)
+
+    def _grammar_ready(self, r: DecodeReq) -> bool:
+        """Whether r (its KV in place) can commit its first token: it has no grammar, or its
+        matcher is built. A grammar still compiling puts r back in the transfer queue; one
+        that failed fails r."""
+        if r.grammar_ticket is None or r.grammar is not None:
+            return True
+        assert self.grammar is not None, "a grammar ticket comes from a backend"
+        try:
+            compiled = self.grammar.poll(r.grammar_ticket)
+            if compiled is None:
+                self.transfer_queue.add(r)
+                return False
+            # Rebuilt from the tokens so far: none yet here; _emit feeds the first token.
+            r.grammar = GrammarState(compiled, r.output_ids)
+        except GrammarError as exc:
+            self._fail(r, exc.status, str(exc))
+            return False
+        return True
 
     # ---- the running batch ---------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from common.node.process import (
     NodeProcess,
     ServedNode,
     bind_request_socket,
+    build_grammar,
     build_runner,
     start_node,
 )
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             node.endpoint(config.kv_events_port),
         )
     )
-    scheduler = PrefillScheduler(config, runner, kv, request_socket, events=events)
+    grammar = build_grammar(config.node, config.model, runner.spec.vocab_size)
+    scheduler = PrefillScheduler(config, runner, kv, request_socket, events=events, grammar=grammar)
 
     def load() -> dict[str, Any]:
         return {

@@ -3,7 +3,7 @@
 It checks each request's state against the queue holding it, and each used page's owner.
 
 Between two steps a request the node holds sits in exactly the place its state names
-(req_state.py): the bootstrap queue, the waiting queue, the chunked slot (the one
+(req_state.py): the bootstrap queue, the grammar queue, the waiting queue, the chunked slot (the one
 PREFILLING request a round leaves unfinished) or the inflight queue. A used page is
 either the radix cache's or one request's own (own_pages, duplicate_pages), never both,
 never two requests'.
@@ -39,6 +39,8 @@ class PrefillQueues(Protocol):
     @property
     def bootstrap_queue(self) -> HoldsRequests: ...
     @property
+    def grammar_queue(self) -> HoldsRequests: ...
+    @property
     def waiting_queue(self) -> list[Req]: ...
     @property
     def chunked(self) -> PrefillReq | None: ...
@@ -59,6 +61,7 @@ def check_requests(s: PrefillQueues) -> None:
         raise AssertionError("the waiting queue holds a request the node does not")
     queues: dict[PrefillState, list[PrefillReq]] = {
         PrefillState.BOOTSTRAP: s.bootstrap_queue.queue,
+        PrefillState.GRAMMAR: s.grammar_queue.queue,
         PrefillState.WAITING: [r for r in waiting if r is not None],
         PrefillState.PREFILLING: [s.chunked] if s.chunked is not None else [],
         PrefillState.TRANSFERRING: s.inflight_queue.queue,
@@ -84,7 +87,7 @@ def check_requests(s: PrefillQueues) -> None:
 
 def _check_pages(r: PrefillReq, page_size: int) -> None:
     """What r holds fits its state: nothing before admission, pages of what it computed after."""
-    if r.state in (PrefillState.BOOTSTRAP, PrefillState.WAITING):
+    if r.state in (PrefillState.BOOTSTRAP, PrefillState.GRAMMAR, PrefillState.WAITING):
         if r.pages or r.duplicate_pages or r.locked_node is not None:
             raise AssertionError(f"request {r.rid} ({r.state.value}) holds pages")
         return

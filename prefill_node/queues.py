@@ -4,10 +4,13 @@ GenerateReq ─▶ bootstrap_queue ─▶ waiting_queue ─▶ (chunked) prefill
                sender Bootstrapping  sorted by the     KV sent after      until the sender
                until the decode      policy, admitted   every chunk        reports Success
                node's pages arrive   by PrefillAdder
+                      │                 ▲
+                      └▶ grammar_queue ─┘  a grammar still compiling (SGLang's grammar queue)
 """
 
 from __future__ import annotations
 
+from common.grammar.backend import GrammarBackend, GrammarError
 from prefill_node.req_state import PrefillReq
 from transfer.kv_poll import KVPoll
 
@@ -65,3 +68,55 @@ class InflightQueue(_SenderQueue):
     def pop_done(self) -> tuple[list[PrefillReq], list[PrefillReq]]:
         """(transferred, failed)."""
         return self._pop()
+
+
+class GrammarQueue:
+    """Bootstrapped requests whose grammar is still compiling on the backend's threads."""
+
+    def __init__(self) -> None:
+        self.queue: list[PrefillReq] = []
+
+    def add(self, r: PrefillReq) -> None:
+        self.queue.append(r)
+
+    def remove(self, r: PrefillReq) -> bool:
+        if r in self.queue:
+            self.queue.remove(r)
+            return True
+        return False
+
+    def pop_ready(
+        self, backend: GrammarBackend
+    ) -> tuple[list[PrefillReq], list[tuple[PrefillReq, GrammarError]]]:
+        """(compiled, in arrival order; failed with why); the rest stay."""
+        ready: list[PrefillReq] = []
+        failed: list[tuple[PrefillReq, GrammarError]] = []
+        keep: list[PrefillReq] = []
+        for r in self.queue:
+            outcome = poll_grammar(r, backend)
+            if isinstance(outcome, GrammarError):
+                failed.append((r, outcome))
+            elif outcome:
+                ready.append(r)
+            else:
+                keep.append(r)
+        self.queue = keep
+        return ready, failed
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+
+def poll_grammar(r: PrefillReq, backend: GrammarBackend | None) -> bool | GrammarError:
+    """Whether r's grammar is ready (True when it has none), or why it cannot be."""
+    if r.grammar_ticket is None or r.grammar is not None:
+        return True
+    assert backend is not None, "a grammar ticket comes from a backend"
+    try:
+        compiled = backend.poll(r.grammar_ticket)
+    except GrammarError as exc:
+        return exc
+    if compiled is None:
+        return False
+    r.grammar = compiled
+    return True

@@ -1,11 +1,13 @@
 """One request on the prefill node: its lifecycle state machine and everything it holds.
 
     BOOTSTRAP ──▶ WAITING ──▶ PREFILLING ──▶ TRANSFERRING ──▶ FINISHED
-                     ▲             │
-                     └─────────────┘   deferred: pages ran short, its own pages freed
-    every state above but FINISHED ──▶ FAILED   (abort, bootstrap or transfer failure)
+        │            ▲  ▲             │
+        └▶ GRAMMAR ──┘  └─────────────┘   deferred: pages ran short, its own pages freed
+    every state above but FINISHED ──▶ FAILED   (abort, bootstrap, grammar or transfer failure)
 
 BOOTSTRAP     in the bootstrap queue: its KVSender waits for the decode node's pages
+GRAMMAR       in the grammar queue: bootstrapped, its grammar still compiling off the loop;
+              holds no page
 WAITING       in the waiting queue: sorted by the policy, admitted by the PrefillAdder;
               holds no page
 PREFILLING    admitted: in this round's batch, and between rounds the one chunked
@@ -20,7 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import xgrammar as xgr
+
 from common import messages as msg
+from common.grammar.backend import GrammarTicket
 from common.node.scheduling import check_transition
 from common.sampling_params import SamplingParams
 from prefill_node.radix_node import TreeNode
@@ -30,6 +35,7 @@ from transfer.kv_sender import KVSender
 
 class PrefillState(Enum):
     BOOTSTRAP = "bootstrap"
+    GRAMMAR = "grammar"
     WAITING = "waiting"
     PREFILLING = "prefilling"
     TRANSFERRING = "transferring"
@@ -42,7 +48,10 @@ class PrefillState(Enum):
 
 
 _TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
-    PrefillState.BOOTSTRAP: frozenset({PrefillState.WAITING, PrefillState.FAILED}),
+    PrefillState.BOOTSTRAP: frozenset(
+        {PrefillState.GRAMMAR, PrefillState.WAITING, PrefillState.FAILED}
+    ),
+    PrefillState.GRAMMAR: frozenset({PrefillState.WAITING, PrefillState.FAILED}),
     PrefillState.WAITING: frozenset({PrefillState.PREFILLING, PrefillState.FAILED}),
     PrefillState.PREFILLING: frozenset(
         {PrefillState.WAITING, PrefillState.TRANSFERRING, PrefillState.FAILED}
@@ -76,6 +85,10 @@ class PrefillReq:
     duplicate_pages: list[int] = field(default_factory=list)
     # Wall-clock marks (common/stages.py), sent on to the decode node with the KV.
     marks: dict[str, float] = field(default_factory=dict)
+    # Structured output: the compile under way, then its result (the first token is
+    # sampled under it).
+    grammar_ticket: GrammarTicket | None = None
+    grammar: xgr.CompiledGrammar | None = None
 
     @property
     def rid(self) -> str:

@@ -3,10 +3,12 @@
 One step (`step()`), like nano-vllm's:
   1. drain GenerateReq / AbortReq from the request socket into the bootstrap queue;
   2. poll the KVManager (handshakes, TransferRequests, writes, leases, timeouts);
-  3. move bootstrapped requests to the waiting queue;
+  3. move bootstrapped requests to the waiting queue, through the grammar queue while
+     their grammar compiles off the loop;
   4. calc_priority + PrefillAdder pick this round's chunks (the chunked request first);
   5. one model extend for the batch; each request's new whole pages go to its KVSender;
-     a request's last chunk samples its one token and sends the rest plus the aux data;
+     a request's last chunk samples its one token (under its grammar, if any) and sends
+     the rest plus the aux data;
   6. inflight requests whose transfer succeeded put their pages in the radix cache and
      unlock it (the prefix stays cached); failed ones free what they hold.
 Each request's state (prefill_node/req_state.py) names the one place holding it, and moves
@@ -27,6 +29,7 @@ import zmq
 from common import messages as msg
 from common import stages
 from common.config import PrefillConfig
+from common.grammar.backend import GrammarBackend, GrammarError, GrammarState
 from common.ipc import PushPool
 from common.kv_pool import pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
@@ -40,7 +43,7 @@ from prefill_node.cache_aware_orders import usable_prefix_len
 from prefill_node.integrity import check_requests
 from prefill_node.kv_events import KVEventPublisher
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
-from prefill_node.queues import BootstrapQueue, InflightQueue
+from prefill_node.queues import BootstrapQueue, GrammarQueue, InflightQueue, poll_grammar
 from prefill_node.radix_cache import RadixCache
 from prefill_node.req_state import PrefillReq, PrefillState
 from prefill_node.request import Req
@@ -64,8 +67,10 @@ class PrefillScheduler:
         *,
         clock: Callable[[], float] = time.monotonic,
         events: KVEventPublisher | None = None,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         self.config = config
+        self.grammar = grammar  # None: structured output is off here (400 for a grammar)
         self.runner = runner
         self.kv = kv
         self.allocator = runner.pool.allocator
@@ -82,6 +87,7 @@ class PrefillScheduler:
         self.clock = clock
         self.sampler = Sampler()
         self.bootstrap_queue = BootstrapQueue()
+        self.grammar_queue = GrammarQueue()
         self.waiting_queue: list[Req] = []
         self.inflight_queue = InflightQueue()
         self.states: dict[str, PrefillReq] = {}  # by rid, every request this node holds
@@ -110,12 +116,23 @@ class PrefillScheduler:
         ready, failed = self.bootstrap_queue.pop_bootstrapped()
         now = time.time()
         for s in ready:
-            s.advance(PrefillState.WAITING)
             s.marks[stages.PREFILL_BOOTSTRAPPED] = now
-            s.req.enter_waiting_queue(self.clock(), self.processed_tokens)
-            self.waiting_queue.append(s.req)
+            outcome = poll_grammar(s, self.grammar)
+            if isinstance(outcome, GrammarError):
+                self._fail(s, outcome.status, str(outcome))
+            elif outcome:
+                self._enter_waiting(s)
+            else:
+                s.advance(PrefillState.GRAMMAR)
+                self.grammar_queue.add(s)
         for s in failed:
             self._fail(s, 500, f"KV bootstrap failed: {s.sender.failure_reason}")
+        if self.grammar is not None and self.grammar_queue:
+            compiled, bad = self.grammar_queue.pop_ready(self.grammar)
+            for s in compiled:
+                self._enter_waiting(s)
+            for s, exc in bad:
+                self._fail(s, exc.status, str(exc))
         chunks = self._schedule()
         if chunks:
             if self.events is not None and self.tree is not None:
@@ -128,6 +145,11 @@ class PrefillScheduler:
         if self.events is not None and self.tree is not None:
             self.events.flush(self.queued_tokens, self.tree.page_hashes)
         return bool(chunks)
+
+    def _enter_waiting(self, s: PrefillReq) -> None:
+        s.advance(PrefillState.WAITING)
+        s.req.enter_waiting_queue(self.clock(), self.processed_tokens)
+        self.waiting_queue.append(s.req)
 
     def _on_message(self, m: msg.Message) -> None:
         if isinstance(m, msg.KVSnapshotRequest) and self.events is not None:
@@ -187,6 +209,9 @@ class PrefillScheduler:
                 sampling = replace(sampling, logprobs=True)  # the first token's logprob
         except ValueError as exc:
             error = error or str(exc)
+        else:
+            if sampling.grammar is not None and self.grammar is None and error is None:
+                error = "structured output is off on this node (--grammar-backend none)"
         if error is not None:
             self.push.send(g.reply_endpoint, msg.ReqFailed(rid=g.rid, status=status, error=error))
             self.stats.finished("rejected")
@@ -209,6 +234,8 @@ class PrefillScheduler:
             self.kv.create_sender(g.room, n),
             marks={stages.PREFILL_RECEIVED: received},
         )
+        if self.grammar is not None and sampling.grammar is not None:
+            s.grammar_ticket = self.grammar.submit(*sampling.grammar)
         self.states[g.rid] = s
         self.bootstrap_queue.add(s)
         self.stats.prompt_tokens(n)
@@ -217,7 +244,8 @@ class PrefillScheduler:
         """--max-queued-requests: requests waiting here (for their decode node's pages, or
         to be scheduled) are at the limit; a new one is refused with 503 (SGLang's meaning)."""
         limit = self.config.max_queued_requests
-        return limit is not None and len(self.bootstrap_queue) + len(self.waiting_queue) >= limit
+        num_queued = len(self.bootstrap_queue) + len(self.grammar_queue) + len(self.waiting_queue)
+        return limit is not None and num_queued >= limit
 
     # ---- scheduling ----------------------------------------------------------------------------
 
@@ -358,7 +386,12 @@ class PrefillScheduler:
             return
         # the generator lives where the logits are (torch refuses a CPU one for cuda logits)
         generator = make_generator(s.sampling.seed, logits.device)
-        sample = self.sampler.sample(logits, [s.sampling], [generator])
+        grammar = GrammarState(s.grammar) if s.grammar is not None else None
+        sample = self.sampler.sample(logits, [s.sampling], [generator], [grammar])
+        if grammar is not None and not grammar.accept(sample.token_ids[0]):
+            raise GrammarError(
+                500, f"the grammar refused its own first token {sample.token_ids[0]}"
+            )
         top = sample.top_logprobs[0] if sample.top_logprobs else []
         logprob = sample.logprobs[0] if sample.logprobs else None
         s.marks[stages.PREFILL_COMPUTED] = time.time()
@@ -442,6 +475,8 @@ class PrefillScheduler:
         """Take s out of the queue its state names, free what it holds, tell the gateway."""
         if s.state is PrefillState.BOOTSTRAP:
             self.bootstrap_queue.remove(s)  # a failed handshake has left it already
+        elif s.state is PrefillState.GRAMMAR:
+            self.grammar_queue.remove(s)
         elif s.state is PrefillState.WAITING:
             self.waiting_queue.remove(s.req)
         elif s.state is PrefillState.PREFILLING:

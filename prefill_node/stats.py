@@ -21,6 +21,9 @@ class PrefillView(Protocol):
     def bootstrap_queue(self) -> Sized: ...
 
     @property
+    def grammar_queue(self) -> Sized: ...
+
+    @property
     def waiting_queue(self) -> Sized: ...
 
     @property
@@ -39,7 +42,7 @@ class PrefillStats:
         role = "prefill"
         self._queues = {
             q: metrics.QUEUE_REQUESTS.labels(role=role, queue=q)
-            for q in ("bootstrap", "waiting", "inflight")
+            for q in ("bootstrap", "grammar", "waiting", "inflight")
         }
         self._used = metrics.KV_PAGES_USED.labels(role=role)
         self._held = metrics.KV_PAGES_HELD.labels(role=role)
@@ -52,6 +55,7 @@ class PrefillStats:
     def update(self) -> None:
         s = self.s
         self._queues["bootstrap"].set(len(s.bootstrap_queue))
+        self._queues["grammar"].set(len(s.grammar_queue))
         self._queues["waiting"].set(len(s.waiting_queue))
         self._queues["inflight"].set(len(s.inflight_queue))
         self._used.set(s.allocator.num_used_pages)

@@ -21,11 +21,14 @@ import zmq
 from common import messages as msg
 from common import metrics, socket_auth
 from common.config import ModelConfig, NodeConfig
+from common.grammar.backend import GrammarBackend
 from common.ipc import bind_pull
+from common.model.loader import resolve_model_dir
 from common.node.gateway_watch import GatewayWatch
 from common.node.http import serve_status
 from common.node.registry_set import RegistrySet
 from common.ready import READY_PREFIX, ready_line  # noqa: F401  (READY_PREFIX: for callers)
+from common.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from common.model.runner import ModelRunner
@@ -295,3 +298,14 @@ def setup_logging(level: str, role: str) -> None:
         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
     )
     metrics.set_role(role)
+
+
+def build_grammar(
+    config: NodeConfig, model: ModelConfig, vocab_size: int, tokenizer: Tokenizer | None = None
+) -> GrammarBackend | None:
+    """The node's grammar compiler (--grammar-backend), or None when structured output is off."""
+    if config.grammar_backend == "none":
+        return None
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_pretrained(resolve_model_dir(model.model_path))
+    return GrammarBackend(tokenizer, vocab_size, timeout_s=config.grammar_compile_timeout_s)
