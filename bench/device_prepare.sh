@@ -9,7 +9,8 @@
 # msgpack, prometheus-client, safetensors, transformers, tokenizers. fastapi imports
 # opentelemetry-api at import time; pydantic 2.14 wants typing-extensions >= 4.16, newer than
 # the image's may be, so both travel too. gguf stays behind: pdserve imports it only to
-# convert a .gguf model, and the check makes HF checkpoints. The versions are the ones this
+# convert a .gguf model, and the check makes HF checkpoints. xgrammar (structured output,
+# with its apache-tvm-ffi) is imported by every node's sampler. The versions are the ones this
 # repo's CPU venv runs its tests with.
 #
 # Usage: bash bench/device_prepare.sh [--force]   (uses .venv's pip when there is one)
@@ -26,6 +27,7 @@ SERVING_WHEELS=(
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 httptools==0.9.0
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   sniffio==1.3.1 opentelemetry-api==1.45.2 typing-extensions==4.16.0
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 )
 
 if [ "${1:-}" = "--force" ]; then rm -rf "$ROOT/.device"; fi

@@ -1,0 +1,1 @@
+"""Structured output: grammars compiled off the loops, matchers, and the batched token mask."""
