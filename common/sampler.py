@@ -76,7 +76,7 @@ class Sampler:
                 raise ValueError(f"{len(grammars)} grammar states for {batch_size} rows")
             if self._masker is None:
                 self._masker = GrammarMasker()
-            self._masker.apply(logits, grammars)
+            logits = self._masker.apply(logits, grammars)
         device = logits.device
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,15 +74,27 @@ class Tokenizer:
         return str(self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Prompt ids for an OpenAI-style message list rendered with the model's template."""
+        """Prompt ids for an OpenAI-style message list rendered with the model's template.
+
+        `tools` (OpenAI function tools) go to the template, which renders them if it knows how.
+        """
         if self._hf.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
         normalized = validate_messages(messages)
+        hf_tools: list[dict[Any, Any] | Callable[..., Any]] | None = (
+            None if tools is None else list(tools)
+        )
         try:
             rendered = self._hf.apply_chat_template(
-                normalized, add_generation_prompt=add_generation_prompt, tokenize=False
+                normalized,
+                tools=hf_tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
             )
         except Exception as exc:  # jinja's raise_exception() and template errors
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
@@ -93,6 +105,9 @@ class Tokenizer:
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check an OpenAI-style message list; text-part content lists are joined with newlines.
 
+    Tool use: an assistant message with `tool_calls` may have null or no content (made "");
+    a "tool" message needs a string `tool_call_id`. A call's `arguments` is a JSON string
+    (OpenAI) or an already parsed object (what HF chat templates take).
     Every problem, type errors included, raises ValueError: the API answers it with a 400.
     """
     if not isinstance(messages, list) or not messages:
@@ -107,8 +122,43 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise ValueError(
                 f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}"
             )
-        normalized.append({**message, "content": _content_text(i, message.get("content"))})
+        normalized.append(_normalized_message(i, message))
     return normalized
+
+
+def _normalized_message(index: int, message: dict[str, Any]) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if message["role"] != "assistant":
+            raise ValueError(f"{where}.tool_calls is allowed only on assistant messages")
+        _check_tool_calls(where, tool_calls)
+    if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise ValueError(f"{where}.tool_call_id must be a string")
+    content = message.get("content")
+    if content is None and tool_calls:
+        return {**message, "content": ""}
+    return {**message, "content": _content_text(index, content)}
+
+
+def _check_tool_calls(where: str, tool_calls: Any) -> None:
+    if not isinstance(tool_calls, list):
+        raise ValueError(f"{where}.tool_calls must be a list")  # noqa: TRY004
+    for j, call in enumerate(tool_calls):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise ValueError(f"{at} must be an object")  # noqa: TRY004
+        if not isinstance(call.get("id"), str):
+            raise ValueError(f"{at}.id must be a string")
+        if call.get("type", "function") != "function":
+            raise ValueError(f"{at}.type must be 'function'")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise ValueError(f"{at}.function must be an object")  # noqa: TRY004
+        if not isinstance(function.get("name"), str):
+            raise ValueError(f"{at}.function.name must be a string")
+        if not isinstance(function.get("arguments"), (str, dict)):
+            raise ValueError(f"{at}.function.arguments must be a string of JSON")
 
 
 def _content_text(index: int, content: Any) -> str:

@@ -143,6 +143,7 @@ class DecodeScheduler:
         )
         self.failures.abort_orphans(self.clock())
         self._warm_peers()
+        self._fail_bad_grammars()
         self._process_prealloc()
         self.kv.poll()
         self._process_transferred()
@@ -344,6 +345,18 @@ class DecodeScheduler:
                 continue
             r.advance(DecodeState.WAITING)
             self.waiting_queue.append(r)
+
+    def _fail_bad_grammars(self) -> None:
+        """A request whose grammar failed to compile or timed out fails now, before its KV
+        arrives (the prefill node fails it too; either answer reaches the gateway)."""
+        if self.grammar is None:
+            return
+        for r in [*self.prealloc_queue.queue, *self.transfer_queue.queue]:
+            if r.grammar_ticket is not None and r.grammar is None:
+                try:
+                    self.grammar.poll(r.grammar_ticket)
+                except GrammarError as exc:
+                    self._fail(r, exc.status, str(exc))
 
     def _grammar_ready(self, r: DecodeReq) -> bool:
         """Whether r (its KV in place) can commit its first token: it has no grammar, or its

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import xgrammar as xgr
 
@@ -50,7 +51,7 @@ class GrammarTicket:
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
-def _clean(exc: BaseException) -> str:
+def clean_error(exc: BaseException) -> str:
     """xgrammar's message without its '[hh:mm:ss] /project/cpp/file.cc:123: ' prefix."""
     lines = _XGRAMMAR_PREFIX.sub("", str(exc).strip()).splitlines()
     return lines[0] if lines else type(exc).__name__
@@ -61,21 +62,13 @@ class GrammarBackend:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
-        vocab_size: int,
+        info: xgr.TokenizerInfo,
         *,
         timeout_s: float = 30.0,
         max_workers: int = 2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # The model's vocabulary can be larger than the tokenizer's (padding rows): the
-        # bitmask covers every logit, and ids past the tokenizer's are never allowed.
-        self.info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer.hf_tokenizer,
-            vocab_size=vocab_size,
-            stop_token_ids=sorted(tokenizer.eos_token_ids) or None,
-        )
-        self.vocab_size = vocab_size
+        self.info = info
         self.timeout_s = timeout_s
         self.clock = clock
         self._compiler = xgr.GrammarCompiler(
@@ -83,6 +76,18 @@ class GrammarBackend:
         )
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int, **kwargs: Any) -> GrammarBackend:
+        """A backend for a model's tokenizer. The model's vocabulary can be larger than the
+        tokenizer's (padding rows): the bitmask covers every logit, and ids past the
+        tokenizer's are never allowed. The grammar's stop tokens are the tokenizer's eos."""
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer.hf_tokenizer,
+            vocab_size=vocab_size,
+            stop_token_ids=sorted(tokenizer.eos_token_ids) or None,
+        )
+        return cls(info, **kwargs)
 
     def submit(self, kind: str, text: str) -> GrammarTicket:
         """Start (or join) the compile of a grammar; the loop polls the ticket."""
@@ -111,7 +116,7 @@ class GrammarBackend:
             return None
         exc = ticket.future.exception()
         if exc is not None:
-            raise GrammarError(400, f"invalid {ticket.kind}: {_clean(exc)}")
+            raise GrammarError(400, f"invalid {ticket.kind}: {clean_error(exc)}")
         return ticket.future.result()
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:

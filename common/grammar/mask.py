@@ -25,16 +25,22 @@ class GrammarMasker:
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._bitmask: torch.Tensor | None = None
 
-    def apply(self, logits: torch.Tensor, states: Sequence[GrammarState | None]) -> None:
+    def apply(self, logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
+        """The logits with the grammar rows masked: `logits` itself, masked in place, when it
+        is contiguous, else a contiguous copy (xgrammar's kernels index rows by shape, not by
+        stride: on a transposed [B, V] view, as a weight-major LM head returns, they mask
+        the wrong entries of every row)."""
         rows = [i for i, s in enumerate(states) if s is not None]
         if not rows:
-            return
+            return logits
+        logits = logits.contiguous()
         batch, vocab = logits.shape
         bitmask = self._buffer(batch, vocab)
         matchers = [states[i].matcher for i in rows]  # type: ignore[union-attr]
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
         device_mask = bitmask if logits.device.type == "cpu" else bitmask.to(logits.device)
         xgr.apply_token_bitmask_inplace(logits, device_mask[:batch], indices=rows)
+        return logits
 
     def _buffer(self, batch: int, vocab: int) -> torch.Tensor:
         """A host bitmask of at least `batch` rows, kept between steps."""

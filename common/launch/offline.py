@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from common.grammar.backend import GrammarState
 from common.kv_pool import pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
 from common.sampler import Sampler, make_generator
@@ -21,9 +22,14 @@ class OfflineResult:
 
 
 def generate_stream(
-    runner: ModelRunner, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams
+    runner: ModelRunner,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    grammar: GrammarState | None = None,
 ) -> Iterator[str | OfflineResult]:
-    """Yield text pieces as they are produced, then one OfflineResult."""
+    """Yield text pieces as they are produced, then one OfflineResult. With `grammar` (a
+    matcher of params' grammar, compiled by the caller) the output follows it, as on a node."""
     params.validate(runner.spec.vocab_size)
     budget = min(len(prompt_ids) + params.max_new_tokens, runner.context_length)
     if len(prompt_ids) >= budget:
@@ -40,9 +46,13 @@ def generate_stream(
     try:
         logits = runner.extend([ExtendRequest(prompt_ids, 0, pages)]).logits
         while True:
-            token = sampler.sample(logits, [params], [gen]).token_ids[0]
+            token = sampler.sample(logits, [params], [gen], [grammar]).token_ids[0]
+            if grammar is not None and not grammar.accept(token):
+                raise ValueError(f"the grammar refused token {token}")
             out.append(token)
             finish = stop.check_token(token, len(out))
+            if finish is None and grammar is not None and grammar.is_terminated:
+                finish = FinishReason.stop(token)
             piece, matched = stop.feed(detok.add([token]))
             if matched:
                 finish = FinishReason.stop(stop.matched_stop or "")

@@ -308,4 +308,6 @@ def build_grammar(
         return None
     if tokenizer is None:
         tokenizer = Tokenizer.from_pretrained(resolve_model_dir(model.model_path))
-    return GrammarBackend(tokenizer, vocab_size, timeout_s=config.grammar_compile_timeout_s)
+    return GrammarBackend.for_tokenizer(
+        tokenizer, vocab_size, timeout_s=config.grammar_compile_timeout_s
+    )
