@@ -15,13 +15,8 @@ from tests.unit.decode_node.test_decode_scheduler import (
     PAGE,
     PD,
     greedy,
-    model_dir,
-    one_torch_thread,
     prompt,
-    ref,
 )
-
-__all__ = ["model_dir", "one_torch_thread", "ref"]  # fixtures shared with the scheduler tests
 
 
 def _workload():

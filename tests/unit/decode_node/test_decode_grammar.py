@@ -16,16 +16,13 @@ from common.sampler import Sampler
 from common.sampling_params import SamplingParams
 from decode_node.req import DecodeState
 from prefill_node.req_state import PrefillState
-from tests.unit.decode_node.test_decode_scheduler import (  # noqa: F401 - fixtures
+from tests.unit.decode_node.test_decode_scheduler import (
     PD,
     SMALL_CHUNKS,
     FakeTokenizer,
     _assert_all_free,
     greedy,
-    model_dir,
-    one_torch_thread,
     prompt,
-    ref,
 )
 
 VOCAB = 160

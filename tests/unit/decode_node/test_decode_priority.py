@@ -8,13 +8,8 @@ import pytest
 
 from common import messages as msg
 from decode_node.req import DecodeState
-from tests.unit.decode_node import test_decode_scheduler as harness
 from tests.unit.decode_node.test_decode_scheduler import PD, _assert_all_free, greedy, prompt
 from transfer.kv_poll import KVPoll
-
-# The harness's module fixtures, used here by name.
-model_dir = harness.model_dir
-ref = harness.ref
 
 
 def test_schedule_conservativeness_scales_the_new_token_ratio(model_dir):

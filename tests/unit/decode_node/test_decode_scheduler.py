@@ -46,29 +46,6 @@ class ManualClock:
         return time.monotonic() + self.offset
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # Tiny matmuls on a shared 2-core machine: extra threads only spin against each other.
-    num = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tests.unit.common.model.test_model_runner import _save_tiny
-
-    path = tmp_path_factory.mktemp("tiny")
-    _save_tiny(path, "llama")
-    return path
-
-
-@pytest.fixture(scope="module")
-def ref(model_dir):
-    return ModelRunner.from_path(str(model_dir), progress=False, page_size=PAGE, num_pages=64)
-
-
 def greedy(runner, prompt, n):
     """Single-request reference: one extend, then a decode loop (no transfer, no batching)."""
     return _greedy(runner, prompt, n)

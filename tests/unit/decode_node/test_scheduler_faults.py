@@ -9,11 +9,7 @@ import pytest
 
 from common import messages as msg
 from decode_node.req import DecodeState
-from tests.unit.decode_node import test_decode_scheduler as tds
 from tests.unit.decode_node.test_decode_scheduler import PD, _assert_all_free, prompt
-
-model_dir = tds.model_dir
-one_torch_thread = tds.one_torch_thread
 
 
 @pytest.fixture
@@ -94,10 +90,10 @@ def test_an_exception_in_one_request_fails_it_and_the_nodes_serve_on(h, monkeypa
     sampler = h.prefill.sampler
     real_sample = sampler.sample
 
-    def sample(logits, params, generators):
+    def sample(logits, params, generators, grammars=None):
         if params[0].seed == 13:  # the poisoned request
             raise OverflowError("sampling blew up")
-        return real_sample(logits, params, generators)
+        return real_sample(logits, params, generators, grammars)
 
     monkeypatch.setattr(sampler, "sample", sample)
     import decode_node.scheduler as dsched

@@ -16,7 +16,10 @@ from prefill_node.request import Req
 S = PrefillState
 LEGAL = {
     (S.BOOTSTRAP, S.WAITING),
+    (S.BOOTSTRAP, S.GRAMMAR),
     (S.BOOTSTRAP, S.FAILED),
+    (S.GRAMMAR, S.WAITING),
+    (S.GRAMMAR, S.FAILED),
     (S.WAITING, S.PREFILLING),
     (S.WAITING, S.FAILED),
     (S.PREFILLING, S.WAITING),
