@@ -222,7 +222,12 @@ def build_api_app(service: BootstrapService) -> FastAPI:
 
         def fmt(rid: str) -> OutputFormat:
             return ChatFormat(
-                rid, service.model_name, service.tokenizer, include_usage=include_usage
+                rid,
+                service.model_name,
+                service.tokenizer,
+                include_usage=include_usage,
+                tool_format=prepared.tool_format,
+                tool_names=prepared.tool_names,
             )
 
         return await serve(request, prepared, fmt, body.stream, marks)

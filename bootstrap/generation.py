@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from bootstrap.dispatcher import Dispatcher, InflightReq, ReqState
 from bootstrap.errors import APIError
 from bootstrap.gateway_metrics import count_request
+from bootstrap.tool_formats import ToolFormat
 from common import messages as msg
 from common import metrics, stages
 from common.sampling_params import SamplingParams
@@ -36,6 +37,10 @@ class PreparedRequest:
     # The prompt's chained page hashes (common/page_hash.py), for precise routing; None
     # when the router does not use them.
     page_hashes: list[int] | None = None
+    # Chat with tools: how the model writes its calls (they are parsed out of the output
+    # into tool_calls) and the functions it may call; None: no tool calls to look for.
+    tool_format: ToolFormat | None = None
+    tool_names: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

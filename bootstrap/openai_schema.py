@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from common.sampling_params import (
+    MAX_GRAMMAR_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -49,6 +50,71 @@ _STOP_TEXT = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 _MAX_STOPS = MAX_STOP_STRINGS
 _MAX_STOP_IDS = MAX_STOP_TOKEN_IDS
 _TOKEN_ID = {"type": "integer", "minimum": 0, "description": "below the vocabulary size"}
+_GRAMMAR_TEXT = {"type": "string", "minLength": 1, "maxLength": MAX_GRAMMAR_CHARS}
+_RESPONSE_FORMAT = {
+    "anyOf": [
+        {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "properties": {
+                "type": {"enum": ["json_schema"]},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "description": {"type": "string"},
+                        "schema": {"type": "object"},
+                        "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+                    },
+                },
+            },
+        },
+        {"type": "null"},
+    ]
+}
+_FUNCTION = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+        "description": {"type": "string"},
+        "parameters": {"type": "object"},
+        "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+    },
+}
+_TOOLS = {
+    "anyOf": [
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {"type": {"enum": ["function"]}, "function": _FUNCTION},
+            },
+        },
+        {"type": "null"},
+    ]
+}
+_TOOL_CHOICE = {
+    "anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"enum": ["function"]},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}},
+                },
+            },
+        },
+        {"type": "null"},
+    ]
+}
 
 
 def _served(**schema: Any) -> Any:
@@ -169,6 +235,13 @@ class _OpenAISampling(_Body):
         default=None, json_schema_extra=_served(maxProperties=0), description="not served"
     )
     user: str | None = None
+    response_format: Any = Field(
+        default=None,
+        json_schema_extra=_served(**_RESPONSE_FORMAT),
+        description='structured output: {"type": "json_object"} or {"type": "json_schema", '
+        '"json_schema": {"name": ..., "schema": {...}}}; the output is constrained to it '
+        "(a schema keyword that cannot be enforced is a 400 naming it)",
+    )
 
 
 class CompletionRequest(_OpenAISampling):
@@ -224,18 +297,20 @@ class ChatCompletionRequest(_OpenAISampling):
         json_schema_extra=_served(minimum=0, maximum=MAX_TOP_LOGPROBS),
         description="needs logprobs: true",
     )
-    # Fields that would change the output but are not served: a 400 names them, rather
-    # than a silently different answer.
     tools: list[Any] | None = Field(
         default=None,
-        json_schema_extra=_served(anyOf=[{"type": "array", "maxItems": 0}, {"type": "null"}]),
-        description="not served (no tool calling): omit it or pass []",
+        json_schema_extra=_served(**_TOOLS),
+        description="function tools; calls come back in message.tool_calls",
     )
     tool_choice: Any = Field(
         default=None,
-        json_schema_extra=_served(enum=["none", None]),
-        description='not served: omit it or pass "none"',
+        json_schema_extra=_served(**_TOOL_CHOICE),
+        description='"auto" (default with tools), "none", "required" or a named function; '
+        "required and named choices are enforced by a grammar",
     )
+    parallel_tool_calls: bool = True
+    # Fields that would change the output but are not served: a 400 names them, rather
+    # than a silently different answer.
     functions: list[Any] | None = Field(
         default=None,
         json_schema_extra=_served(anyOf=[{"type": "array", "maxItems": 0}, {"type": "null"}]),
@@ -245,20 +320,6 @@ class ChatCompletionRequest(_OpenAISampling):
         default=None,
         json_schema_extra=_served(enum=["none", None]),
         description='not served: omit it or pass "none"',
-    )
-    response_format: Any = Field(
-        default=None,
-        json_schema_extra=_served(
-            anyOf=[
-                {
-                    "type": "object",
-                    "properties": {"type": {"enum": ["text"]}},
-                    "required": ["type"],
-                },
-                {"type": "null"},
-            ]
-        ),
-        description='only {"type": "text"} is served (no JSON mode or schema)',
     )
     modalities: list[Any] | None = Field(
         default=None,
@@ -326,9 +387,14 @@ class GenerateRequest(_Body):
                 },
                 "stop_token_ids": {"type": "array", "items": _TOKEN_ID, "maxItems": _MAX_STOP_IDS},
                 "ignore_eos": {"type": "boolean"},
+                "json_schema": {"anyOf": [_GRAMMAR_TEXT, {"type": "object"}]},
+                "regex": _GRAMMAR_TEXT,
+                "ebnf": _GRAMMAR_TEXT,
+                "structural_tag": {"anyOf": [_GRAMMAR_TEXT, {"type": "object"}]},
             }
         ),
-        description="SGLang's sampling parameters; unknown keys are ignored",
+        description="SGLang's sampling parameters; unknown keys are ignored; at most one of "
+        "json_schema, regex, ebnf and structural_tag constrains the output",
     )
     stream: bool = False
     return_logprob: bool = False

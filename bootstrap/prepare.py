@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+from common.grammar.schema_features import check_schema
 
 from bootstrap.errors import bad_request
 from bootstrap.generation import PreparedRequest
 from bootstrap.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from bootstrap.structured import check_grammar, generate_grammar, response_format_grammar
+from bootstrap.tool_formats import (
+    detect_format,
+    messages_for_template,
+    structural_tag,
+    template_supports_tools,
+    tool_functions,
+)
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 
@@ -88,17 +99,10 @@ def _message_chars(messages: list[Any]) -> int:
 
 def _check_chat_served(body: ChatCompletionRequest) -> None:
     """Chat fields that would change the output and are not served are refused, not ignored."""
-    if body.tools:
-        raise bad_request("tools are not served (no tool calling); omit tools", "tools")
     if body.functions:
-        raise bad_request("functions are not served (no function calling)", "functions")
-    for name in ("tool_choice", "function_call"):
-        value = getattr(body, name)
-        if value is not None and value != "none":
-            raise bad_request(f'{name} is not served; omit it or pass "none"', name)
-    fmt = body.response_format
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request('response_format is not served; only {"type": "text"}', "response_format")
+        raise bad_request("functions are not served; pass them as tools", "functions")
+    if body.function_call is not None and body.function_call != "none":
+        raise bad_request("function_call is not served; use tool_choice", "function_call")
     if body.modalities is not None and any(m != "text" for m in body.modalities):
         raise bad_request('modalities other than "text" are not served', "modalities")
     for name in ("audio", "prediction"):
@@ -125,6 +129,7 @@ def _openai_sampling(
     max_tokens: int,
     top_logprobs: int,
     tokenizer: Tokenizer,
+    grammar: dict[str, str],
 ) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params: dict[str, Any] = {
@@ -133,6 +138,7 @@ def _openai_sampling(
         "stop_token_ids": body.stop_token_ids or [],
         "ignore_eos": body.ignore_eos,
         "seed": body.seed,
+        **grammar,
     }
     for name in ("temperature", "top_p", "top_k", "min_p"):
         if getattr(body, name) is not None:
@@ -180,7 +186,9 @@ def prepare_completion(
     max_tokens = _max_tokens(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
     _check_lengths(len(input_ids), max_tokens, context_length, "prompt")
     top = body.logprobs or 0
-    sampling = _openai_sampling(body, max_tokens, top, tokenizer)
+    grammar = response_format_grammar(body.response_format)
+    check_grammar(grammar, "response_format")
+    sampling = _openai_sampling(body, max_tokens, top, tokenizer, grammar)
     return PreparedRequest(
         input_ids,
         sampling,
@@ -203,8 +211,32 @@ def prepare_chat(
         for m in body.messages
     ]
     _check_text_fits(_message_chars(messages), tokenizer, context_length, "messages")
+    tools = _chat_tools(body)
+    template = tokenizer.hf_tokenizer.chat_template
+    tool_format = detect_format(template if isinstance(template, str) else None)
+    supports_tools = template_supports_tools(template if isinstance(template, str) else None)
     try:
-        input_ids = tokenizer.apply_chat_template(messages)
+        tool_grammar = (
+            structural_tag(tools, body.tool_choice, body.parallel_tool_calls, tool_format)
+            if tools
+            else None
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc), "tool_choice") from None
+    grammar = response_format_grammar(body.response_format)
+    if tool_grammar is not None:
+        if grammar:
+            raise bad_request(
+                'response_format cannot be combined with tools unless tool_choice is "none"',
+                "response_format",
+            )
+        grammar = {"structural_tag": tool_grammar}
+    check_grammar(grammar, "tools" if tool_grammar is not None else "response_format")
+    try:
+        rendered = messages_for_template(messages, tools, tool_format, supports_tools)
+        input_ids = tokenizer.apply_chat_template(
+            rendered, tools=tools if supports_tools and tools else None
+        )
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
     if not input_ids:
@@ -219,14 +251,34 @@ def prepare_chat(
     _check_lengths(len(input_ids), max_tokens, context_length, "messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    sampling = _openai_sampling(body, max_tokens, body.top_logprobs or 0, tokenizer)
+    sampling = _openai_sampling(body, max_tokens, body.top_logprobs or 0, tokenizer, grammar)
     return PreparedRequest(
         input_ids,
         sampling,
         body.priority,
         _routing_key(body.routing_key, header_key),
         body.cache_salt,
+        tool_format=tool_format if tool_grammar is not None else None,
+        tool_names=frozenset(f["name"] for f in tool_functions(tools or [])),
     )
+
+
+def _chat_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The request's tools (None when there are none or tool_choice is "none"); each
+    function's parameters schema is checked like a response_format's (400s)."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    try:
+        functions = tool_functions(body.tools)
+    except ValueError as exc:
+        raise bad_request(str(exc), "tools") from None
+    for i, function in enumerate(functions):
+        if function.get("parameters") is not None:
+            try:
+                check_schema(json.dumps(function["parameters"]))
+            except ValueError as exc:
+                raise bad_request(f"tools[{i}].function.parameters: {exc}", "tools") from None
+    return list(body.tools)
 
 
 def prepare_generate(
@@ -242,6 +294,9 @@ def prepare_generate(
         input_ids = list(body.input_ids or [])
         _check_ids(input_ids, tokenizer.vocab_size, "input_ids")
     params = {k: v for k, v in body.sampling_params.items() if k in _SAMPLING_FIELDS}
+    grammar = generate_grammar(params)
+    check_grammar(grammar)
+    params.update(grammar)
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
     params.setdefault("max_new_tokens", DEFAULT_GENERATE_MAX_NEW_TOKENS)

@@ -13,6 +13,8 @@ from typing import Any
 
 from bootstrap.errors import APIError
 from bootstrap.generation import Delta, Finish, Generation, TokenLogprob
+from bootstrap.tool_calls import ToolCall, ToolCallParser, parse_tool_calls
+from bootstrap.tool_formats import ToolFormat
 from common.tokenizer import Tokenizer
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -69,7 +71,29 @@ class OutputFormat:
         raise NotImplementedError
 
 
+def _tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    function = {"name": call.name, "arguments": call.arguments}
+    return {**out, "id": call.id, "type": "function", "function": function}
+
+
 class ChatFormat(OutputFormat):
+    """Chat completions; with tools, calls are parsed out of the text into tool_calls (each
+    streamed as one delta once it is complete, with its whole arguments)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        tool_format: ToolFormat | None = None,
+        tool_names: frozenset[str] = frozenset(),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._tool_format = tool_format
+        self._tool_names = set(tool_names)
+        self._parser = ToolCallParser(tool_format, self._tool_names) if tool_format else None
+        self._num_calls = 0
+
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {
             "id": f"chatcmpl-{self.rid}",
@@ -98,30 +122,57 @@ class ChatFormat(OutputFormat):
     def delta(self, delta: Delta) -> list[dict[str, Any]]:
         self.add(delta)
         logprobs = self._logprobs(delta.logprobs) if delta.logprobs else None
-        if not delta.text and logprobs is None:
-            return []
-        return [
-            self._chunk(
-                {
-                    "index": 0,
-                    "delta": {"content": delta.text},
-                    "logprobs": logprobs,
-                    "finish_reason": None,
-                }
+        text, calls = (delta.text, []) if self._parser is None else self._parser.feed(delta.text)
+        chunks = self._calls_chunks(calls)
+        if text or logprobs is not None:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs}
+            chunks.insert(0, self._chunk({**choice, "finish_reason": None}))
+        return chunks
+
+    def _calls_chunks(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        chunks = []
+        for call in calls:
+            delta = {"tool_calls": [_tool_call(call, self._num_calls)]}
+            self._num_calls += 1
+            chunks.append(
+                self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
             )
-        ]
+        return chunks
+
+    def _finish_reason(self, finish: Finish, num_calls: int) -> str:
+        """OpenAI's "tool_calls" when the model stopped after calling tools."""
+        return (
+            "tool_calls" if num_calls and finish.finish_reason == "stop" else finish.finish_reason
+        )
 
     def finish(self, finish: Finish) -> list[dict[str, Any]]:
-        chunks = [
-            self._chunk(
-                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish.finish_reason}
-            )
-        ]
+        chunks: list[dict[str, Any]] = []
+        if self._parser is not None:
+            text, calls = self._parser.finish()
+            if text:
+                delta = {"content": text}
+                chunks.append(
+                    self._chunk(
+                        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+                    )
+                )
+            chunks += self._calls_chunks(calls)
+        reason = self._finish_reason(finish, self._num_calls)
+        chunks.append(
+            self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
+        )
         if self.include_usage:
             chunks.append({**self._chunk({}), "choices": [], "usage": usage(finish)})
         return chunks
 
     def response(self, finish: Finish) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        calls: list[ToolCall] = []
+        if self._tool_format is not None:
+            text, calls = parse_tool_calls(self.text, self._tool_format, self._tool_names)
+            message = {"role": "assistant", "content": text or (None if calls else "")}
+            if calls:
+                message["tool_calls"] = [_tool_call(call) for call in calls]
         return {
             "id": f"chatcmpl-{self.rid}",
             "object": "chat.completion",
@@ -130,9 +181,9 @@ class ChatFormat(OutputFormat):
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": self.text},
+                    "message": message,
                     "logprobs": self._logprobs(self.logprobs) if self.logprobs else None,
-                    "finish_reason": finish.finish_reason,
+                    "finish_reason": self._finish_reason(finish, len(calls)),
                 }
             ],
             "usage": usage(finish),

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from common.tokenizer import IncrementalDetokenizer, Tokenizer, validate_messages
 
 MULTIBYTE_TEXT = (
     "Héllo wörld! 😀🎉 中文测试，naïve café — “quoted” 🇫🇷 ok.\nSecond line: ñ ß Ω 日本語"
@@ -61,9 +61,11 @@ def test_decode_skips_special_tokens_by_default(tokenizer: Tokenizer) -> None:
     assert tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>hi<|im_end|>"
 
 
-def _chat_text(tokenizer: Tokenizer, messages: list[dict[str, Any]], **kwargs: bool) -> str:
+def _chat_text(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> str:
     return tokenizer.decode(
-        tokenizer.apply_chat_template(messages, **kwargs), skip_special_tokens=False
+        tokenizer.apply_chat_template(messages, add_generation_prompt), skip_special_tokens=False
     )
 
 
@@ -117,6 +119,89 @@ def test_chat_template_ids_start_with_special_token(tokenizer: Tokenizer) -> Non
 def test_bad_messages_raise(tokenizer: Tokenizer, messages: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         tokenizer.apply_chat_template(messages)
+
+
+def _tool_call(name: Any = "get_weather", arguments: Any = '{"city": "Paris"}') -> dict[str, Any]:
+    return {"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_tool_use_messages_are_accepted() -> None:
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [_tool_call()]},
+        {"role": "assistant", "tool_calls": [_tool_call(arguments={"city": "Paris"})]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "18C"}]},
+        {"role": "assistant", "content": "It is 18C.", "tool_calls": None},
+    ]
+    normalized = validate_messages(messages)
+    assert [m["content"] for m in normalized] == ["Weather in Paris?", "", "", "18C", "It is 18C."]
+    assert normalized[1]["tool_calls"] == [_tool_call()]
+    assert normalized[3]["tool_call_id"] == "call_1"
+    assert messages[1]["content"] is None  # the input is not changed
+    assert validate_messages(normalized) == normalized
+
+
+def test_tool_message_renders_with_its_role(tokenizer: Tokenizer) -> None:
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+    ]
+    text = _chat_text(tokenizer, messages, add_generation_prompt=False)
+    assert text.endswith("<|im_start|>tool\n18C<|im_end|>\n")
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        ({"role": "assistant", "tool_calls": "x"}, r"messages\[1\]\.tool_calls must be a list"),
+        ({"role": "assistant", "tool_calls": ["x"]}, r"tool_calls\[0\] must be an object"),
+        (
+            {"role": "assistant", "tool_calls": [{**_tool_call(), "id": 7}]},
+            r"messages\[1\]\.tool_calls\[0\]\.id must be a string",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{**_tool_call(), "type": "code"}]},
+            r"tool_calls\[0\]\.type must be 'function'",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]},
+            r"tool_calls\[0\]\.function must be an object",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [_tool_call(name=None)]},
+            r"messages\[1\]\.tool_calls\[0\]\.function\.name must be a string",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [_tool_call(arguments=3)]},
+            r"tool_calls\[0\]\.function\.arguments must be a string",
+        ),
+        ({"role": "assistant", "tool_calls": []}, r"messages\[1\]\.content must be a string"),
+        ({"role": "user", "content": "x", "tool_calls": [_tool_call()]}, "only on assistant"),
+        ({"role": "tool", "content": "18C"}, r"messages\[1\]\.tool_call_id must be a string"),
+        ({"role": "tool", "tool_call_id": "c", "content": None}, r"messages\[1\]\.content"),
+    ],
+)
+def test_bad_tool_use_messages_raise(message: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        validate_messages([{"role": "user", "content": "hi"}, message])
+
+
+def test_tools_reach_the_template(tokenizer: Tokenizer, model_dir: Path) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    # The default model's template ignores tools.
+    plain = tokenizer.apply_chat_template(messages)
+    assert tokenizer.apply_chat_template(messages, tools=tools) == plain
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    hf.chat_template = (
+        "{% for tool in tools or [] %}[{{ tool.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    with_tools = Tokenizer(hf)
+    assert with_tools.decode(with_tools.apply_chat_template(messages, tools=tools)) == (
+        "[get_weather]user: hi\n"
+    )
+    assert with_tools.decode(with_tools.apply_chat_template(messages)) == "user: hi\n"
 
 
 def test_missing_chat_template_raises(model_dir: Path) -> None:
