@@ -56,13 +56,9 @@ def test_requests_for_another_model_are_a_404_and_reach_no_node(
 
 
 UNSERVED = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("functions", [{"name": "f", "parameters": {}}]),
     ("function_call", "auto"),
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("response_format", {"type": "xml"}),
     ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("prediction", {"type": "content", "content": "x"}),
