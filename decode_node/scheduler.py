@@ -39,6 +39,7 @@ from common.sampling_params import SamplingParams
 from common.stop import FinishReason
 from common.tokenizer import Tokenizer
 from decode_node.ingress import NodeLimits, Rejection, build_request, check_request
+from decode_node.integrity import check_requests
 from decode_node.output import append_token, req_finished, token_chunk
 from decode_node.prealloc_queue import (
     BudgetReq,
@@ -536,41 +537,7 @@ class DecodeScheduler:
 
     def check_integrity(self) -> None:
         """Every page is free or held exactly once; every request sits in its state's queue."""
-        self.allocator.check_integrity()
-        held = [p for r in self.reqs.values() for p in r.pages] + self.release_queue.all_pages()
-        if len(set(held)) != len(held):
-            raise AssertionError("a page is held twice")
-        if len(held) != self.allocator.num_used_pages:
-            raise AssertionError(f"{len(held)} pages held but {self.allocator.num_used_pages} used")
-        queues = {
-            DecodeState.PREALLOC: self.prealloc_queue.queue,
-            DecodeState.TRANSFER: self.transfer_queue.queue,
-            DecodeState.WAITING: self.waiting_queue,
-            DecodeState.RUNNING: self.running.reqs,
-            DecodeState.RETRACTED: self.retracted_queue.queue,
-        }
-        if sum(len(q) for q in queues.values()) != len(self.reqs):
-            raise AssertionError("queues and the request table disagree")
-        for state, queue in queues.items():
-            for r in queue:
-                if r.state is not state or self.reqs.get(r.rid) is not r:
-                    raise AssertionError(
-                        f"request {r.rid} in the {state.value} queue is {r.state.value}"
-                    )
-                need = {
-                    DecodeState.PREALLOC: 0,
-                    DecodeState.RETRACTED: 0,
-                    DecodeState.TRANSFER: pages_needed(r.num_input_tokens, self.page_size),
-                }
-                if state in need and len(r.pages) != need[state]:
-                    raise AssertionError(
-                        f"request {r.rid} ({state.value}) holds {len(r.pages)} pages"
-                    )
-                if len(r.pages) < need.get(state, pages_needed(r.kv_len, self.page_size)):
-                    raise AssertionError(f"request {r.rid} holds too few pages for its KV")
-        self.retracted_queue.check_integrity()
-        if len(self.running) > self.max_running_requests:
-            raise AssertionError(f"{len(self.running)} running > {self.max_running_requests}")
+        check_requests(self)
 
     def close(self) -> None:
         self.push.close()

@@ -145,3 +145,43 @@ def test_long_prompts_and_streams_mix_and_every_page_comes_back(colocated):
             break
         threading.Event().wait(0.1)
     assert metric(url, "pdserve_kv_pages_held") == 0
+
+
+def test_json_output_under_a_schema_parses_and_equals_the_reference(colocated):
+    """One grammar backend serves both halves: the first token sampled under the grammar on
+    the prefill half, the rest on the decode half from a matcher rebuilt after it."""
+    import json
+
+    from common.grammar.backend import GrammarBackend, GrammarState
+    from common.launch.offline import OfflineResult, generate_stream
+    from common.model.default_model import default_model_dir
+    from common.model.runner import ModelRunner
+    from common.sampling_params import SamplingParams
+    from common.tokenizer import Tokenizer
+
+    schema = {
+        "type": "object",
+        "properties": {"river": {"type": "string"}, "km": {"type": "integer"}},
+        "required": ["river", "km"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "The longest river of Europe, as JSON."}]
+    chat = _client(colocated).chat.completions.create(
+        model="default",
+        max_tokens=48,
+        temperature=0,
+        messages=messages,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+    )
+    text = chat.choices[0].message.content or ""
+    assert chat.choices[0].finish_reason == "stop" and set(json.loads(text)) == {"river", "km"}
+    tok = Tokenizer.from_pretrained(default_model_dir())
+    runner = ModelRunner.from_path(None, progress=False, max_total_tokens=1024, dtype="float32")
+    backend = GrammarBackend.for_tokenizer(tok, runner.spec.vocab_size)
+    ticket = backend.submit("json_schema", json.dumps(schema))
+    while (compiled := backend.poll(ticket)) is None:
+        threading.Event().wait(0.001)
+    params = SamplingParams(max_new_tokens=48, temperature=0, json_schema=json.dumps(schema))
+    ids = tok.apply_chat_template(messages)
+    offline = list(generate_stream(runner, tok, ids, params, GrammarState(compiled)))[-1]
+    assert isinstance(offline, OfflineResult) and offline.text == text
