@@ -171,3 +171,29 @@ def test_a_node_without_a_grammar_backend_refuses_grammars(model_dir):
         _assert_all_free(h)
     finally:
         h.close()
+
+
+def test_stop_strings_max_tokens_and_ignore_eos_under_a_grammar(model_dir, ref):
+    backend = tiny_backend()
+    h = with_grammar(PD(model_dir, tokenizer=FakeTokenizer(eos=(EOS,))), backend)
+    try:
+        ids = prompt(11, 9)
+        h.submit("stop", 1, ids, max_new_tokens=16, regex=REGEX, stop=["z"])
+        h.submit("cut", 2, ids, max_new_tokens=2, regex=REGEX)
+        h.submit("eos", 3, ids, max_new_tokens=16, regex=REGEX, ignore_eos=True)
+        h.run_until(lambda: h.done("stop", "cut", "eos"))
+        full = greedy_under(ref, ids, 16, GrammarState(compiled(backend, "regex", REGEX)))
+        assert full[-1] == EOS and text_of(full).endswith("zz")
+        stop = h.result("stop")  # the stop string inside the grammar's text ends it there
+        assert isinstance(stop, msg.ReqFinished) and stop.finish_reason == "stop"
+        assert stop.matched_stop == "z" and h.tokens("stop") == full[: len(h.tokens("stop"))]
+        cut = h.result("cut")
+        assert isinstance(cut, msg.ReqFinished) and cut.finish_reason == "length"
+        assert h.tokens("cut") == full[:2]
+        eos = h.result("eos")  # a complete grammar ends the request even under ignore_eos
+        assert isinstance(eos, msg.ReqFinished) and eos.finish_reason == "stop"
+        assert h.tokens("eos") == full and eos.matched_stop == EOS
+        _assert_all_free(h)
+    finally:
+        h.close()
+        backend.close()
