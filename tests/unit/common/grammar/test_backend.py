@@ -156,3 +156,27 @@ def test_the_mask_lands_on_the_right_rows_of_a_transposed_logits_view(
     allowed = (masked > float("-inf")).sum(dim=-1).tolist()
     assert allowed[1] == VOCAB and 0 < allowed[0] == allowed[2] < 50
     assert torch.equal(masked[1], base.t()[1])
+
+
+@pytest.mark.parametrize("num_grammar_rows", [1, 8, 32])
+def test_the_mask_is_the_same_whichever_kernel_applies_it(
+    backend: GrammarBackend, tokenizer: Tokenizer, num_grammar_rows: int
+) -> None:
+    """Few grammar rows take xgrammar's C++ kernel per row, many its torch kernel over the
+    whole batch: the masked logits are equal to a row-by-row reference either way."""
+    compiled = wait(backend, backend.submit("json_schema", SCHEMA))
+    prefix = tokenizer.encode('{"name": "A')
+    states = [
+        GrammarState(compiled, prefix[: i % len(prefix)]) if i < num_grammar_rows else None
+        for i in range(32)
+    ]
+    torch.manual_seed(2)
+    logits = torch.randn(32, VOCAB)
+    expected = logits.clone()
+    for i, s in enumerate(states):
+        if s is not None:
+            row = xgr.allocate_token_bitmask(1, VOCAB)
+            s.matcher.fill_next_token_bitmask(row, 0)
+            bits = (row[0][torch.arange(VOCAB) // 32] >> (torch.arange(VOCAB) % 32)) & 1
+            expected[i][bits == 0] = float("-inf")
+    assert torch.equal(GrammarMasker().apply(logits, states), expected)
