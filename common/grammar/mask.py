@@ -29,6 +29,7 @@ class GrammarMasker:
         self._batches: dict[str, xgr.BatchGrammarMatcher] = {}
         self._bitmask: torch.Tensor | None = None
 
+    @torch.inference_mode()  # the runner's logits are inference tensors: masked in place
     def apply(self, logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
         """The logits with the grammar rows masked: `logits` itself, masked in place, when it
         is contiguous, else a contiguous copy (xgrammar's kernels index rows by shape, not by

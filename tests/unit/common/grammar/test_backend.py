@@ -180,3 +180,13 @@ def test_the_mask_is_the_same_whichever_kernel_applies_it(
             bits = (row[0][torch.arange(VOCAB) // 32] >> (torch.arange(VOCAB) % 32)) & 1
             expected[i][bits == 0] = float("-inf")
     assert torch.equal(GrammarMasker().apply(logits, states), expected)
+
+
+def test_the_runners_inference_tensors_are_masked_in_place(
+    backend: GrammarBackend, tokenizer: Tokenizer
+) -> None:
+    compiled = wait(backend, backend.submit("regex", "(yes|no)"))
+    with torch.inference_mode():
+        logits = torch.randn(4, VOCAB)
+    masked = GrammarMasker().apply(logits, [GrammarState(compiled)] * 4)
+    assert masked is logits and int((logits[0] > float("-inf")).sum()) < 50
