@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from common.grammar.schema_features import check_schema
-
 from bootstrap.errors import bad_request
 from bootstrap.generation import PreparedRequest
 from bootstrap.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -18,6 +16,7 @@ from bootstrap.tool_formats import (
     template_supports_tools,
     tool_functions,
 )
+from common.grammar.schema_features import check_schema
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 

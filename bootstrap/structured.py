@@ -14,10 +14,10 @@ import json
 from typing import Any
 
 import xgrammar as xgr
-from common.grammar.schema_features import check_schema
 
 from bootstrap.errors import bad_request
 from common.grammar.backend import clean_error
+from common.grammar.schema_features import check_schema
 from common.sampling_params import GRAMMAR_FIELDS
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'

@@ -15,10 +15,8 @@ from prefill_node.req_state import PrefillReq
 from transfer.kv_poll import KVPoll
 
 
-class _SenderQueue:
-    """Requests held until their KVSender leaves the states the queue waits on."""
-
-    waits_on: tuple[KVPoll, ...] = ()
+class _Queue:
+    """Requests in arrival order."""
 
     def __init__(self) -> None:
         self.queue: list[PrefillReq] = []
@@ -31,6 +29,15 @@ class _SenderQueue:
             self.queue.remove(r)
             return True
         return False
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+
+class _SenderQueue(_Queue):
+    """Requests held until their KVSender leaves the states the queue waits on."""
+
+    waits_on: tuple[KVPoll, ...] = ()
 
     def _pop(self) -> tuple[list[PrefillReq], list[PrefillReq]]:
         """(moved on, failed), both in arrival order; the rest stay."""
@@ -45,9 +52,6 @@ class _SenderQueue:
                 (failed if state is KVPoll.Failed else moved).append(s)
         self.queue = keep
         return moved, failed
-
-    def __len__(self) -> int:
-        return len(self.queue)
 
 
 class BootstrapQueue(_SenderQueue):
@@ -70,20 +74,8 @@ class InflightQueue(_SenderQueue):
         return self._pop()
 
 
-class GrammarQueue:
+class GrammarQueue(_Queue):
     """Bootstrapped requests whose grammar is still compiling on the backend's threads."""
-
-    def __init__(self) -> None:
-        self.queue: list[PrefillReq] = []
-
-    def add(self, r: PrefillReq) -> None:
-        self.queue.append(r)
-
-    def remove(self, r: PrefillReq) -> bool:
-        if r in self.queue:
-            self.queue.remove(r)
-            return True
-        return False
 
     def pop_ready(
         self, backend: GrammarBackend
@@ -102,9 +94,6 @@ class GrammarQueue:
                 keep.append(r)
         self.queue = keep
         return ready, failed
-
-    def __len__(self) -> int:
-        return len(self.queue)
 
 
 def poll_grammar(r: PrefillReq, backend: GrammarBackend | None) -> bool | GrammarError:

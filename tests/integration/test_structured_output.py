@@ -13,8 +13,7 @@ import time
 import jsonschema
 import pytest
 
-from tests.support.cluster import http, metric, start, wait_ready
-from tests.support.ports import free_port
+from tests.support.cluster import http, metric, pd_pair
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -58,56 +57,12 @@ WEATHER_TOOL = {
 
 @pytest.fixture(scope="module")
 def pd():
-    api, registry = free_port(), free_port()
-    url = f"http://127.0.0.1:{registry}"
-    boot = start(
-        "bootstrap",
-        "bootstrap",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(api),
-        "--disaggregation-bootstrap-port",
-        str(registry),
-    )
-    node_args = ["--host", "127.0.0.1", "--port", "0", "--bootstrap-url", url]
-    prefill = start(
-        "prefill",
-        "prefill_node",
-        *node_args,
-        "--node-id",
-        "prefill-0",
-        "--max-total-tokens",
-        "4096",
-        "--chunked-prefill-size",
-        "64",
-    )
     # 12 requests x (~110 prompt + ~50 output tokens) need ~1900 tokens: 640 retract.
-    decode = start(
-        "decode",
-        "decode_node",
-        *node_args,
-        "--node-id",
-        "decode-0",
-        "--max-total-tokens",
-        "640",
-        "--num-reserved-decode-tokens",
-        "0",
-    )
-    procs = [boot, prefill, decode]
-    try:
-        wait_ready(procs)
-        deadline = time.monotonic() + 120
-        while True:
-            status, body = http("GET", f"http://127.0.0.1:{api}/nodes")
-            if status == 200 and sum(1 for n in body["nodes"] if n.get("healthy")) == 2:
-                break
-            assert time.monotonic() < deadline, body
-            time.sleep(0.2)
-        yield {"api": f"http://127.0.0.1:{api}", "prefill": prefill, "decode": decode}
-    finally:
-        for p in procs:
-            p.stop()
+    with pd_pair(
+        ["--max-total-tokens", "4096", "--chunked-prefill-size", "64"],
+        ["--max-total-tokens", "640", "--num-reserved-decode-tokens", "0"],
+    ) as cluster:
+        yield cluster
 
 
 def client(pd):

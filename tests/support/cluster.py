@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,3 +146,40 @@ def metric(http_url: str, name: str, **labels: str) -> float:
     if not found:
         raise KeyError(f"{name}{labels} not exported by {http_url}")
     return total
+
+
+@contextlib.contextmanager
+def pd_pair(prefill_args: list[str], decode_args: list[str]) -> Iterator[dict[str, Any]]:
+    """A bootstrap, one prefill node `prefill-0` and one decode node `decode-0` on loopback,
+    both healthy at the gateway: {"api": its URL, "prefill": Proc, "decode": Proc}."""
+    from tests.support.ports import free_port
+
+    api, registry = free_port(), free_port()
+    url = f"http://127.0.0.1:{registry}"
+    boot = start(
+        "bootstrap",
+        "bootstrap",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(api),
+        "--disaggregation-bootstrap-port",
+        str(registry),
+    )
+    node_args = ["--host", "127.0.0.1", "--port", "0", "--bootstrap-url", url]
+    prefill = start("prefill", "prefill_node", *node_args, "--node-id", "prefill-0", *prefill_args)
+    decode = start("decode", "decode_node", *node_args, "--node-id", "decode-0", *decode_args)
+    procs = [boot, prefill, decode]
+    try:
+        wait_ready(procs)
+        deadline = time.monotonic() + 120
+        while True:
+            status, body = http("GET", f"http://127.0.0.1:{api}/nodes")
+            if status == 200 and sum(1 for n in body["nodes"] if n.get("healthy")) == 2:
+                break
+            assert time.monotonic() < deadline, body
+            time.sleep(0.2)
+        yield {"api": f"http://127.0.0.1:{api}", "prefill": prefill, "decode": decode}
+    finally:
+        for p in procs:
+            p.stop()
