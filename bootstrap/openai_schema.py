@@ -33,17 +33,32 @@ _TEXT_PART = {
     "required": ["type", "text"],
     "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
 }
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+# A "tool" message answers a call: it names the call's id (common.tokenizer checks it).
 _MESSAGES = {
     "type": "array",
     "minItems": 1,
     "items": {
-        "type": "object",
-        "required": ["role", "content"],
-        "properties": {
-            "role": {"enum": list(CHAT_ROLES)},
-            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
-            "name": {"type": "string"},
-        },
+        "anyOf": [
+            {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "role": {"enum": [r for r in CHAT_ROLES if r != "tool"]},
+                    "content": _CONTENT,
+                    "name": {"type": "string"},
+                },
+            },
+            {
+                "type": "object",
+                "required": ["role", "content", "tool_call_id"],
+                "properties": {
+                    "role": {"enum": ["tool"]},
+                    "content": _CONTENT,
+                    "tool_call_id": {"type": "string"},
+                },
+            },
+        ]
     },
 }
 _STOP_TEXT = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}

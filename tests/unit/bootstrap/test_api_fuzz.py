@@ -71,13 +71,15 @@ def test_the_schema_documents_every_error_status_and_no_422(gw: Gateway) -> None
         error = responses["400"]["content"]["application/json"]["schema"]["$ref"]
         assert error.endswith("/ErrorResponse")
     chat = openapi["components"]["schemas"]["ChatCompletionRequest"]["properties"]
-    assert chat["messages"]["items"]["properties"]["role"]["enum"] == [
+    shapes = chat["messages"]["items"]["anyOf"]
+    assert [role for shape in shapes for role in shape["properties"]["role"]["enum"]] == [
         "system",
         "developer",
         "user",
         "assistant",
         "tool",
     ]
+    assert shapes[1]["required"] == ["role", "content", "tool_call_id"]
     assert (chat["top_p"]["exclusiveMinimum"], chat["top_p"]["maximum"]) == (0, 1)
     assert chat["max_tokens"]["maximum"] == harness.CONTEXT_LENGTH
     prompt = openapi["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
