@@ -62,6 +62,9 @@ class InflightReq:
     decode_endpoint: str
     queue: asyncio.Queue[msg.Message] = field(default_factory=asyncio.Queue)
     state: ReqState = ReqState.DISPATCHED
+    # Set when the gateway itself failed the request because a node of its pair was lost:
+    # "decode_lost" or "prefill_lost" (the migration metric's reason).
+    lost: str | None = None
 
     @property
     def is_done(self) -> bool:
@@ -177,7 +180,11 @@ class Dispatcher:
             or (r.prefill_id == node_id and r.state is ReqState.DISPATCHED)
         ]
         for req in hit:
-            req.queue.put_nowait(msg.ReqFailed(rid=req.rid, status=NODE_LOST_STATUS, error=reason))
+            req.lost = "decode_lost" if req.decode_id == node_id else "prefill_lost"
+            failed = msg.ReqFailed(
+                rid=req.rid, status=NODE_LOST_STATUS, error=reason, retryable=True
+            )
+            req.queue.put_nowait(failed)
             self.end(req, ReqState.FAILED, reason)
 
     def _transition(self, req: InflightReq, state: ReqState) -> bool:

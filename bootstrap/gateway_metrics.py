@@ -66,6 +66,23 @@ ROUTE_SECONDS: Final = Histogram(
     registry=metrics.REGISTRY,
 )
 
+MIGRATIONS: Final = Counter(
+    "pdserve_migrations_total",
+    "Requests moved to another node pair mid-way, by why their pair failed: decode_lost, "
+    "prefill_lost (the gateway lost the node), node_failure (a node failed it: transfer, "
+    "handshake, drain, full queue).",
+    ("role", "reason"),
+    registry=metrics.REGISTRY,
+)
+MIGRATION_GAP_SECONDS: Final = Histogram(
+    "pdserve_migration_gap_seconds",
+    "The gap a migrated stream shows: from the last token before its pair failed (or from "
+    "its arrival) to the first token from the new pair.",
+    ("role",),
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0),
+    registry=metrics.REGISTRY,
+)
+
 
 def count_decision(decision: str, is_affinity_hit: bool) -> None:
     ROUTER_DECISIONS.labels(**metrics.role_labels(decision=decision)).inc()

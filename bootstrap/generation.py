@@ -1,9 +1,12 @@
 """One admitted request's output as the client sees it: incremental text, stop strings, timing.
 
 ``Generation.events()`` turns the request's reply queue into ``Delta``s and one final
-``Finish``; a failure (ReqFailed, node lost, timeout) raises ``APIError``. Leaving the
-iteration early (client gone) aborts the request on both nodes. Client-side latency
-metrics (TTFT, inter-token, end-to-end) and the request outcome are recorded here.
+``Finish``; a failure (ReqFailed, node lost, timeout) raises ``APIError``, unless it is
+the nodes' fault: then the request moves to another pair with its output so far, up to
+``--migration-limit`` times (bootstrap/migration.py), and the events go on as if nothing
+happened. Leaving the iteration early (client gone) aborts the request on both nodes.
+Client-side latency metrics (TTFT, inter-token, end-to-end, migration gaps) and the
+request outcome are recorded here.
 """
 
 from __future__ import annotations
@@ -14,9 +17,16 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from bootstrap import gateway_metrics as gm
 from bootstrap.dispatcher import Dispatcher, InflightReq, ReqState
 from bootstrap.errors import APIError
 from bootstrap.gateway_metrics import count_request
+from bootstrap.migration import (
+    MIGRATION_RETRY_S,
+    OutputSoFar,
+    Redispatch,
+    migration_reason,
+)
 from bootstrap.tool_formats import ToolFormat
 from common import messages as msg
 from common import metrics, stages
@@ -113,6 +123,10 @@ class Generation:
         deadline: float,
         on_end: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
+        redispatch: Redispatch | None = None,
+        migration_limit: int = 0,
+        migration_timeout_s: float = 10.0,
+        context_length: int = 1 << 62,
     ) -> None:
         self.req = req
         self.rid = req.rid
@@ -133,6 +147,16 @@ class Generation:
         self.marks: dict[str, float] = {}
         self.is_streamed = False
         self._carried: msg.Message | None = None  # taken off the queue behind coalesced chunks
+        # Migration (bootstrap/migration.py): the output so far, how often it moved, and
+        # where the stream's gap began while it moves.
+        self._redispatch = redispatch
+        self._migration_limit = migration_limit
+        self._migration_timeout_s = migration_timeout_s
+        self.num_migrations = 0
+        self._output = OutputSoFar.start(
+            prepared.sampling, tokenizer.eos_token_ids, len(prepared.input_ids), context_length
+        )
+        self._gap_from: float | None = None
 
     async def events(self) -> AsyncIterator[Delta | Finish]:
         """Deltas as replies arrive, then one Finish; raises APIError when the request fails."""
@@ -168,9 +192,23 @@ class Generation:
                     yield self._finish(m.finish_reason, m.matched_stop, m)
                     return
                 elif isinstance(m, msg.ReqFailed):
+                    done = self._output.finished()
+                    if done is not None:  # its pair failed after the last token: it is over
+                        tail = self._stop.feed(self._detok.flush())[0] + self._stop.flush()
+                        if tail:
+                            yield Delta(tail, [])
+                        yield self._finish(done.kind.value, done.matched, None)
+                        return
+                    reason = migration_reason(self.req, m)
+                    if reason is not None and self.num_migrations < self._migration_limit:
+                        await self._migrate(reason, m.error)
+                        continue
                     self._end("error")
                     status = m.status if 400 <= m.status < 600 and m.status != 499 else 500
-                    raise APIError(status, m.error, code="request_failed")
+                    error = m.error
+                    if reason is not None and self._redispatch is not None:
+                        error += f" (after {self.num_migrations} migration(s), --migration-limit)"
+                    raise APIError(status, error, code="request_failed")
         finally:
             self.abandon()
 
@@ -179,6 +217,34 @@ class Generation:
         if not self._has_ended:
             self._dispatcher.end(self.req, ReqState.ABORTED, "client disconnected")
             self._end("aborted")
+
+    async def _migrate(self, reason: str, error: str) -> None:
+        """Send the request, with its output so far, to another pair (not the failed one's
+        nodes while others are there); waits up to --migration-timeout for a pair."""
+        assert self._redispatch is not None
+        old = self.req
+        self.num_migrations += 1
+        gm.MIGRATIONS.labels(**metrics.role_labels(reason=reason)).inc()
+        if self._gap_from is None:
+            self._gap_from = (
+                self._last_token_at if self._last_token_at is not None else (self._arrival)
+            )
+        avoid = frozenset({old.prefill_id, old.decode_id})
+        give_up = min(self._deadline, self._clock() + self._migration_timeout_s)
+        while True:
+            try:
+                self.req = self._redispatch(list(self._output.token_ids), avoid)
+                return
+            except APIError as exc:
+                if exc.status != 503 or self._clock() >= give_up:
+                    self._end("error")
+                    raise APIError(
+                        503,
+                        f"the request's node pair failed ({error}) and no other pair took "
+                        f"it: {exc.message}",
+                        code="migration_failed",
+                    ) from None
+            await asyncio.sleep(MIGRATION_RETRY_S)
 
     async def _next_message(self) -> msg.Message:
         if self._carried is not None:
@@ -221,8 +287,12 @@ class Generation:
             metrics.INTER_TOKEN_LATENCY_SECONDS.labels(**metrics.role_labels()).observe(
                 now - self._last_token_at
             )
+        if self._gap_from is not None:  # the first token from the pair it migrated to
+            gm.MIGRATION_GAP_SECONDS.labels(**metrics.role_labels()).observe(now - self._gap_from)
+            self._gap_from = None
         self._last_token_at = now
         self._num_output_tokens += len(chunk.token_ids)
+        self._output.add(chunk.token_ids)
         text, is_stopped = self._stop.feed(self._detok.add(chunk.token_ids))
         return Delta(text, list(chunk.token_ids), _logprobs(chunk)), is_stopped
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from bootstrap import gateway_metrics as gm
 from bootstrap.api_keys import ApiKeys
-from bootstrap.dispatcher import Dispatcher, NodeQueueFull
+from bootstrap.dispatcher import Dispatcher, InflightReq, NodeQueueFull
 from bootstrap.errors import APIError
 from bootstrap.generation import Generation, PreparedRequest
 from bootstrap.kv_events import KVEventSubscriber, PrefillSource
@@ -71,6 +71,12 @@ def _pairable(
         p for p in prefills if (p.colocated_with in live if p.colocated_with else has_plain_decode)
     ]
     return usable, {p: d for p, d in partners.items() if d in live}
+
+
+def _avoiding(views: list[NodeView], avoid: frozenset[str]) -> list[NodeView]:
+    """``views`` without the nodes in ``avoid`` (a migrating request's failed pair), unless
+    that leaves none: a node that failed one transfer may still be the only one there."""
+    return [v for v in views if v.node_id not in avoid] or views
 
 
 def _int_load(view: NodeView, name: str) -> int | None:
@@ -205,8 +211,35 @@ class BootstrapService:
                 f"(--max-queued-requests {limit}); retry later",
                 code="queue_full",
             )
-        prefills = _live(self.registry.views("prefill"))
-        decodes = _live(self.registry.views("decode"))
+        req = self._dispatch(prepared, [], frozenset())
+        self.num_active += 1
+        gm.GATEWAY_INFLIGHT.labels(**metrics.role_labels()).set(self.num_active)
+
+        def redispatch(output_ids: list[int], avoid: frozenset[str]) -> InflightReq:
+            return self._dispatch(prepared, output_ids, avoid)
+
+        return Generation(
+            req,
+            self.dispatcher,
+            self.tokenizer,
+            prepared,
+            arrival=arrival,
+            deadline=arrival + self.config.request_timeout_s,
+            on_end=self._on_generation_end,
+            redispatch=redispatch,
+            migration_limit=self.config.migration_limit,
+            migration_timeout_s=self.config.migration_timeout_s,
+            context_length=self.context_length,
+        )
+
+    def _dispatch(
+        self, prepared: PreparedRequest, output_ids: list[int], avoid: frozenset[str]
+    ) -> InflightReq:
+        """Route ``prepared`` to a pair and send it there, in a fresh room; a migrated
+        request carries its ``output_ids`` so far and keeps off the nodes in ``avoid``
+        while others are live. Raises APIError 503 when no pair can take it."""
+        prefills = _avoiding(_live(self.registry.views("prefill")), avoid)
+        decodes = _avoiding(_live(self.registry.views("decode")), avoid)
         for role, views in (("prefill", prefills), ("decode", decodes)):
             if not views:
                 raise APIError(503, f"no {role} node is registered", code="no_" + role + "_node")
@@ -261,26 +294,21 @@ class BootstrapService:
             return_logprob=prepared.sampling.logprobs,
             gateway_id=self.dispatcher.gateway_id,
             cache_salt=prepared.cache_salt,
+            output_ids=output_ids,
         )
         try:
             req = self.dispatcher.dispatch(gen, prefill.request_endpoint, decode.request_endpoint)
         except NodeQueueFull as exc:
             raise APIError(503, str(exc), code="node_queue_full") from None
         if self.kv_events is not None:  # what the node will compute, until it reports it
-            uncached = len(prepared.input_ids) - decision.cached_pages * self.router.page_size
+            uncached = (
+                len(prepared.input_ids)
+                + len(output_ids)
+                - decision.cached_pages * self.router.page_size
+            )
             self.kv_events.note_dispatched(prefill.node_id, max(1, uncached))
         gm.count_decision(decision.kind, decision.is_affinity_hit)
-        self.num_active += 1
-        gm.GATEWAY_INFLIGHT.labels(**metrics.role_labels()).set(self.num_active)
-        return Generation(
-            req,
-            self.dispatcher,
-            self.tokenizer,
-            prepared,
-            arrival=arrival,
-            deadline=arrival + self.config.request_timeout_s,
-            on_end=self._on_generation_end,
-        )
+        return req
 
     def _on_generation_end(self) -> None:
         self.num_active -= 1

@@ -383,6 +383,12 @@ class BootstrapConfig:
     api_key_file: str | None = None
     max_queued_requests: int | None = None  # None: unlimited
     request_timeout_s: float = 600.0
+    # A request whose node pair fails (a node lost, a failed transfer) moves to another
+    # pair with its output so far, at most this many times (0: the client gets the error).
+    migration_limit: int = 3
+    # How long a migrating request waits for a pair to take it (nodes restarting, or none
+    # healthy) before the client gets a 503.
+    migration_timeout_s: float = 10.0
     # API bodies above this are a 413 before they are parsed. 4 MiB holds a prompt of ~1M
     # tokens of text, 100x the built-in model's context.
     max_request_bytes: int = 4 << 20
@@ -420,6 +426,8 @@ class BootstrapConfig:
         )
         _check_positive(self.max_queued_requests, "--max-queued-requests")
         _check_positive(self.request_timeout_s, "--request-timeout")
+        _check_non_negative(self.migration_limit, "--migration-limit")
+        _check_positive(self.migration_timeout_s, "--migration-timeout")
         _check_positive(self.max_request_bytes, "--max-request-bytes")
         _check(self.auth_token != "", "--auth-token is empty; pass a non-empty token or omit it")
         _check(all(k.strip() for k in self.api_keys), "--api-key is empty; pass a key or omit it")

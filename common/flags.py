@@ -276,6 +276,18 @@ def add_bootstrap_args(parser: Parser) -> None:
     add("--max-queued-requests", type=int, help="unset: unlimited")
     add("--request-timeout", dest="request_timeout_s", type=float)
     add(
+        "--migration-limit",
+        type=int,
+        help="times a request whose node pair fails moves to another pair with its output "
+        "so far, the client's stream going on (default 3; 0: the client gets the error)",
+    )
+    add(
+        "--migration-timeout",
+        dest="migration_timeout_s",
+        type=float,
+        help="seconds a migrating request waits for a healthy pair before a 503 (default 10)",
+    )
+    add(
         "--max-request-bytes",
         type=int,
         help="API bodies over this many bytes get a 413 (default 4 MiB)",

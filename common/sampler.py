@@ -12,13 +12,38 @@ from common.grammar.backend import GrammarState
 from common.grammar.mask import GrammarMasker
 from common.sampling_params import SamplingParams
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int | None) -> int:
+    """``seed``, or 64 bits from os.urandom when the request gave none."""
+    return int.from_bytes(os.urandom(8), "little") if seed is None else seed
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the draw for output token ``position`` of a request seeded ``seed``.
+
+    Each output position draws from its own stream (SplitMix64 of seed and position), so
+    a request's tokens depend on (seed, position) alone: no generator state has to travel
+    with a request from prefill to decode, across a retraction or to another node pair
+    when the gateway migrates it mid-stream.
+    """
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # torch seeds are taken modulo 2**64; keep it positive
+
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
     """A generator seeded with `seed`, or with 64 bits from os.urandom when seed is None."""
     generator = torch.Generator(device=device)
-    if seed is None:
-        seed = int.from_bytes(os.urandom(8), "little")
-    generator.manual_seed(seed)
+    generator.manual_seed(draw_seed(seed))
+    return generator
+
+
+def seed_for_position(generator: torch.Generator, seed: int, position: int) -> torch.Generator:
+    """``generator`` set to draw output token ``position`` of the request seeded ``seed``."""
+    generator.manual_seed(position_seed(seed, position))
     return generator
 
 

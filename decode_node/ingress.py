@@ -8,7 +8,7 @@ import torch
 
 from common import messages as msg
 from common.kv_pool import pages_needed
-from common.sampler import make_generator
+from common.sampler import draw_seed, make_generator
 from common.sampling_params import SamplingParams
 from common.stop import StopChecker
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -22,6 +22,7 @@ class Rejection:
 
     status: int
     error: str
+    retryable: bool = False  # another node pair may take it (this node's queue is full)
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,8 @@ class NodeLimits:
 
 def check_request(g: msg.GenerateReq, limits: NodeLimits) -> SamplingParams | Rejection:
     """The request's validated sampling params, or why it is refused (400)."""
-    n = len(g.input_ids)
-    if n == 0 or n >= limits.context_length:
+    n = len(g.input_ids) + len(g.output_ids)  # a migrated request's output so far is prefilled
+    if not g.input_ids or n >= limits.context_length:
         return Rejection(
             400, f"prompt of {n} tokens; the context length is {limits.context_length}"
         )
@@ -44,8 +45,11 @@ def check_request(g: msg.GenerateReq, limits: NodeLimits) -> SamplingParams | Re
         sampling.validate(limits.vocab_size)
     except ValueError as exc:
         return Rejection(400, str(exc))
+    if g.output_ids and len(g.output_ids) >= sampling.max_new_tokens:
+        return Rejection(400, f"{len(g.output_ids)} output tokens already: max_new_tokens reached")
     # The request must be able to finish alone in this pool (the budget's guarantee).
-    single = n + min(clipped_max_new_tokens(n, sampling, limits), CLIP_MAX_NEW_TOKENS)
+    left = clipped_max_new_tokens(n, sampling, limits, len(g.output_ids))
+    single = n + min(left, CLIP_MAX_NEW_TOKENS)
     if pages_needed(single, limits.page_size) > limits.num_pages:
         return Rejection(
             400,
@@ -56,8 +60,12 @@ def check_request(g: msg.GenerateReq, limits: NodeLimits) -> SamplingParams | Re
     return sampling
 
 
-def clipped_max_new_tokens(n: int, sampling: SamplingParams, limits: NodeLimits) -> int:
-    return min(sampling.max_new_tokens, limits.context_length - n)
+def clipped_max_new_tokens(
+    n: int, sampling: SamplingParams, limits: NodeLimits, num_resumed: int = 0
+) -> int:
+    """Tokens a request with ``n`` prefilled tokens may still produce: what is left of
+    max_new_tokens after the ``num_resumed`` a migrated request had, clipped to the context."""
+    return min(sampling.max_new_tokens - num_resumed, limits.context_length - n)
 
 
 def build_request(
@@ -72,13 +80,17 @@ def build_request(
     is_logprob = g.return_logprob or sampling.logprobs or sampling.top_logprobs > 0
     if is_logprob and not sampling.logprobs:
         sampling = replace(sampling, logprobs=True)
+    ids = [*g.input_ids, *g.output_ids]
+    seed = draw_seed(sampling.seed)
     return DecodeReq(
         generate=g,
         sampling=sampling,
         stop=StopChecker(sampling, tokenizer.eos_token_ids),
-        max_new_tokens=clipped_max_new_tokens(len(g.input_ids), sampling, limits),
-        detokenizer=IncrementalDetokenizer(tokenizer, g.input_ids) if sampling.stop else None,
-        generator=None if sampling.is_greedy else make_generator(sampling.seed, device),
+        max_new_tokens=clipped_max_new_tokens(len(ids), sampling, limits, len(g.output_ids)),
+        # A stop string across the migration point is the gateway's to find (it sees it all).
+        detokenizer=IncrementalDetokenizer(tokenizer, ids) if sampling.stop else None,
+        generator=None if sampling.is_greedy else make_generator(seed, device),
+        seed=seed,
         is_logprob=is_logprob,
         arrival=now,
     )

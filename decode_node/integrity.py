@@ -103,8 +103,9 @@ def _check_pages(r: DecodeReq, state: DecodeState, page_size: int) -> None:
 def _check_grammar(r: DecodeReq) -> None:
     if r.grammar_ticket is None or not r.output_ids:
         return
-    if r.grammar is None or r.grammar.num_accepted != len(r.output_ids):
+    num_output = r.num_resumed_tokens + len(r.output_ids)
+    if r.grammar is None or r.grammar.num_accepted != num_output:
         taken = None if r.grammar is None else r.grammar.num_accepted
         raise AssertionError(
-            f"request {r.rid}: its grammar took {taken} of its {len(r.output_ids)} tokens"
+            f"request {r.rid}: its grammar took {taken} of its {num_output} tokens"
         )

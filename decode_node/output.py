@@ -22,7 +22,7 @@ def append_token(req: DecodeReq, token_id: int) -> FinishReason | None:
         )
     req.output_ids.append(token_id)
     num = len(req.output_ids)
-    finish = req.stop.check_token(token_id, num)
+    finish = req.stop.check_token(token_id, req.num_resumed_tokens + num)
     if finish is None and req.grammar is not None and req.grammar.is_terminated:
         finish = FinishReason.stop(token_id)
     if req.detokenizer is not None:
@@ -30,7 +30,7 @@ def append_token(req: DecodeReq, token_id: int) -> FinishReason | None:
         if is_matched:
             finish = FinishReason.stop(req.stop.matched_stop or "")
     if finish is None and num >= req.max_new_tokens:
-        finish = FinishReason.length()  # max_new_tokens was clipped to the context
+        finish = FinishReason.length()  # what is left of max_new_tokens, clipped to the context
     return finish
 
 
@@ -62,8 +62,8 @@ def req_finished(req: DecodeReq, finish: FinishReason) -> msg.ReqFinished:
         rid=req.rid,
         finish_reason=finish.kind.value,
         matched_stop=finish.matched,
-        num_prompt_tokens=req.num_input_tokens,
-        num_output_tokens=len(req.output_ids),
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=req.num_resumed_tokens + len(req.output_ids),
         # Prefix-cache hits happen on the prefill node; it reports them with the KV.
-        num_cached_tokens=min(req.num_cached_tokens, req.num_input_tokens),
+        num_cached_tokens=min(req.num_cached_tokens, req.num_prompt_tokens),
     )

@@ -72,6 +72,7 @@ class DecodeReq:
     receiver: KVReceiver | None = None
     detokenizer: IncrementalDetokenizer | None = None  # only when there are stop strings
     generator: torch.Generator | None = None  # None: greedy
+    seed: int = 0  # the request's seed (drawn when it gave none): draw i uses (seed, i)
     is_logprob: bool = False
     arrival: float = 0.0  # node clock
     # Wall-clock marks (common/stages.py): this node's, then the prefill node's with the KV;
@@ -99,15 +100,32 @@ class DecodeReq:
 
     @property
     def origin_input_ids(self) -> list[int]:
-        return self.generate.input_ids
+        """What the prefill node computed: the prompt, and a migrated request's output so
+        far (its first output_ids are then the tokens after those)."""
+        return [*self.generate.input_ids, *self.generate.output_ids]
 
     @property
     def num_input_tokens(self) -> int:
+        return len(self.generate.input_ids) + len(self.generate.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The client's prompt alone (usage counts a migrated request's tokens as output)."""
         return len(self.generate.input_ids)
+
+    @property
+    def num_resumed_tokens(self) -> int:
+        """Output tokens the client had before this node pair took the request (migration)."""
+        return len(self.generate.output_ids)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def all_output_ids(self) -> list[int]:
+        """Every output token of the request, from before a migration on."""
+        return [*self.generate.output_ids, *self.output_ids]
 
     @property
     def priority(self) -> int | None:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from common.kv_pool import PageAllocator, pages_needed
 from common.model.runner import ModelRunner
-from common.sampler import SampleOutput, Sampler
+from common.sampler import SampleOutput, Sampler, seed_for_position
 from decode_node.prealloc_queue import priority_order_key
 from decode_node.req import DecodeReq, DecodeState
 from decode_node.retract import RetractCandidate, RetractPlan, plan_retraction
@@ -81,6 +81,9 @@ class RunningBatch:
         logits = self.runner.decode(
             [r.output_ids[-1] for r in batch], [r.seq_len for r in batch], [r.pages for r in batch]
         )
+        for r in batch:  # each output position draws from its own stream (common/sampler.py)
+            if r.generator is not None:
+                seed_for_position(r.generator, r.seed, r.num_resumed_tokens + len(r.output_ids))
         out = self.sampler.sample(
             logits,
             [r.sampling for r in batch],

@@ -177,7 +177,12 @@ class DecodeScheduler:
         if isinstance(checked, Rejection):
             self.push.send(
                 g.reply_endpoint,
-                msg.ReqFailed(rid=g.rid, status=checked.status, error=checked.error),
+                msg.ReqFailed(
+                    rid=g.rid,
+                    status=checked.status,
+                    error=checked.error,
+                    retryable=checked.retryable,
+                ),
             )
             self.stats.finished("rejected")
             return
@@ -203,7 +208,7 @@ class DecodeScheduler:
             return Rejection(400, "structured output is off on this node (--grammar-backend none)")
         limit = self.config.max_queued_requests
         if limit is not None and len(self.prealloc_queue) >= limit:
-            return Rejection(503, "the decode node's queue is full; retry later")
+            return Rejection(503, "the decode node's queue is full; retry later", retryable=True)
         return sampling
 
     def _attach_receiver(self, r: DecodeReq) -> None:
@@ -212,7 +217,9 @@ class DecodeScheduler:
         if endpoint is not None:
             r.receiver = self.kv.create_receiver(r.room, endpoint)
         elif self.clock() - r.arrival > self.prefill_lookup_timeout_s:
-            self._fail(r, 503, f"unknown prefill node {r.generate.prefill_node_id!r}")
+            self._fail(
+                r, 503, f"unknown prefill node {r.generate.prefill_node_id!r}", retryable=True
+            )
 
     def _fail_lost_prefill(self) -> None:
         """A request whose prefill node left the node table holds nothing and fails now,
@@ -222,7 +229,8 @@ class DecodeScheduler:
                 r.receiver is not None
                 and self.prefill_endpoint_for(r.generate.prefill_node_id) is None
             ):
-                self._fail(r, 503, f"prefill node {r.generate.prefill_node_id!r} is lost")
+                lost = f"prefill node {r.generate.prefill_node_id!r} is lost"
+                self._fail(r, 503, lost, retryable=True)
 
     # ---- prealloc and transfer -----------------------------------------------------------------
 
@@ -249,7 +257,9 @@ class DecodeScheduler:
         self._fail_lost_prefill()
         for r in self.prealloc_queue.pop_failed():
             reason = r.receiver.failure_reason if r.receiver is not None else "no receiver"
-            self._fail(r, 500, f"KV bootstrap with the prefill node failed: {reason}")
+            self._fail(
+                r, 500, f"KV bootstrap with the prefill node failed: {reason}", retryable=True
+            )
         if self.retracted_queue:
             self._resume_retracted()
         if not self.retracted_queue:  # no new admission while a request waits in host memory
@@ -319,7 +329,9 @@ class DecodeScheduler:
         done, failed = self.transfer_queue.pop_transferred()
         for r in failed:
             reason = r.receiver.failure_reason if r.receiver is not None else "no receiver"
-            self._fail(r, 500, f"KV transfer from the prefill node failed: {reason}")
+            self._fail(
+                r, 500, f"KV transfer from the prefill node failed: {reason}", retryable=True
+            )
         for r in done:
             if not self._grammar_ready(r):
                 continue
@@ -371,8 +383,9 @@ class DecodeScheduler:
             if compiled is None:
                 self.transfer_queue.add(r)
                 return False
-            # Rebuilt from the tokens so far: none yet here; _emit feeds the first token.
-            r.grammar = GrammarState(compiled, r.output_ids)
+            # Rebuilt from the tokens so far (a migrated request's output before this
+            # pair; none otherwise); _emit feeds the first token the prefill node sampled.
+            r.grammar = GrammarState(compiled, r.all_output_ids)
         except GrammarError as exc:
             self._fail(r, exc.status, str(exc))
             return False
@@ -474,6 +487,7 @@ class DecodeScheduler:
                 500,
                 "KV integrity: a late write from a paused prefill node may have "
                 "landed in this request's pages; retry",
+                retryable=True,
             )
 
     def fail_all(self, status: int, error: str) -> None:
@@ -485,14 +499,30 @@ class DecodeScheduler:
         self.failures.abort(rid, room, reason)
 
     def _end(
-        self, r: DecodeReq, status: int, error: str, *, notify: bool, peer_reason: str
+        self,
+        r: DecodeReq,
+        status: int,
+        error: str,
+        *,
+        notify: bool,
+        peer_reason: str,
+        retryable: bool = False,
     ) -> None:
         """How RequestFailures ends a request here: _fail (its receiver tells the prefill
         side `error`; `peer_reason` is the prefill side's word for its own sender)."""
-        self._fail(r, status, error, notify)
+        self._fail(r, status, error, notify, retryable=retryable)
 
-    def _fail(self, r: DecodeReq, status: int, error: str, notify: bool = True) -> None:
-        """Free everything r holds in whichever state it is; tell the gateway if `notify`."""
+    def _fail(
+        self,
+        r: DecodeReq,
+        status: int,
+        error: str,
+        notify: bool = True,
+        *,
+        retryable: bool = False,
+    ) -> None:
+        """Free everything r holds in whichever state it is; tell the gateway if `notify`
+        (``retryable``: the nodes' fault, the gateway may migrate the request)."""
         state = r.state
         if state is DecodeState.PREALLOC:
             self.prealloc_queue.remove(r)
@@ -515,9 +545,8 @@ class DecodeScheduler:
         r.advance(DecodeState.FAILED)
         self.reqs.pop(r.rid, None)
         if notify:
-            self.push.send(
-                r.generate.reply_endpoint, msg.ReqFailed(rid=r.rid, status=status, error=error)
-            )
+            failed = msg.ReqFailed(rid=r.rid, status=status, error=error, retryable=retryable)
+            self.push.send(r.generate.reply_endpoint, failed)
         self.stats.finished("aborted" if status == 499 else "error")
 
     # ---- introspection -------------------------------------------------------------------------

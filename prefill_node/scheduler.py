@@ -35,7 +35,7 @@ from common.kv_pool import pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
 from common.node.gateway_watch import GatewayWatch
 from common.node.scheduling import RequestFailures
-from common.sampler import Sampler, make_generator
+from common.sampler import Sampler, make_generator, seed_for_position
 from common.sampling_params import SamplingParams
 from common.token_keys import TOKEN_BYTES
 from common.work_done import WorkDone
@@ -126,7 +126,7 @@ class PrefillScheduler:
                 s.advance(PrefillState.GRAMMAR)
                 self.grammar_queue.add(s)
         for s in failed:
-            self._fail(s, 500, f"KV bootstrap failed: {s.sender.failure_reason}")
+            self._fail(s, 500, f"KV bootstrap failed: {s.sender.failure_reason}", retryable=True)
         if self.grammar is not None and self.grammar_queue:
             compiled, bad = self.grammar_queue.pop_ready(self.grammar)
             for s in compiled:
@@ -182,8 +182,10 @@ class PrefillScheduler:
     # ---- ingress -------------------------------------------------------------------------------
 
     def _add_request(self, g: msg.GenerateReq, received: float) -> None:
-        n = len(g.input_ids)
-        error, status = None, 400
+        # A migrated request (g.output_ids) prefills its prompt and the output so far.
+        ids = [*g.input_ids, *g.output_ids]
+        n = len(ids)
+        error, status, retryable = None, 400, False
         if g.rid in self.states:
             error = f"duplicate request id {g.rid}"
         elif n == 0 or n >= self.runner.context_length:
@@ -192,6 +194,7 @@ class PrefillScheduler:
             error = f"prompt of {n} tokens does not fit this node's KV pool"
         elif self._is_queue_full():
             error, status = "the prefill node's queue is full; retry later", 503
+            retryable = True  # another node pair may take it
         elif (
             g.priority is not None
             and not self.config.enable_priority_scheduling
@@ -212,15 +215,18 @@ class PrefillScheduler:
         else:
             if sampling.grammar is not None and self.grammar is None and error is None:
                 error = "structured output is off on this node (--grammar-backend none)"
+            if g.output_ids and len(g.output_ids) >= sampling.max_new_tokens and error is None:
+                error = f"{len(g.output_ids)} output tokens already: max_new_tokens reached"
         if error is not None:
-            self.push.send(g.reply_endpoint, msg.ReqFailed(rid=g.rid, status=status, error=error))
+            failed = msg.ReqFailed(rid=g.rid, status=status, error=error, retryable=retryable)
+            self.push.send(g.reply_endpoint, failed)
             self.stats.finished("rejected")
             return
         # A prefill node computes exactly one token: no decode room to reserve.
         req = Req(
             rid=g.rid,
             room=g.room,
-            origin_input_ids=list(g.input_ids),
+            origin_input_ids=ids,
             max_new_tokens=1,
             priority=g.priority,
             routing_key=g.routing_key,
@@ -386,7 +392,10 @@ class PrefillScheduler:
             return
         # the generator lives where the logits are (torch refuses a CPU one for cuda logits)
         generator = make_generator(s.sampling.seed, logits.device)
-        grammar = GrammarState(s.grammar) if s.grammar is not None else None
+        resumed = s.generate.output_ids  # a migrated request goes on after these
+        if s.sampling.seed is not None:
+            seed_for_position(generator, s.sampling.seed, len(resumed))
+        grammar = GrammarState(s.grammar, resumed) if s.grammar is not None else None
         sample = self.sampler.sample(logits, [s.sampling], [generator], [grammar])
         if grammar is not None and not grammar.accept(sample.token_ids[0]):
             raise GrammarError(
@@ -418,7 +427,7 @@ class PrefillScheduler:
             self._cache_and_release(s)
             self.stats.finished("finished")
         for s in failed:
-            self._fail(s, 500, f"KV transfer failed: {s.sender.failure_reason}")
+            self._fail(s, 500, f"KV transfer failed: {s.sender.failure_reason}", retryable=True)
 
     def _cache_prefix(self, s: PrefillReq) -> None:
         """Put the whole pages computed so far into the radix cache right away (as SGLang's
@@ -465,14 +474,33 @@ class PrefillScheduler:
         self.failures.abort(rid, room, reason)
 
     def _end(
-        self, s: PrefillReq, status: int, error: str, *, notify: bool, peer_reason: str
+        self,
+        s: PrefillReq,
+        status: int,
+        error: str,
+        *,
+        notify: bool,
+        peer_reason: str,
+        retryable: bool = False,
     ) -> None:
         """How RequestFailures ends a request here: its decode side first, then _fail."""
         s.sender.abort(peer_reason)
-        self._fail(s, status, error, notify)
+        self._fail(s, status, error, notify, retryable=retryable)
 
-    def _fail(self, s: PrefillReq, status: int, error: str, notify: bool = True) -> None:
-        """Take s out of the queue its state names, free what it holds, tell the gateway."""
+    def _fail(
+        self,
+        s: PrefillReq,
+        status: int,
+        error: str,
+        notify: bool = True,
+        *,
+        retryable: bool = False,
+    ) -> None:
+        """Take s out of the queue its state names, free what it holds, tell the gateway
+        (``retryable``: the nodes' fault, the gateway may migrate the request)."""
+        # The decode side hears too (a no-op when the room already failed): it frees its
+        # pages on that ack instead of waiting out the lease (a grammar that fails here).
+        s.sender.abort(error)
         if s.state is PrefillState.BOOTSTRAP:
             self.bootstrap_queue.remove(s)  # a failed handshake has left it already
         elif s.state is PrefillState.GRAMMAR:
@@ -488,9 +516,8 @@ class PrefillScheduler:
         self._release(s)
         self._forget(s)
         if notify:
-            self.push.send(
-                s.generate.reply_endpoint, msg.ReqFailed(rid=s.rid, status=status, error=error)
-            )
+            failed = msg.ReqFailed(rid=s.rid, status=status, error=error, retryable=retryable)
+            self.push.send(s.generate.reply_endpoint, failed)
         self.stats.finished("aborted" if status == 499 else "error")
 
     def _release(self, s: PrefillReq) -> None:

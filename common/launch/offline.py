@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from common.grammar.backend import GrammarState
 from common.kv_pool import pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
-from common.sampler import Sampler, make_generator
+from common.sampler import Sampler, make_generator, seed_for_position
 from common.sampling_params import SamplingParams
 from common.stop import FinishReason, StopChecker
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -46,6 +46,8 @@ def generate_stream(
     try:
         logits = runner.extend([ExtendRequest(prompt_ids, 0, pages)]).logits
         while True:
+            if params.seed is not None:  # draw i of a seeded request: as on the nodes
+                seed_for_position(gen, params.seed, len(out))
             token = sampler.sample(logits, [params], [gen], [grammar]).token_ids[0]
             if grammar is not None and not grammar.accept(token):
                 raise ValueError(f"the grammar refused token {token}")

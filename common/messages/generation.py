@@ -1,6 +1,6 @@
 """Request and result messages between the gateway and the nodes."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from common.messages.base import Message
@@ -27,6 +27,11 @@ class GenerateReq(Message):
     gateway_id: str = ""
     # Prefix-cache isolation: cached pages are shared only among requests of one salt.
     cache_salt: str | None = None
+    # A migrated request (the gateway resends it to another pair mid-stream): the output
+    # tokens the client already has. The nodes compute the KV of input_ids + output_ids,
+    # and go on from output token len(output_ids): max_new_tokens, the grammar's matcher,
+    # seeded draws and usage count these tokens as output.
+    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,3 +70,6 @@ class ReqFailed(Message):
     rid: str
     status: int
     error: str
+    # The failure is the nodes' (a lost peer, a failed transfer or handshake, a drain past
+    # its timeout), not the request's: the gateway may migrate it to another pair.
+    retryable: bool = False

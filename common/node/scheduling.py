@@ -59,10 +59,18 @@ R_contra = TypeVar("R_contra", bound=HeldRequest, contravariant=True)
 
 class EndRequest(Protocol[R_contra]):
     """The role's own ending: out of its state's queue, pages freed, the peer told
-    `peer_reason`, the gateway told ReqFailed(status, error) if `notify`."""
+    `peer_reason`, the gateway told ReqFailed(status, error, retryable) if `notify`."""
 
     def __call__(
-        self, r: R_contra, status: int, error: str, /, *, notify: bool, peer_reason: str
+        self,
+        r: R_contra,
+        status: int,
+        error: str,
+        /,
+        *,
+        notify: bool,
+        peer_reason: str,
+        retryable: bool = False,
     ) -> None: ...
 
 
@@ -114,9 +122,10 @@ class RequestFailures(Generic[R]):
             )
 
     def fail_all(self, status: int, error: str) -> None:
-        """Fail every request the node holds (the drain timeout passed); the gateway hears."""
+        """Fail every request the node holds (the drain timeout passed); the gateway hears,
+        and may migrate them (the node is going, not the requests' fault)."""
         for r in list(self.reqs.values()):
-            self.end(r, status, error, notify=True, peer_reason=error)
+            self.end(r, status, error, notify=True, peer_reason=error, retryable=True)
 
     def isolate(self, rid: str, reply_endpoint: str, doing: str, exc: Exception) -> None:
         """An exception while handling one request: that request fails (500), nothing else."""

@@ -311,7 +311,7 @@ def test_req_failed_before_any_token_keeps_its_status(
 def test_lost_node_fails_its_requests_fast(
     gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
 ) -> None:
-    gw = gateway_factory(lease_s=0.6)
+    gw = gateway_factory(lease_s=0.6, migration_limit=0)  # no migration: the error itself
     gw.node("prefill")
     decode = gw.node("decode", stream_tokens(reply_ids(tokenizer)[:1], finish=False))
     with httpx.stream(
@@ -328,10 +328,12 @@ def test_lost_node_fails_its_requests_fast(
 def test_losing_a_prefill_node_fails_only_requests_without_their_kv(
     gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
 ) -> None:
-    """A streaming request has its KV on the decode node: its prefill node's loss spares it."""
+    """A streaming request has its KV on the decode node: its prefill node's loss spares it.
+    One still waiting for its KV tries to migrate, and with no other prefill node gets a
+    503 once --migration-timeout has passed."""
     import threading
 
-    gw = gateway_factory(lease_s=0.6)
+    gw = gateway_factory(lease_s=0.6, migration_timeout_s=1.0)
     prefill = gw.node("prefill")
     ids = reply_ids(tokenizer)
     resume = threading.Event()

@@ -120,7 +120,10 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(model_dir, ref)
         assert "invalid regex" in bad.error and "Unclosed" in bad.error
         assert isinstance(h.result("good"), msg.ReqFinished)
         assert h.tokens("good") == greedy(ref, prompt(9, 2), 6)
-        # The failed room's pages wait in the release queue until the prefill side acks.
+        # The gateway aborts a failed request on both nodes (the prefill node may still be
+        # waiting for the decode node's handshake); the decode node's pages wait in the
+        # release queue until the prefill side acks.
+        h.prefill.abort("bad", None, "failed on the decode node")
         h.run_until(lambda: h.decode.is_idle() and not h.prefill.states)
         _assert_all_free(h)
     finally:

@@ -127,6 +127,7 @@ class PD:
         priority=None,
         return_logprob=False,
         gateway_id="",
+        output_ids=(),
         **sampling,
     ):
         g = msg.GenerateReq(
@@ -142,6 +143,7 @@ class PD:
             arrival_time=time.time(),
             return_logprob=return_logprob,
             gateway_id=gateway_id,
+            output_ids=list(output_ids),
         )
         if to_prefill:
             self.to_prefill.send(msg.encode(g))

@@ -51,14 +51,25 @@ class Ended:
 
     reqs: dict[str, Req]
     calls: list[tuple[str, int, str, bool, str]] = field(default_factory=list)
+    retryable: list[str] = field(default_factory=list)  # rids ended as the nodes' fault
     fail_on: set[str] = field(default_factory=set)
 
     def __call__(
-        self, r: Req, status: int, error: str, /, *, notify: bool, peer_reason: str
+        self,
+        r: Req,
+        status: int,
+        error: str,
+        /,
+        *,
+        notify: bool,
+        peer_reason: str,
+        retryable: bool = False,
     ) -> None:
         if r.rid in self.fail_on:
             raise RuntimeError("end broke")
         self.calls.append((r.rid, status, error, notify, peer_reason))
+        if retryable:
+            self.retryable.append(r.rid)
         del self.reqs[r.rid]
 
 
@@ -130,6 +141,7 @@ def test_fail_all_ends_every_request_and_tells_each_gateway():
     failures.fail_all(503, "draining")
     assert reqs == {}
     assert [(c[0], c[1], c[3]) for c in end.calls] == [("a", 503, True), ("b", 503, True)]
+    assert end.retryable == ["a", "b"]  # a draining node's requests may move to another pair
 
 
 def test_isolate_fails_that_request_alone():

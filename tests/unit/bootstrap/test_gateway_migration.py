@@ -1,0 +1,206 @@
+"""Mid-stream migration at the gateway, against fake nodes: when a request's pair fails on
+the nodes' side, the gateway resends prompt + output so far to another pair and the
+client's stream goes on; a failure that is the request's own still reaches the client."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from bootstrap import gateway_metrics as gm
+from common import messages as msg
+from common import metrics
+from common.tokenizer import Tokenizer
+from tests.support import gateway as harness
+from tests.support.gateway import Gateway, Send, reply_ids, silent
+
+gateway_factory = harness.gateway_factory
+tokenizer = harness.tokenizer
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def continuing(ids: list[int], *, fail_at: int | None = None, retryable: bool = True) -> Any:
+    """A decode node that writes ``ids`` from the request's output_ids on (as a real node
+    would go on after a migration), failing after position ``fail_at`` if given."""
+
+    def behave(gen: msg.GenerateReq, send: Send) -> None:
+        start = len(gen.output_ids)
+        assert gen.output_ids == ids[:start], "a migrated request carries its output so far"
+        limit = int(gen.sampling["max_new_tokens"])
+        for pos in range(start, min(len(ids), limit)):
+            if fail_at is not None and pos == fail_at:
+                send(msg.ReqFailed(gen.rid, 500, "KV transfer failed: peer gone", retryable))
+                return
+            chunk = msg.TokenChunk(
+                rid=gen.rid, token_ids=[ids[pos]], logprobs=None, top_logprobs=None
+            )
+            send(chunk)
+        num = min(len(ids), limit)
+        send(msg.ReqFinished(gen.rid, "length" if num == limit else "stop", None, 3, num, 0))
+
+    return behave
+
+
+def stream_chat(gw: Gateway, **body: Any) -> tuple[str, list[dict[str, Any]]]:
+    """The streamed text and every parsed event."""
+    events = []
+    with httpx.stream(
+        "POST",
+        gw.api_url + CHAT,
+        json={"messages": MESSAGES, "stream": True, **body},
+        timeout=20,
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    text = "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")
+    )
+    return text, events
+
+
+def migrations(reason: str) -> float:
+    return gm.MIGRATIONS.labels(**metrics.role_labels(reason=reason))._value.get()
+
+
+def by_load(gw: Gateway, role: str, fail: Any, ok: Any) -> None:
+    """Two nodes of ``role``: the router's first choice (equal loads: the first id) fails,
+    the other works; they are gw.nodes[-2] and gw.nodes[-1]."""
+    gw.node(role, fail)
+    gw.node(role, ok)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_failed_decode_node_hands_the_stream_to_another_pair(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer, stream: bool
+) -> None:
+    ids = reply_ids(tokenizer)
+    gw = gateway_factory()
+    gw.node("prefill")
+    by_load(gw, "decode", continuing(ids, fail_at=4), continuing(ids))
+    before = migrations("node_failure")
+    body = {"max_tokens": len(ids), "stream_options": {"include_usage": True}}
+    if stream:
+        text, events = stream_chat(gw, **body)
+        assert not any("error" in e for e in events), events
+        usage = events[-1]["usage"]
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+    else:
+        r = httpx.post(gw.api_url + CHAT, json={"messages": MESSAGES, **body}, timeout=20)
+        assert r.status_code == 200, r.text
+        text, usage = r.json()["choices"][0]["message"]["content"], r.json()["usage"]
+    assert text == tokenizer.decode(ids)  # no token lost, none twice
+    assert usage["completion_tokens"] == len(ids)
+    assert migrations("node_failure") == before + 1
+    failed, survivor = gw.nodes[1], gw.nodes[2]
+    (first,) = failed.generates()
+    (second,) = survivor.wait_generates(1)
+    assert first.output_ids == [] and second.output_ids == ids[:4]
+    assert second.input_ids == first.input_ids and second.room != first.room
+    assert second.rid != first.rid  # late replies of the failed attempt are dropped
+    assert failed.aborts(), "the failed pair is told to free the room"
+
+
+def test_a_failure_that_is_the_requests_own_is_not_migrated(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    ids = reply_ids(tokenizer)
+    gw = gateway_factory()
+    gw.node("prefill")
+    by_load(gw, "decode", continuing(ids, fail_at=2, retryable=False), continuing(ids))
+    text, events = stream_chat(gw)
+    assert "peer gone" in events[-1]["error"]["message"]
+    assert text == tokenizer.decode(ids[:2])
+    assert gw.nodes[2].generates() == []
+
+
+def test_migrations_stop_at_the_limit(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    ids = reply_ids(tokenizer)
+    gw = gateway_factory(migration_limit=2)
+    gw.node("prefill")
+
+    def fail_next(gen: msg.GenerateReq, send: Send) -> None:  # one more token, then fails
+        pos = len(gen.output_ids)
+        send(msg.TokenChunk(rid=gen.rid, token_ids=[ids[pos]], logprobs=None, top_logprobs=None))
+        send(msg.ReqFailed(gen.rid, 503, f"failed at {pos + 1}", True))
+
+    gw.node("decode", fail_next)
+    text, events = stream_chat(gw)
+    error = events[-1]["error"]["message"]
+    assert "after 2 migration(s)" in error and "failed at 3" in error
+    assert text == tokenizer.decode(ids[:3])  # each attempt added one token, in order
+    assert [len(g.output_ids) for g in gw.nodes[1].generates()] == [0, 1, 2]
+
+
+def test_a_lost_decode_node_migrates_its_streams(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    ids = reply_ids(tokenizer)
+    gw = gateway_factory(lease_s=0.6)
+    gw.node("prefill")
+
+    def two_then_hang(gen: msg.GenerateReq, send: Send) -> None:
+        for tid in ids[:2]:
+            send(msg.TokenChunk(rid=gen.rid, token_ids=[tid], logprobs=None, top_logprobs=None))
+        gw.nodes[1].registry.stop(deregister=False)  # then the node goes silent
+
+    by_load(gw, "decode", two_then_hang, continuing(ids))
+    before = migrations("decode_lost")
+    t0 = time.monotonic()
+    text, events = stream_chat(gw, max_tokens=len(ids))
+    assert time.monotonic() - t0 < 5
+    assert not any("error" in e for e in events), events
+    assert text == tokenizer.decode(ids)
+    assert migrations("decode_lost") == before + 1
+    assert gw.nodes[2].wait_generates(1)[0].output_ids == ids[:2]
+
+
+def test_with_no_pair_left_the_client_gets_an_error_within_the_migration_timeout(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    ids = reply_ids(tokenizer)
+    gw = gateway_factory(lease_s=0.6, migration_timeout_s=1.5)
+    gw.node("prefill")
+
+    def one_then_hang(gen: msg.GenerateReq, send: Send) -> None:
+        send(msg.TokenChunk(rid=gen.rid, token_ids=[ids[0]], logprobs=None, top_logprobs=None))
+        gw.nodes[1].registry.stop(deregister=False)
+
+    gw.node("decode", one_then_hang)
+    t0 = time.monotonic()
+    text, events = stream_chat(gw)
+    took = time.monotonic() - t0
+    assert 1.5 <= took < 6, took  # the lease (0.6 s), then --migration-timeout
+    error = events[-1]["error"]
+    assert error["code"] == "migration_failed" and "no decode node" in error["message"]
+    assert text == tokenizer.decode(ids[:1])
+
+
+def test_a_pair_that_fails_after_the_last_token_is_not_asked_to_go_on(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    """The decode node sent the eos token, then failed before ReqFinished: the request is
+    complete, so it finishes at the gateway instead of continuing past its end."""
+    ids = reply_ids(tokenizer)[:3] + [min(tokenizer.eos_token_ids)]
+    gw = gateway_factory()
+    gw.node("prefill")
+
+    def eos_then_fail(gen: msg.GenerateReq, send: Send) -> None:
+        for tid in ids:
+            send(msg.TokenChunk(rid=gen.rid, token_ids=[tid], logprobs=None, top_logprobs=None))
+        send(msg.ReqFailed(gen.rid, 503, "node draining", True))
+
+    by_load(gw, "decode", eos_then_fail, silent)
+    text, events = stream_chat(gw)
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert text == tokenizer.decode(ids[:3])
+    assert gw.nodes[2].generates() == []
