@@ -20,6 +20,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -31,6 +32,9 @@ from common.ipc import PushPool, bind_pull, close_pull, poll_any, recv_messages
 logger = logging.getLogger(__name__)
 
 POLL_MS = 100
+# How often the loop reads the PUSH sockets' disconnect monitors: a node process that dies
+# closes its connections at once, and its requests move on within this (not its lease).
+DISCONNECT_POLL_S = 0.05
 MAX_FRAMES_PER_BATCH = 4096
 NODE_LOST_STATUS = 503
 
@@ -85,7 +89,11 @@ class Dispatcher:
         port = bound.rsplit(":", 1)[1]
         host = advertise_host or bound.split("//", 1)[1].rsplit(":", 1)[0]
         self.reply_endpoint = f"tcp://{host}:{port}"
-        self._push = PushPool(self._ctx)
+        self._push = PushPool(self._ctx, watch_disconnects=True)
+        # Told the request endpoint of a node that closed its connection (the service marks
+        # the node unreachable); the dispatcher has already failed the requests it held.
+        self.on_disconnect: Callable[[str], None] | None = None
+        self._watch: asyncio.Task[None] | None = None
         self._reqs: dict[str, InflightReq] = {}
         self._num_pending_prefill: Counter[str] = Counter()
         self._num_inflight: Counter[str] = Counter()
@@ -99,9 +107,12 @@ class Dispatcher:
         """Start routing replies into the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._thread.start()
+        self._watch = asyncio.create_task(self._watch_disconnects(), name="node-disconnects")
 
     def close(self) -> None:
         """Abort everything in flight, stop the reply thread, close the sockets."""
+        if self._watch is not None:
+            self._watch.cancel()
         for req in list(self._reqs.values()):
             req.queue.put_nowait(msg.ReqFailed(rid=req.rid, status=503, error="gateway stopping"))
             self.end(req, ReqState.ABORTED, "gateway stopping")
@@ -179,13 +190,38 @@ class Dispatcher:
             if r.decode_id == node_id
             or (r.prefill_id == node_id and r.state is ReqState.DISPATCHED)
         ]
+        self._fail_lost(hit, lambda r: r.decode_id == node_id, reason)
+
+    def fail_endpoint(self, endpoint: str, reason: str) -> None:
+        """A node closed its request connection (its process died or restarted): as
+        fail_node, for the requests sent to ``endpoint``."""
+        hit = [
+            r
+            for r in self._reqs.values()
+            if r.decode_endpoint == endpoint
+            or (r.prefill_endpoint == endpoint and r.state is ReqState.DISPATCHED)
+        ]
+        self._fail_lost(hit, lambda r: r.decode_endpoint == endpoint, reason)
+
+    def _fail_lost(
+        self, hit: list[InflightReq], is_decode: Callable[[InflightReq], bool], reason: str
+    ) -> None:
         for req in hit:
-            req.lost = "decode_lost" if req.decode_id == node_id else "prefill_lost"
+            req.lost = "decode_lost" if is_decode(req) else "prefill_lost"
             failed = msg.ReqFailed(
                 rid=req.rid, status=NODE_LOST_STATUS, error=reason, retryable=True
             )
             req.queue.put_nowait(failed)
             self.end(req, ReqState.FAILED, reason)
+
+    async def _watch_disconnects(self) -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            for endpoint in self._push.disconnected():
+                logger.warning("the node at %s closed its connection", endpoint)
+                self.fail_endpoint(endpoint, f"the node at {endpoint} closed its connection")
+                if self.on_disconnect is not None:
+                    self.on_disconnect(endpoint)
 
     def _transition(self, req: InflightReq, state: ReqState) -> bool:
         if req.is_done:

@@ -66,6 +66,13 @@ ROUTE_SECONDS: Final = Histogram(
     registry=metrics.REGISTRY,
 )
 
+NODE_DISCONNECTS: Final = Counter(
+    "pdserve_node_disconnects_total",
+    "Nodes that closed their request connection (a process that died or restarted): their "
+    "requests move on at once and the node is not routed to until it is heard from again.",
+    ("role",),
+    registry=metrics.REGISTRY,
+)
 MIGRATIONS: Final = Counter(
     "pdserve_migrations_total",
     "Requests moved to another node pair mid-way, by why their pair failed: decode_lost, "

@@ -78,6 +78,12 @@ class NodeEntry:
     registered_at: float
     last_seen: float
     load: dict[str, Any]
+    # When the gateway saw the node close its request connection (it died or restarted);
+    # unhealthy and never routed to until a heartbeat comes after it.
+    unreachable_since: float | None = None
+
+    def is_reachable(self) -> bool:
+        return self.unreachable_since is None or self.last_seen > self.unreachable_since
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,9 @@ class NodeView:
     kv_events_endpoint: str = ""
     page_size: int = 0  # of its KV layout (0: not given)
     colocated_with: str = ""  # the other half of a colocated process ("" : none)
+    # False from the node closing its request connection to its next heartbeat: a process
+    # that died (the kernel closed its sockets), long before its lease runs out.
+    is_reachable: bool = True
 
 
 def _page_size(layout: dict[str, Any]) -> int:
@@ -266,13 +275,28 @@ class NodeRegistry:
                 kv_events_endpoint=e.info.kv_events_endpoint,
                 page_size=_page_size(e.info.kv_layout),
                 colocated_with=e.info.colocated_with,
+                is_reachable=e.is_reachable(),
             )
             for node_id, e in self._nodes.items()
             if role is None or e.info.role == role
         ]
 
     def _is_healthy(self, entry: NodeEntry, now: float) -> bool:
-        return now - entry.last_seen <= self.lease_s * UNHEALTHY_AFTER_LEASE_FRACTION
+        return (
+            now - entry.last_seen <= self.lease_s * UNHEALTHY_AFTER_LEASE_FRACTION
+            and entry.is_reachable()
+        )
+
+    @_locked
+    def mark_unreachable(self, request_endpoint: str) -> list[str]:
+        """The nodes at ``request_endpoint`` closed their connection: unreachable (and not
+        routed to) until their next heartbeat; their ids."""
+        now = self._clock()
+        hit = [i for i, e in self._nodes.items() if e.info.request_endpoint == request_endpoint]
+        for node_id in hit:
+            self._nodes[node_id].unreachable_since = now
+            logger.warning("node %s closed its request connection: unreachable", node_id)
+        return hit
 
     @_locked
     def table(self) -> list[dict[str, Any]]:

@@ -54,8 +54,9 @@ class GatewaySettings:
 
 
 def _live(views: list[NodeView]) -> list[NodeView]:
-    """Healthy nodes; nodes that merely missed a heartbeat only when no healthy one is left."""
-    return [v for v in views if v.is_healthy] or views
+    """Healthy nodes; nodes that merely missed a heartbeat only when no healthy one is left
+    (never one that closed its connection: it died, its lease has not run out yet)."""
+    return [v for v in views if v.is_healthy] or [v for v in views if v.is_reachable]
 
 
 def _pairable(
@@ -121,6 +122,7 @@ class BootstrapService:
             settings.advertise_host,
         )
         self.registry.add_lost_listener(self._on_node_lost)
+        self.dispatcher.on_disconnect = self._on_disconnect
         self.num_active = 0  # admitted and not yet ended at the gateway
         self._timer: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -185,6 +187,13 @@ class BootstrapService:
                 loop.call_soon_threadsafe(self._node_lost, node_id, reason)
             return
         self._node_lost(node_id, reason)
+
+    def _on_disconnect(self, request_endpoint: str) -> None:
+        """A node closed its connection (loop thread): route nothing there until it is heard
+        from again; its requests have already moved on."""
+        gm.NODE_DISCONNECTS.labels(**metrics.role_labels()).inc(
+            len(self.registry.mark_unreachable(request_endpoint))
+        )
 
     def _node_lost(self, node_id: str, reason: str) -> None:
         gm.NODES_LOST.labels(**metrics.role_labels()).inc()

@@ -85,10 +85,16 @@ def close_pull(sock: Socket) -> None:
 class PushPool:
     """One cached PUSH socket per remote endpoint; ``close`` never blocks (LINGER 0)."""
 
-    def __init__(self, ctx: Context, *, sndhwm: int = DEFAULT_SNDHWM) -> None:
+    def __init__(
+        self, ctx: Context, *, sndhwm: int = DEFAULT_SNDHWM, watch_disconnects: bool = False
+    ) -> None:
         self._ctx = ctx
         self._sndhwm = sndhwm
         self._sockets: dict[str, Socket] = {}
+        # watch_disconnects: a monitor per socket reports its peer closing the connection
+        # (the peer process died or restarted: the kernel closes its sockets at once).
+        self._watch = watch_disconnects
+        self._monitors: dict[str, Socket] = {}
 
     @property
     def num_sockets(self) -> int:
@@ -103,9 +109,27 @@ class PushPool:
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
             sock.setsockopt(zmq.LINGER, 0)
             socket_auth.current().secure_client(sock)
+            if self._watch:
+                self._monitors[endpoint] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(endpoint)
             self._sockets[endpoint] = sock
         return sock
+
+    def disconnected(self) -> list[str]:
+        """Endpoints whose peer closed the connection since the last call (never blocks;
+        empty unless the pool watches disconnects). zmq reconnects by itself meanwhile."""
+        gone = []
+        for endpoint, monitor in self._monitors.items():
+            is_gone = False
+            while True:
+                try:
+                    monitor.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                is_gone = True  # the monitor reports nothing but disconnects
+            if is_gone:
+                gone.append(endpoint)
+        return gone
 
     def send(self, endpoint: str, msg: Message) -> bool:
         """Queue ``msg`` for ``endpoint`` without blocking; False when its queue is full."""
@@ -118,6 +142,13 @@ class PushPool:
     def discard(self, endpoint: str) -> None:
         """Close the socket of a peer that is gone; unsent messages to it are dropped."""
         sock = self._sockets.pop(endpoint, None)
+        monitor = self._monitors.pop(endpoint, None)
+        if sock is not None and monitor is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
         if sock is not None:
             sock.close(linger=0)
 

@@ -82,6 +82,20 @@ def test_protocol_version_and_role_are_checked() -> None:
     assert len(reg) == 0
 
 
+def test_a_node_that_closed_its_connection_is_unreachable_until_it_is_heard_again() -> None:
+    clock = Clock()
+    reg = NodeRegistry(TOKEN, lease_s=10.0, clock=clock)
+    reg.register(register_msg("p0"))
+    reg.register(register_msg("d0", role="decode", request_endpoint="tcp://127.0.0.1:6000"))
+    assert reg.mark_unreachable("tcp://127.0.0.1:6000") == ["d0"]
+    assert reg.mark_unreachable("tcp://127.0.0.1:7777") == []
+    views = {v.node_id: (v.is_healthy, v.is_reachable) for v in reg.views()}
+    assert views == {"p0": (True, True), "d0": (False, False)}
+    clock.now += 1.0
+    reg.heartbeat(msg.Heartbeat(node_id="d0", load={}, auth_token=TOKEN))  # it was alive
+    assert all(v.is_healthy and v.is_reachable for v in reg.views())
+
+
 def test_lease_expiry_removes_the_node_and_tells_listeners() -> None:
     clock = Clock()
     reg = NodeRegistry(TOKEN, lease_s=10.0, clock=clock)

@@ -204,3 +204,45 @@ def test_a_pair_that_fails_after_the_last_token_is_not_asked_to_go_on(
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
     assert text == tokenizer.decode(ids[:3])
     assert gw.nodes[2].generates() == []
+
+
+def test_a_node_that_closes_its_connection_moves_its_streams_at_once(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    """A decode process that dies closes its sockets: the gateway moves its streams then,
+    not when its lease (10 s here) runs out, and routes nothing more to it."""
+    import threading
+
+    ids = reply_ids(tokenizer)
+    gw = gateway_factory(lease_s=10.0)
+    gw.node("prefill")
+    sent_two = threading.Event()
+
+    def two_then_die(gen: msg.GenerateReq, send: Send) -> None:
+        for tid in ids[:2]:
+            send(msg.TokenChunk(rid=gen.rid, token_ids=[tid], logprobs=None, top_logprobs=None))
+        sent_two.set()
+
+    by_load(gw, "decode", two_then_die, continuing(ids))
+    before = gm.NODE_DISCONNECTS.labels(**metrics.role_labels())._value.get()
+    result: dict[str, Any] = {}
+
+    def client() -> None:
+        result["out"] = stream_chat(gw, max_tokens=len(ids))
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    assert sent_two.wait(10)
+    t0 = time.monotonic()
+    gw.nodes[1].stop()  # its request socket closes, as a killed process's would
+    thread.join(10)
+    assert time.monotonic() - t0 < 3  # well inside the 10 s lease
+    text, events = result["out"]
+    assert not any("error" in e for e in events), events
+    assert text == tokenizer.decode(ids)
+    assert gm.NODE_DISCONNECTS.labels(**metrics.role_labels())._value.get() == before + 1
+    dead = next(v for v in gw.service.registry.views("decode") if v.node_id == "decode-1")
+    assert not dead.is_reachable and not dead.is_healthy  # still leased, never routed to
+    for _ in range(3):  # new requests go to the live node only
+        assert stream_chat(gw, max_tokens=3)[0] == tokenizer.decode(ids[:3])
+    assert len(gw.nodes[1].generates()) == 1
