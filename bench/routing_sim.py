@@ -13,8 +13,10 @@ prefill loop flushes before the model runs), each applied to the KVIndex
 --event-delay-ms later (no changes: the load alone). Queued tokens are what
 PrefillScheduler.queued_tokens says after a step: the waiting prompts less the prefix
 cached now (--node-load prompt: whole, as before that was fixed); the gateway adds what
-it routed there since the node's last report (uncached as routed), as
-KVEventSubscriber.queued_tokens does. The oracle sees
+it routed there since the node's last report (uncached as routed), and counts each
+prompt it routed as held on its node until the node's events store it (KVIndex.expect;
+the node's report counts a request waiting behind the one that stores its prefix as
+computing it all: the index takes that off), as KVEventSubscriber does. The oracle sees
 every cache at once and each queue exactly (the running prefill's remaining tokens by
 elapsed time, each waiting one's uncached tokens as routed). Routing time: wall time of
 building the candidates, overlaps() (precise) and route(), as service.py times it
@@ -35,9 +37,21 @@ Workloads (seeded; token ids uniform in [100, 49000); pool = 4 "units" a node):
   At 1000 nodes: a only, --small-pool pages, 4 contexts of 156 tokens.
 Poisson arrivals at --load x what the cluster could serve if every shared prefix hit,
 ramping up from 0 over --warmup-misses misses of the unit (caches fill without a
-cold-start pile-up); requests of the ramp are not counted. Prints the CPU, the fit, a
-table per workload, one JSON line per row and the targets (precise >= 95% of the oracle's
-hit rate; p90 TTFT >= 5x below affinity's on a and c; routing p99 < 200 us at 128 nodes).
+cold-start pile-up); requests of the ramp are not counted.
+
+The sweep: one routing decision can tip a loaded cluster into recomputing (a tiny change
+of the cost model used to), so every node count runs a neighbourhood of the cost model:
+the fitted one times each of --scales, and moved by each of --perturbations (relative,
+each term times 1 + r*u_i, u a random unit vector) in --directions directions, for each
+of --seeds (which seed the workload too); from 128 nodes --seeds-large and
+--directions-large (their runs are long). Prints the CPU, the fit, a line per run, the
+worst run per node count (precise's hit rate / the oracle's; precise's - affinity's;
+affinity's p90 TTFT / precise's), a table across the cost-model scales, one JSON line per
+row and per worst case, and the targets on the worst cases (precise >= 95% of the
+oracle's hit rate and >= affinity's; p90 TTFT >= 5x below affinity's on a and c; routing
+p99 over every precise decision < 200 us at 128 nodes). The default grid takes about 20
+minutes on one core; --quick (8 and 32 nodes, short runs and ramp, seed 0, the scales
+and one 1% move) well under one.
 Usage: python bench/routing_sim.py [--quick] [--cost 150,1300,1290] [--nodes 8 32 128 1000]
 """
 
@@ -65,11 +79,13 @@ sys.path.append(_HERE)  # after the repo: its siblings, never over the packages
 import numpy as np
 from routing_workloads import (
     Cost,
+    CostCase,
     Request,
     Scale,
     Workload,
     _pages,
     chat,
+    cost_neighbourhood,
     fit_cost,
     templates,
     tenants,
@@ -83,6 +99,7 @@ from prefill_node.radix_cache import RadixCache, TreeNode
 ROUTERS = ("oracle", "precise", "affinity", "round-robin", "random")
 DECODES = [rt.DecodeCandidate("d0", 0)]
 SMALL_RUN_WARMUP = 5.0  # warm-up misses at 1000 nodes (a short run)
+LARGE = 128  # from this many nodes the sweep runs --seeds-large (its runs are long)
 
 
 class FreeList:
@@ -281,12 +298,6 @@ def simulate(
         else:
             push(now + event_delay_s, "load", (node.node_id, queued))
 
-    def queued_tokens(nid: str) -> int:
-        if not uses_index:  # the service passes none: only precise routing reads them
-            return 0
-        state = index.node(nid)  # KVEventSubscriber.queued_tokens
-        return (state.queued_tokens if state else 0) + since_report[nid]
-
     def route(i: int, req: Request) -> None:
         arr = np.concatenate(req.parts)
         ids = arr.tolist()
@@ -314,7 +325,9 @@ def simulate(
             chosen, cached_pages = choice.node_id, exact.get(choice.node_id, 0)
         else:
             overlaps = index.overlaps(hashes, node_ids) if router_name == "precise" else None
-            queued = {nid: queued_tokens(nid) for nid in node_ids}  # queued_tokens_of
+            queued = (  # KVEventSubscriber.queued_tokens_of; the service passes none else
+                index.queued_tokens_of(node_ids, since_report) if router_name == "precise" else {}
+            )
             cands = rt.prefill_candidates(node_ids, pending_n.__getitem__, queued)
             decision = router.route(ids, None, cands, DECODES, None, overlaps)
             chosen, cached_pages = decision.prefill_id, decision.cached_pages
@@ -322,6 +335,8 @@ def simulate(
         uncached = max(1, len(ids) - cached_pages * page_size)  # as service.py dispatches
         pending_n[chosen] += 1
         since_report[chosen] += uncached
+        if router_name == "precise":  # KVEventSubscriber.note_dispatched
+            index.expect(chosen, hashes, page_size)
         res.routed[i] = chosen
         nodes[chosen].enqueue(Job(i, req, len(ids), uncached))
         if (end := nodes[chosen].start_next(req.arrival)) is not None:
@@ -390,64 +405,143 @@ def summarize(w: Workload, num_nodes: int, router_name: str, r: SimResult) -> di
         "route_us_p99": _pct(r.route_s, 99, 1e6, 1),
         "route_us_p50": _pct(r.route_s, 50, 1e6, 1),
         "index_mb": round(r.index_mb, 3),
-        "load": round(r.busy_s / num_nodes / span, 3),
+        "load": round(float(r.busy_s / num_nodes / span), 3),
         "requests": len(counted),
     }
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
+@dataclass
+class Run:
+    """The routers' rows over one workload, one node count and one cost model."""
+
+    nodes: int
+    workload: str
+    case: CostCase
+    rows: dict[str, dict[str, Any]]  # by router
+
+    def share(self) -> float | None:
+        """precise's hit rate / the oracle's."""
+        p, o = self.rows.get("precise"), self.rows.get("oracle")
+        return p["hit_rate"] / o["hit_rate"] if p and o and o["hit_rate"] else None
+
+    def margin(self) -> float | None:
+        """precise's hit rate - affinity's."""
+        p, a = self.rows.get("precise"), self.rows.get("affinity")
+        return p["hit_rate"] - a["hit_rate"] if p and a else None
+
+    def p90_gain(self) -> float | None:
+        """affinity's p90 TTFT / precise's (workloads a and c)."""
+        p, a = self.rows.get("precise"), self.rows.get("affinity")
+        return a["ttft_p90_s"] / p["ttft_p90_s"] if p and a and self.workload != "b" else None
+
+
+def _worst(runs: Sequence[Run], measure: Callable[[Run], float | None]) -> tuple[float, Run]:
+    scored = [(v, r) for r in runs if (v := measure(r)) is not None]
+    return min(scored, key=lambda x: x[0]) if scored else (float("nan"), runs[0])
+
+
+def worst_cases(runs: Sequence[Run], route_s: dict[int, list[float]]) -> list[dict[str, Any]]:
+    """Per node count, the worst run of the sweep by each measure (one JSON line each)."""
+    out = []
+    for n in sorted({r.nodes for r in runs}):
+        mine = [r for r in runs if r.nodes == n]
+        row: dict[str, Any] = {"bench": "routing_sim_worst", "nodes": n, "runs": len(mine)}
+        for name, measure in (
+            ("share", Run.share),
+            ("margin", Run.margin),
+            ("p90_gain", Run.p90_gain),
+        ):
+            value, run = _worst(mine, measure)
+            row[name] = round(value, 4)
+            row[f"{name}_run"] = f"{run.workload} {run.case.label} ({run.case.cost.short()})"
+        row["route_us_p99"] = _pct(route_s.get(n, []), 99, 1e6, 1)
+        out.append(row)
+    return out
+
+
+def print_worst(worst: list[dict[str, Any]]) -> None:
     print(
-        f"{'nodes':>5} {'router':11} {'hit':>6} {'%orc':>5} {'computed':>11} {'p50 s':>8} "
-        f"{'p90 s':>8} {'p99 s':>8} {'aff/p90':>8} {'route us p50/p99':>16} {'idx MB':>7} "
-        f"{'load':>5}"
+        "\nworst case per node count over the sweep (share = precise's hit rate / the "
+        "oracle's; margin = precise's - affinity's; p90 gain = affinity's p90 TTFT / "
+        "precise's, a and c; routing p99 over every precise decision)"
     )
-    for r in rows:
-        peers = {x["router"]: x for x in rows if x["nodes"] == r["nodes"]}
-        orc, aff = peers.get("oracle"), peers.get("affinity")
-        vs_orc = f"{r['hit_rate'] / orc['hit_rate']:5.0%}" if orc else "    -"
-        vs_aff = f"{aff['ttft_p90_s'] / r['ttft_p90_s']:8.2f}" if aff else "       -"
+    print(f"{'nodes':>5} {'runs':>4}  {'share':>6}  {'margin':>7}  {'p90 gain':>8}  {'p99 us':>6}")
+    for w in worst:
         print(
-            f"{r['nodes']:5d} {r['router']:11} {r['hit_rate']:6.1%} {vs_orc} "
-            f"{r['computed_tokens']:11d} {r['ttft_p50_s']:8.2f} {r['ttft_p90_s']:8.2f} "
-            f"{r['ttft_p99_s']:8.2f} {vs_aff} {r['route_us_p50']:8.0f}/{r['route_us_p99']:<7.0f} "
-            f"{r['index_mb']:7.2f} {r['load']:5.2f}"
+            f"{w['nodes']:5d} {w['runs']:4d}  {w['share']:6.1%}  {w['margin']:+7.1%}  "
+            f"{w['p90_gain']:8.2f}  {w['route_us_p99']:6.0f}"
+        )
+        for name in ("share", "margin", "p90_gain"):
+            print(f"{'':12}{name} worst at: {w[f'{name}_run']}")
+
+
+def print_scales(runs: Sequence[Run]) -> None:
+    """Per node count, workload and scale of the fitted model (unperturbed, every seed):
+    mean hit rates, the worst share and margin, median p90 TTFTs."""
+    print(
+        "\nacross cost-model scales (the fitted model times k, unperturbed; hit rates are "
+        "means over seeds, share and margin the worst seed, p90 TTFT the median seed)"
+    )
+    print(
+        f"{'nodes':>5} {'wl':>2} {'k':>4} {'seeds':>5}  {'oracle':>6} {'precise':>7} "
+        f"{'affin':>6}  {'share':>6} {'margin':>7}  {'p90 s orc/prec/aff':>22}"
+    )
+    groups: dict[tuple[int, str, float], list[Run]] = {}
+    for r in runs:
+        if not r.case.perturbation:
+            groups.setdefault((r.nodes, r.workload, r.case.scale), []).append(r)
+    for (n, wl, k), mine in sorted(groups.items()):
+
+        def mean_hit(router: str, mine: list[Run] = mine) -> float:
+            hits = [r.rows[router]["hit_rate"] for r in mine if router in r.rows]
+            return float(np.mean(hits)) if hits else float("nan")
+
+        def p90(router: str, mine: list[Run] = mine) -> float:
+            return float(np.median([r.rows[router]["ttft_p90_s"] for r in mine]))
+
+        p90s = "/".join(f"{p90(x):.1f}" for x in ("oracle", "precise", "affinity"))
+        print(
+            f"{n:5d} {wl:>2} {k:4g} {len(mine):5d}  {mean_hit('oracle'):6.1%} "
+            f"{mean_hit('precise'):7.1%} {mean_hit('affinity'):6.1%}  "
+            f"{_worst(mine, Run.share)[0]:6.1%} {_worst(mine, Run.margin)[0]:+7.1%}  "
+            f"{p90s:>22}"
         )
 
 
-def verdict(rows: list[dict[str, Any]]) -> None:
-    by = {(r["workload"], r["nodes"], r["router"]): r for r in rows}
+def verdict(worst: list[dict[str, Any]]) -> None:
     checks: list[tuple[bool, str]] = []
-    for (wl, n, router), p in sorted(by.items()):
-        if router != "precise":
-            continue
-        if (o := by.get((wl, n, "oracle"))) is not None:
-            share = p["hit_rate"] / o["hit_rate"]
-            text = (
-                f"hit rate {wl}@{n}: precise {p['hit_rate']:.1%} is {share:.1%} of the "
-                f"oracle's {o['hit_rate']:.1%} (>= 95%)"
+    for w in worst:
+        n = w["nodes"]
+        checks.append(
+            (w["share"] >= 0.95, f"hit rate @{n}: worst precise/oracle {w['share']:.1%} (>= 95%)")
+        )
+        checks.append(
+            (w["margin"] >= 0, f"vs affinity @{n}: worst precise - affinity {w['margin']:+.1%}")
+        )
+        checks.append(
+            (
+                w["p90_gain"] >= 5,
+                f"p90 TTFT @{n}: worst affinity/precise {w['p90_gain']:.2f}x (>= 5x)",
             )
-            checks.append((share >= 0.95, text))
-        if (a := by.get((wl, n, "affinity"))) is not None and wl in ("a", "c"):
-            x = a["ttft_p90_s"] / p["ttft_p90_s"]
-            text = (
-                f"p90 TTFT {wl}@{n}: affinity {a['ttft_p90_s']:.2f} s / precise "
-                f"{p['ttft_p90_s']:.2f} s = {x:.2f}x (>= 5x)"
-            )
-            checks.append((x >= 5, text))
+        )
         if n == 128:
-            text = f"routing p99 {wl}@128: precise {p['route_us_p99']:.0f} us (< 200 us)"
-            checks.append((p["route_us_p99"] < 200, text))
-    print(f"targets: {sum(ok for ok, _ in checks)} of {len(checks)} met")
+            checks.append(
+                (
+                    w["route_us_p99"] < 200,
+                    f"routing p99 @128: {w['route_us_p99']:.0f} us (< 200 us)",
+                )
+            )
+    print(
+        f"targets (worst case over the sweep): {sum(ok for ok, _ in checks)} of {len(checks)} met"
+    )
     for ok, text in checks:
         print(f"  {'MET ' if ok else 'MISS'} {text}")
 
 
 def build_workloads(
-    args: argparse.Namespace, cost: Cost, nodes: int
+    args: argparse.Namespace, cost: Cost, nodes: int, seed: int
 ) -> list[Callable[[], Workload]]:
-    sc = Scale(
-        nodes, cost, args.load, args.page_size, args.seed, args.warmup_misses, args.pool_pages
-    )
+    sc = Scale(nodes, cost, args.load, args.page_size, seed, args.warmup_misses, args.pool_pages)
     measured, num_tenants = args.requests_per_node * nodes, max(2, round(150 * nodes / 128))
     if nodes >= 1000:  # small pools: 4 short contexts fit
         small = Scale(
@@ -455,7 +549,7 @@ def build_workloads(
             cost,
             args.load,
             args.page_size,
-            args.seed,
+            seed,
             min(args.warmup_misses, SMALL_RUN_WARMUP),
             args.small_pool,
         )
@@ -477,12 +571,63 @@ def build_workloads(
     return [make[k] for k in args.workloads]
 
 
-def main() -> None:
+def sweep(
+    args: argparse.Namespace, center: Cost, log: Callable[[str], None] = print
+) -> tuple[list[Run], dict[int, list[float]]]:
+    """Every router over every workload, node count and cost model of the neighbourhood;
+    returns the runs and, per node count, every precise routing time."""
+    runs: list[Run] = []
+    route_s: dict[int, list[float]] = {}
+    for nodes in args.nodes:
+        seeds, directions = (
+            (args.seeds, args.directions)
+            if nodes < LARGE
+            else (args.seeds_large, args.directions_large)
+        )
+        cases = cost_neighbourhood(center, seeds, args.scales, args.perturbations, directions)
+        for case in cases:
+            for make in build_workloads(args, case.cost, nodes, case.seed):
+                started, w, rows = time.perf_counter(), make(), {}
+                for router_name in args.routers:
+                    r = simulate(
+                        w,
+                        nodes,
+                        router_name,
+                        case.cost,
+                        page_size=args.page_size,
+                        event_delay_s=args.event_delay_ms / 1e3,
+                        node_load=args.node_load,
+                        seed=case.seed,
+                    )
+                    row = rows[router_name] = summarize(w, nodes, router_name, r)
+                    row.update(
+                        seed=case.seed,
+                        scale=case.scale,
+                        perturbation=case.perturbation,
+                        cost=case.cost.short(),
+                    )
+                    if router_name == "precise":
+                        route_s.setdefault(nodes, []).extend(r.route_s)
+                run = Run(nodes, w.name, case, rows)
+                runs.append(run)
+                hits = " ".join(f"{k} {v['hit_rate']:.1%}" for k, v in rows.items())
+                share = run.share()
+                log(
+                    f"[{w.name}@{nodes} {case.label}] {len(w.requests)} requests, "
+                    f"{w.rate:.1f}/s: {hits}"
+                    + (f" (share {share:.1%})" if share is not None else "")
+                    + f" ({time.perf_counter() - started:.0f} s)"
+                )
+    return runs, route_s
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="8 and 32 nodes, short runs, one repeat per fitted point",
+        help="8 and 32 nodes, short runs and ramp, seed 0, scales and one 1%% move, one "
+        "repeat per fitted point",
     )
     ap.add_argument("--fit", action="store_true", help="fit the cost model (the default)")
     ap.add_argument(
@@ -493,7 +638,21 @@ def main() -> None:
     )
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 128, 1000])
     ap.add_argument("--workloads", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
-    ap.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
+    ap.add_argument(
+        "--routers", nargs="+", default=["oracle", "precise", "affinity"], choices=ROUTERS
+    )
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="below 128 nodes")
+    ap.add_argument("--seeds-large", type=int, nargs="+", default=[0], help="128+ nodes")
+    ap.add_argument("--scales", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    ap.add_argument(
+        "--perturbations",
+        type=float,
+        nargs="*",
+        default=[1e-4, 1e-3, 1e-2, 1e-1],
+        help="relative, each in --directions random directions per seed",
+    )
+    ap.add_argument("--directions", type=int, default=2, help="below 128 nodes")
+    ap.add_argument("--directions-large", type=int, default=1, help="128+ nodes")
     ap.add_argument("--requests-per-node", type=int, default=80, help="counted, a and c")
     ap.add_argument("--conversations-per-node", type=int, default=12, help="counted, b")
     ap.add_argument("--requests-1000", type=int, default=3000, help="counted, 1000 nodes")
@@ -517,11 +676,17 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--event-delay-ms", type=float, default=20.0)
     ap.add_argument("--node-load", choices=["prompt", "uncached"], default="uncached")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.nodes = [n for n in args.nodes if n <= 32] or [8]
         args.requests_per_node, args.conversations_per_node = 25, 5
+        args.warmup_misses = min(args.warmup_misses, 5.0)
+        args.seeds, args.directions, args.perturbations = [0], 1, [1e-2]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     wall = time.perf_counter()
     print(f"cpu: {runpy.run_path(os.path.join(_HERE, 'cpu_info.py'))['describe_cpu']()}")
     cost = (
@@ -529,48 +694,25 @@ def main() -> None:
         if args.cost is not None and not args.fit
         else fit_cost(repeats=1 if args.quick else 3)
     )
-    print(f"cost model: {cost.describe()}")
-    rows: dict[str, list[dict[str, Any]]] = {}
-    for nodes in args.nodes:
-        for make in build_workloads(args, cost, nodes):
-            w = make()
-            print(
-                f"[{w.name}@{nodes}] {w.note}; {len(w.requests)} requests; pool {w.pool_pages}"
-                f" pages; {w.rate:.1f}/s after a {w.warmup_s:.0f} s ramp",
-                flush=True,
-            )
-            for router_name in args.routers:
-                started = time.perf_counter()
-                r = simulate(
-                    w,
-                    nodes,
-                    router_name,
-                    cost,
-                    page_size=args.page_size,
-                    event_delay_s=args.event_delay_ms / 1e3,
-                    node_load=args.node_load,
-                    seed=args.seed,
-                )
-                row = summarize(w, nodes, router_name, r)
-                row["wall_s"] = round(time.perf_counter() - started, 1)
-                rows.setdefault(w.name, []).append(row)
-                print(
-                    f"  {router_name:11} hit {row['hit_rate']:.1%} p90 {row['ttft_p90_s']:.2f} s"
-                    f" ({row['wall_s']} s)",
-                    flush=True,
-                )
-    for name, table in rows.items():
-        print(
-            f"\nworkload {name}: ramp not counted; event delay {args.event_delay_ms} ms; node "
-            f"load {args.node_load}; %orc = hit rate / "
-            f"oracle's, aff/p90 = affinity's p90 TTFT / this row's"
-        )
-        print_table(table)
+    print(f"cost model: {cost.describe()} (--cost {cost.short()})")
+    print(
+        f"sweep: scales {args.scales}; perturbations {args.perturbations} in "
+        f"{args.directions} random directions, seeds {args.seeds} below {LARGE} nodes "
+        f"({args.directions_large}, {args.seeds_large} from {LARGE}); event delay "
+        f"{args.event_delay_ms} ms; node load {args.node_load}; ramp not counted",
+        flush=True,
+    )
+    runs, route_s = sweep(args, cost, lambda line: print(line, flush=True))
+    worst = worst_cases(runs, route_s)
+    print_worst(worst)
+    print_scales(runs)
     print()
-    for table in rows.values():
-        for row in table:
+    for run in runs:
+        for row in run.rows.values():
             print(json.dumps(row))
-    verdict([r for t in rows.values() for r in t])
+    for w in worst:
+        print(json.dumps(w))
+    verdict(worst)
     print(f"total {time.perf_counter() - wall:.0f} s")
 
 

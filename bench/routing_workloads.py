@@ -3,13 +3,15 @@
 Cost: the built-in model's extend on one thread, float32, fitted as t = a + b*n (+ an
 attention term c*n*(prefix + n/2) when it matters); see routing_sim.py's docstring.
 Workloads (a) tenants with long shared contexts, (b) multi-turn chat, (c) templates behind
-one 32-token header: seeded, Poisson arrivals ramping up over a warm-up.
+one 32-token header: seeded, Poisson arrivals ramping up over a warm-up. The sweep's cost
+models: the fitted one scaled and perturbed in random directions (cost_neighbourhood).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,6 +49,56 @@ class Cost:
             f"t = {self.overhead_s * 1e3:.1f} ms + {self.s_per_token * 1e6:.1f} us * n + "
             f"{self.s_per_token_ctx * 1e9:.1f} ns * n * (prefix + n/2)"
         )
+
+    def short(self) -> str:
+        """What --cost takes: overhead_ms,us_per_token,ns_per_token_ctx."""
+        return (
+            f"{self.overhead_s * 1e3:.6g},{self.s_per_token * 1e6:.6g},"
+            f"{self.s_per_token_ctx * 1e9:.6g}"
+        )
+
+    def times(self, factors: Sequence[float]) -> Cost:
+        """Each term multiplied by its factor."""
+        a, b, c = factors
+        return Cost(self.overhead_s * a, self.s_per_token * b, self.s_per_token_ctx * c)
+
+
+@dataclass(frozen=True)
+class CostCase:
+    """One cost model of the sweep: the fitted one scaled, or moved by a relative
+    ``perturbation`` in a random direction (drawn from ``seed``, which seeds the workload
+    too)."""
+
+    seed: int
+    scale: float
+    perturbation: float
+    cost: Cost
+
+    @property
+    def label(self) -> str:
+        moved = f" moved {self.perturbation:.2%}" if self.perturbation else ""
+        return f"seed {self.seed} x{self.scale:g}{moved}"
+
+
+def cost_neighbourhood(
+    center: Cost,
+    seeds: Sequence[int],
+    scales: Sequence[float],
+    perturbations: Sequence[float],
+    directions: int = 1,
+) -> list[CostCase]:
+    """Per seed: ``center`` at each scale, then ``center`` with its three terms times
+    (1 + r * u_i) for each r in ``perturbations`` and ``directions`` random unit vectors u."""
+    cases = []
+    for seed in seeds:
+        cases += [CostCase(seed, k, 0.0, center.times((k, k, k))) for k in scales]
+        rng = np.random.default_rng([seed, 0xC057])
+        for r in perturbations:
+            for _ in range(directions):
+                u = rng.normal(size=3)
+                u /= np.linalg.norm(u)
+                cases.append(CostCase(seed, 1.0, r, center.times(tuple(1 + r * u))))
+    return cases
 
 
 def fit_cost(repeats: int) -> Cost:

@@ -11,7 +11,9 @@ a node for a snapshot when the index says it needs one (at most once per
 ``snapshot_retry_s``). A batch from a node id that is not registered, or from another
 instance than the registered one, is dropped and counted: a restarted node's old
 process, or a member of the cluster claiming another's id. Only cluster members reach
-the socket at all (CURVE).
+the socket at all (CURVE). The loop thread also says where each request went
+(``note_dispatched``): its tokens count in the node's queue until the node's next report,
+its prompt's pages as held there until the node's events store them.
 """
 
 from __future__ import annotations
@@ -107,18 +109,19 @@ class KVEventSubscriber:
     def queued_tokens_of(self, node_ids: Iterable[str]) -> dict[str, int]:
         """queued_tokens of many nodes under one lock (the router asks for every node)."""
         with self._lock:
-            out = {}
-            for node_id in node_ids:
-                node = self.index.node(node_id)
-                out[node_id] = (
-                    node.queued_tokens if node is not None else 0
-                ) + self._since_report.get(node_id, 0)
-            return out
+            return self.index.queued_tokens_of(node_ids, self._since_report)
 
-    def note_dispatched(self, node_id: str, tokens: int) -> None:
-        """Loop thread: a request expected to compute ``tokens`` went to ``node_id``."""
+    def note_dispatched(
+        self, node_id: str, tokens: int, page_hashes: Sequence[int] = (), page_size: int = 0
+    ) -> None:
+        """Loop thread: a request expected to compute ``tokens`` went to ``node_id``; its
+        prompt's ``page_hashes`` (of ``page_size`` tokens) count as held there until the
+        node's events store them (KVIndex.expect: what keeps a busy prefix from being
+        copied to node after node)."""
         with self._lock:
             self._since_report[node_id] = self._since_report.get(node_id, 0) + tokens
+            if page_hashes:
+                self.index.expect(node_id, page_hashes, page_size)
 
     # ---- the thread ------------------------------------------------------------------------
 

@@ -1,30 +1,75 @@
 """The gateway's global index of cached KV pages: page hash -> the prefill nodes holding it.
 
-Built only from the nodes' KV events (prefill_node/kv_events.py): each node's batches carry
+Built from the nodes' KV events (prefill_node/kv_events.py): each node's batches carry
 a sequence number, and the index keeps, per node and process instance, the last one it
 applied. A batch that follows it is applied; a batch that skips ahead (lost batches, or
 a subscriber that joined late) is applied too but the node is marked stale until a
 snapshot comes (``needs_snapshot``, which the subscriber asks for); a new instance of a
 node (it restarted, its cache is empty) starts over; a snapshot replaces the node's set.
 
+Expected pages: a request routed to a node will leave its prompt's pages there when its
+prefill ends, but the node's events say so only then, a whole prefill later. Until they
+do, the gateway's own dispatch (``expect``) counts them as held: without it, every
+request of a prefix that its holders are too busy for starts one more copy on another
+node (none of them shows up in the index before its prefill ends), and at high load the
+copies evict other prefixes, whose requests copy them again (the collapse
+bench/routing_sim.py reproduces). The node's queue report has the same blind spot: it
+counts a request waiting behind the copy as computing the whole prompt, as its cache
+does not hold it yet; the index takes those lent tokens off the report (report_load),
+or the node that takes a prefix's requests looks the busiest and the copies start over.
+An expectation ends when the node's events show its last page (the prefill inserted it)
+or the node is dropped; one never confirmed (the request failed, or its pages were
+evicted before a batch went out) stays until newer ones push it past the node's pool
+size, the most a node can hold: a request that follows it computes the pages and
+confirms them.
+
 Memory: one dict entry per distinct page hash (a bit mask of the nodes holding it) and
 one set entry per (node, page). A node's set is capped at the pool size it registered
 with (a node cannot hold more pages than its pool): stores beyond it are not indexed
 and counted, and the node is asked for a snapshot, so the index stays within the sum
-of the nodes' pools even when a node misreports. A lost node is dropped at once.
+of the nodes' pools even when a node misreports; its expected pages are capped the
+same way. A lost node is dropped at once.
 
-Scoring (``overlaps``): the number of leading prompt pages each node holds. A radix cache
-holds a page's whole prefix whenever it holds the page, so each node holding the first
-page is searched by bisection in its own set: ~log2(pages) lookups per such node.
+Scoring (``overlaps``): the number of leading prompt pages each node holds or expects. A
+radix cache holds a page's whole prefix whenever it holds the page, so the nodes holding
+page i+1 are among those holding page i: the masks shrink along the prompt, and each
+place where one shrinks is found by bisection over the pages (~log2(pages) lookups per
+distinct depth, not per node).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from common.page_hash import HashArray
+
+
+@dataclass(eq=False)
+class Expectation:
+    """A request routed to a node whose prompt pages the node's events have not stored yet."""
+
+    start: int  # leading prompt pages the node held when it was routed: ``pages`` follow
+    pages: list[int]
+    page_size: int
+    # Routed as holding ``depth`` pages, those past ``start`` because an earlier request
+    # here (``lender``) stores them first: while that one is under way, the node counts
+    # them in its queue as this request's to compute.
+    depth: int = 0
+    lender: Expectation | None = None
+    is_live: bool = True
+
+    def lent_tokens(self, held: set[int]) -> int:
+        """Tokens the node counts for it that the lender will have stored first."""
+        if self.lender is None or not self.lender.is_live:
+            return 0
+        at, pages = self.depth - 1 - self.start, self.pages
+        if pages[at] in held:
+            return 0
+        first = self.start + _depth(pages, held.__contains__, 0)  # held now
+        return (self.depth - first) * self.page_size
 
 
 @dataclass
@@ -37,17 +82,22 @@ class NodeCache:
     seq: int = -1  # last batch applied; -1: none yet
     hashes: set[int] = field(default_factory=set)
     needs_snapshot: bool = True
-    queued_tokens: int = 0  # as last reported
+    # As last reported, less the tokens lent to the requests waiting there (see expect).
+    queued_tokens: int = 0
     num_over_cap: int = 0
+    # Pages routed here whose store has not been seen yet: page hash -> requests expecting
+    # it, and those requests, oldest first.
+    expected: dict[int, int] = field(default_factory=dict)
+    expectations: deque[Expectation] = field(default_factory=deque)
 
 
 class KVIndex:
     def __init__(self) -> None:
         self._holders: dict[int, int] = {}  # page hash -> bit mask of node slots
+        self._expecting: dict[int, int] = {}  # page hash -> bit mask of nodes expecting it
         self._nodes: dict[str, NodeCache] = {}
-        self._slot_owner: dict[int, str] = {}
+        self._slot_owner: list[str | None] = []
         self._free_slots: list[int] = []
-        self._next_slot = 0
         self.num_gaps = 0
         self.num_over_cap = 0
 
@@ -73,27 +123,67 @@ class KVIndex:
         if node is None:
             node = self._add_node(node_id, instance_id, max_pages)
         node.max_pages = max_pages
-        node.queued_tokens = queued_tokens
         if is_snapshot:
             self._replace(node, stored)
             node.seq, node.needs_snapshot = seq, False
-            return node
-        if seq <= node.seq:
-            return node  # a repeat, or a keepalive that carries the last seq
-        if node.seq < 0:
-            node.needs_snapshot = True  # joined mid-stream: what came before is unknown
-        elif seq != node.seq + 1:
-            self.num_gaps += 1
-            node.needs_snapshot = True
-        node.seq = seq
-        self._remove(node, removed.tolist())
-        self._store(node, stored.tolist())
+            self._confirm(node)
+        elif seq > node.seq:  # else a repeat, or a keepalive that carries the last seq
+            if node.seq < 0:
+                node.needs_snapshot = True  # joined mid-stream: what came before is unknown
+            elif seq != node.seq + 1:
+                self.num_gaps += 1
+                node.needs_snapshot = True
+            node.seq = seq
+            self._remove(node, removed.tolist())
+            if len(stored):
+                self._store(node, stored.tolist())
+                self._confirm(node)
+        self.report_load(node_id, queued_tokens)
         return node
 
     def report_load(self, node_id: str, queued_tokens: int) -> None:
+        """The node's queued tokens, less what it counts of the requests waiting behind a
+        request that stores their prefix first (it knows only what its cache holds now)."""
         node = self._nodes.get(node_id)
         if node is not None:
-            node.queued_tokens = queued_tokens
+            lent = sum(e.lent_tokens(node.hashes) for e in node.expectations if e.lender)
+            node.queued_tokens = max(0, queued_tokens - lent)
+
+    def expect(self, node_id: str, hashes: Sequence[int], page_size: int) -> None:
+        """A request with these prompt page hashes was routed to ``node_id``: count its
+        pages as held there until the node's events store them (see the module's doc).
+        Pages it was routed as holding because an earlier request here stores them
+        first are lent: until that one's pages are stored the node counts them in its
+        queue, and the index takes them off (report_load)."""
+        node = self._nodes.get(node_id)
+        if node is None or not hashes or len(hashes) > node.max_pages:
+            return  # a node the index has not heard from: nothing to add to
+        mine, expected, n = node.hashes, node.expected, len(hashes)
+        if hashes[n - 1] in mine:
+            return  # held already: nothing new will be stored
+        start = _depth(hashes, mine.__contains__, 0)
+        held = _depth(hashes, lambda h: h in mine or h in expected, start)
+        lender = None
+        if held > start:  # the oldest request here that stores page held - 1
+            last, at = hashes[held - 1], held - 1
+            lender = next(
+                (
+                    e
+                    for e in node.expectations
+                    if 0 <= at - e.start < len(e.pages) and e.pages[at - e.start] == last
+                ),
+                None,
+            )
+        pages = list(hashes[start:])
+        bit, expecting = 1 << node.slot, self._expecting
+        for h in pages:
+            count = expected.get(h, 0)
+            expected[h] = count + 1
+            if not count:
+                expecting[h] = expecting.get(h, 0) | bit
+        node.expectations.append(Expectation(start, pages, page_size, held, lender))
+        while len(expected) > node.max_pages:
+            self._forget(node, node.expectations.popleft())
 
     def drop_node(self, node_id: str) -> None:
         """Forget everything about a node (it is lost, or restarted)."""
@@ -101,16 +191,19 @@ class KVIndex:
         if node is None:
             return
         self._remove(node, list(node.hashes))
-        del self._slot_owner[node.slot]
+        while node.expectations:
+            self._forget(node, node.expectations.popleft())
+        self._slot_owner[node.slot] = None
         self._free_slots.append(node.slot)
 
     def _add_node(self, node_id: str, instance_id: str, max_pages: int) -> NodeCache:
         if self._free_slots:
             slot = self._free_slots.pop()
+            self._slot_owner[slot] = node_id
         else:
-            slot, self._next_slot = self._next_slot, self._next_slot + 1
+            slot = len(self._slot_owner)
+            self._slot_owner.append(node_id)
         node = self._nodes[node_id] = NodeCache(slot, instance_id, max_pages)
-        self._slot_owner[slot] = node_id
         return node
 
     def _store(self, node: NodeCache, hashes: Iterable[int]) -> None:
@@ -143,41 +236,89 @@ class KVIndex:
         self._remove(node, list(node.hashes - new))
         self._store(node, new - node.hashes)
 
+    def _confirm(self, node: NodeCache) -> None:
+        """End the expectations whose last page the node's events have now stored."""
+        mine = node.hashes
+        if not any(e.pages[-1] in mine for e in node.expectations):
+            return
+        kept: deque[Expectation] = deque()
+        for e in node.expectations:
+            if e.pages[-1] in mine:
+                self._forget(node, e)
+            else:
+                kept.append(e)
+        node.expectations = kept
+
+    def _forget(self, node: NodeCache, e: Expectation) -> None:
+        e.is_live, e.lender = False, None  # no chain of ended ones stays reachable
+        expected, bit, expecting = node.expected, 1 << node.slot, self._expecting
+        for h in e.pages:
+            count = expected[h] - 1
+            if count:
+                expected[h] = count
+                continue
+            del expected[h]
+            mask = expecting[h] & ~bit
+            if mask:
+                expecting[h] = mask
+            else:
+                del expecting[h]
+
     # ---- queries -------------------------------------------------------------------------
 
     def overlaps(self, hashes: Sequence[int], node_ids: Iterable[str]) -> dict[str, int]:
-        """Leading pages of ``hashes`` each of ``node_ids`` holds (only nodes holding >= 1).
+        """Leading pages of ``hashes`` each of ``node_ids`` holds or expects (only nodes
+        with >= 1).
 
-        A radix cache holds every page before one it holds, so a node's set is closed
-        under prefixes and its depth is found by binary search in it: about log2(pages)
-        set lookups per node holding the first page, whatever the prompt's length. (If an
-        index out of step with a node had a hole, the depth found would be a page the
-        node holds, not necessarily the first gap.)"""
+        The nodes holding page i+1 are among those holding page i (a radix cache holds
+        every page before one it holds), so walking down the prompt the set of holders
+        only shrinks; each place it shrinks is found by bisection, and the nodes that
+        leave there hold that many pages. (If an index out of step with a node had a
+        hole, the depth found would be a page the node holds, not necessarily the first
+        gap.)"""
         n = len(hashes)
-        mask = self._holders.get(hashes[0], 0) if n else 0
-        if not mask:
+        if not n:
             return {}
-        wanted = node_ids if isinstance(node_ids, (set, frozenset, dict)) else set(node_ids)
-        out: dict[str, int] = {}
-        while mask:
-            low = mask & -mask
-            mask ^= low
-            node_id = self._slot_owner[low.bit_length() - 1]
-            if node_id not in wanted:
-                continue
-            mine = self._nodes[node_id].hashes
-            if hashes[n - 1] in mine:
-                out[node_id] = n
-                continue
-            lo, hi = 1, n - 1  # hashes[lo - 1] is held, hashes[hi] is not
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if hashes[mid] in mine:
-                    lo = mid + 1
+        holders, expecting = self._holders, self._expecting
+        h = hashes[0]
+        live = holders.get(h, 0) | expecting.get(h, 0)  # the nodes holding pages [0, lo)
+        if not live:
+            return {}
+        h = hashes[n - 1]
+        whole = holders.get(h, 0) | expecting.get(h, 0)
+        depths: list[tuple[int, int]] = []  # (nodes, the pages they hold)
+        lo = 1
+        while live & whole != live:
+            a, b = lo, n - 1  # the first page some of them lack is in [lo, n - 1]
+            while a < b:
+                mid = (a + b) // 2
+                h = hashes[mid]
+                if (holders.get(h, 0) | expecting.get(h, 0)) & live == live:
+                    a = mid + 1
                 else:
-                    hi = mid
-            out[node_id] = lo
+                    b = mid
+            h = hashes[a]
+            kept = (holders.get(h, 0) | expecting.get(h, 0)) & live
+            depths.append((live & ~kept, a))
+            live, lo = kept, a + 1
+        depths.append((live, n))
+        wanted = node_ids if isinstance(node_ids, (set, frozenset, dict)) else set(node_ids)
+        owner, out = self._slot_owner, {}
+        for mask, depth in depths:
+            for slot in _bits(mask):
+                node_id = owner[slot]  # never None: a freed slot's bits are cleared
+                if node_id is not None and node_id in wanted:
+                    out[node_id] = depth
         return out
+
+    def queued_tokens_of(self, node_ids: Iterable[str], since: Mapping[str, int]) -> dict[str, int]:
+        """Each node's last reported queued tokens plus ``since`` (what the gateway sent
+        it after that report; 0 for a node not reported yet)."""
+        nodes, sent = self._nodes, since.get
+        return {
+            i: (node.queued_tokens if (node := nodes.get(i)) is not None else 0) + sent(i, 0)
+            for i in node_ids
+        }
 
     def node(self, node_id: str) -> NodeCache | None:
         return self._nodes.get(node_id)
@@ -195,10 +336,35 @@ class KVIndex:
         """(node, page) pairs indexed."""
         return sum(len(n.hashes) for n in self._nodes.values())
 
+    @property
+    def num_expected(self) -> int:
+        """(node, page) pairs expected from requests routed and not yet stored."""
+        return sum(len(n.expected) for n in self._nodes.values())
+
     def memory_bytes(self) -> int:
-        """The index's size: its dict and sets and the ints they hold (sys.getsizeof)."""
-        total = sys.getsizeof(self._holders)
-        total += sum(sys.getsizeof(h) + sys.getsizeof(m) for h, m in self._holders.items())
+        """The index's size: its dicts and sets and the ints they hold (sys.getsizeof)."""
+        total = 0
+        for table in (self._holders, self._expecting):
+            total += sys.getsizeof(table)
+            total += sum(sys.getsizeof(h) + sys.getsizeof(m) for h, m in table.items())
         for node in self._nodes.values():
             total += sys.getsizeof(node.hashes) + sum(map(sys.getsizeof, node.hashes))
+            total += sys.getsizeof(node.expected) + sum(map(sys.getsizeof, node.expected))
         return total
+
+
+def _depth(hashes: Sequence[int], holds: Callable[[int], bool], lo: int) -> int:
+    """Leading pages of ``hashes`` that ``holds`` when its first ``lo`` are (bisection)."""
+    hi = len(hashes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if holds(hashes[mid]):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _bits(mask: int) -> list[int]:
+    """The positions of the set bits of ``mask``, lowest first."""
+    return [i for i, bit in enumerate(bin(mask)[:1:-1]) if bit == "1"]

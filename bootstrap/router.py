@@ -13,7 +13,11 @@ holds ``ceil((1 + epsilon) * (m + 1) / n)`` or more; the walk goes on clockwise.
 prefix therefore fills its home node up to the bound, then spreads to its ring neighbours.
 
 Precise (``--prefill-router precise``, the default): the gateway's KV index
-(bootstrap/kv_index.py) says how many leading prompt pages each node holds. Each node's
+(bootstrap/kv_index.py) says how many leading prompt pages each node holds, counting the
+pages of requests it was sent whose prefill has not ended yet (without those, a prefix
+its holders were too busy for was copied once per request until the first copy
+reported, and at high load the copies evicted other prefixes, copied in turn: the
+collapse bench/routing_sim.py swept cost models for). Each node's
 cost, in tokens: the tokens queued on it plus RECOMPUTE_WEIGHT (2) times this prompt's
 tokens it does not hold (at least one: the last token is always computed). Waiting
 behind a queue delays one request; computing a cached prefix again also takes that
@@ -43,6 +47,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import NamedTuple
 
 from common.config import PREFILL_ROUTERS
@@ -59,6 +64,7 @@ ROOM_BITS = 63
 
 
 _NODE_ID = operator.itemgetter(0)  # a candidate's node_id
+_QUEUED = operator.itemgetter(2)  # a candidate's queued_tokens
 
 
 def _hash64(data: bytes) -> int:
@@ -138,11 +144,9 @@ def prefill_candidates(
 ) -> list[PrefillCandidate]:
     """One candidate per node, as fast as tuples are made (the gateway builds hundreds
     per request; the NamedTuple constructor alone is slower)."""
-    make = tuple.__new__
-    return [
-        make(PrefillCandidate, (i, pending(i), queued.get(i, 0)))  # type: ignore[misc]
-        for i in node_ids
-    ]
+    ids = list(node_ids)
+    fields = zip(ids, map(pending, ids), map(queued.get, ids, repeat(0)))
+    return list(map(tuple.__new__, repeat(PrefillCandidate), fields))  # type: ignore[arg-type]
 
 
 class DecodeCandidate(NamedTuple):
@@ -220,35 +224,30 @@ def choose_prefill_by_cache(
 ) -> PrefillChoice | None:
     """The node that would finish this prefill's wait soonest, or None when no candidate
     holds a page of the prompt. ``overlaps``: leading pages held per node id; ties go to
-    the first of the tied nodes clockwise from ``key`` on ``ring``."""
-    costs: dict[str, tuple[float, int]] = {}
-    idle: list[str] = []  # the least queued of the nodes holding nothing
-    idle_queue = None
-    for c in candidates:  # one pass: hundreds of nodes per request
-        held = overlaps.get(c.node_id, 0)
-        if held > 0:
-            cached = min(held * page_size, prompt_tokens)
-            costs[c.node_id] = (
-                c.queued_tokens + recompute_weight * max(1, prompt_tokens - cached),
-                -cached,
-            )
-        elif idle_queue is None or c.queued_tokens < idle_queue:
-            idle_queue, idle = c.queued_tokens, [c.node_id]
-        elif c.queued_tokens == idle_queue:
-            idle.append(c.node_id)
-    if not costs:
+    the longer cached prefix, then to the first of the tied nodes clockwise from ``key``
+    on ``ring``."""
+    if not overlaps:
         return None
-    if idle_queue is not None:  # a node holding nothing: its queue plus the whole prompt
-        idle_cost = (idle_queue + recompute_weight * max(1, prompt_tokens), 0)
-        costs.update(dict.fromkeys(idle, idle_cost))
-    least = min(costs.values())
-    tied = [node_id for node_id, c in costs.items() if c == least]
+    node_ids = list(map(_NODE_ID, candidates))
+    held = list(map(overlaps.get, node_ids, repeat(0)))
+    if not any(held):
+        return None  # the nodes holding pages of it are not candidates
+    # A node's cost is its queue plus what holding ``h`` pages leaves to compute; the
+    # few distinct depths are priced once, the nodes in C-level passes (hundreds a request).
+    cached = {h: min(h * page_size, prompt_tokens) for h in set(held)}
+    extra = {h: recompute_weight * max(1, prompt_tokens - c) for h, c in cached.items()}
+    costs = list(map(operator.add, map(_QUEUED, candidates), map(extra.__getitem__, held)))
+    least = min(costs)
+    tied = [i for i, c in enumerate(costs) if c == least]
+    if len(tied) > 1:  # the longer cached prefix, then the ring
+        most = max(cached[held[i]] for i in tied)
+        tied = [i for i in tied if cached[held[i]] == most]
     walk = ring.walk(key)
-    home = next(walk, tied[0])
-    best = tied[0]
+    home = next(walk, node_ids[tied[0]])
+    best = node_ids[tied[0]]
     if len(tied) > 1:
-        wanted = set(tied)
-        best = home if home in wanted else next((n for n in walk if n in wanted), min(tied))
+        wanted = {node_ids[i] for i in tied}
+        best = home if home in wanted else next((n for n in walk if n in wanted), min(wanted))
     return PrefillChoice(best, home, is_spilled=False, cached_pages=overlaps.get(best, 0))
 
 

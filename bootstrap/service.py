@@ -315,7 +315,9 @@ class BootstrapService:
                 + len(output_ids)
                 - decision.cached_pages * self.router.page_size
             )
-            self.kv_events.note_dispatched(prefill.node_id, max(1, uncached))
+            self.kv_events.note_dispatched(
+                prefill.node_id, max(1, uncached), prepared.page_hashes or (), self.router.page_size
+            )
         gm.count_decision(decision.kind, decision.is_affinity_hit)
         return req
 

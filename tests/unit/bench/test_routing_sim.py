@@ -75,9 +75,11 @@ def test_pages_stay_within_each_pool_and_none_leak(sim: ModuleType, runs: dict[s
 def test_cache_aware_routers_beat_random(runs: dict[str, Any]) -> None:
     random_hit = runs["random"][1]["hit_rate"]
     assert runs["oracle"][1]["hit_rate"] > random_hit + 0.05
-    # precise's margin is thin at this load (0.70 vs 0.65): its queue estimates spill
-    # tenants off the nodes that hold them (the bench's report).
-    assert runs["precise"][1]["hit_rate"] > random_hit
+    # Precise routing stays with the oracle and never falls below affinity (before the
+    # index counted the prefixes it had routed and not yet seen stored, it copied busy
+    # tenants' contexts once per request and fell to 0.75 against affinity's 0.80 here).
+    precise, oracle = runs["precise"][1]["hit_rate"], runs["oracle"][1]["hit_rate"]
+    assert precise >= 0.95 * oracle and precise >= runs["affinity"][1]["hit_rate"]
     assert runs["precise"][1]["index_mb"] > 0
     assert runs["affinity"][1]["index_mb"] == 0
 
@@ -92,3 +94,31 @@ def test_without_event_delay_precise_is_near_the_oracle_at_light_load(sim: Modul
         r = sim.simulate(w, NODES, router, cost, event_delay_s=0.0, verify_index=True)
         hit[router] = sim.summarize(w, NODES, router, r)["hit_rate"]
     assert abs(hit["oracle"] - hit["precise"]) <= 0.03, hit
+
+
+def test_the_sweep_reports_the_worst_run_per_node_count(sim: ModuleType) -> None:
+    args = sim.parse_args(
+        ["--nodes", "4", "--workloads", "a", "--seeds", "0", "1", "--scales", "1", "2"]
+        + ["--perturbations", "0.01", "--directions", "1", "--requests-per-node", "30"]
+        + ["--context-tokens", "1000", "--warmup-misses", "2"]
+    )
+    lines: list[str] = []
+    runs, route_s = sim.sweep(args, sim.Cost(0.02, 5e-4, 1e-7), lines.append)
+    # Per seed: the fitted model at each scale, then one random 1% move of it.
+    assert [(r.case.seed, r.case.scale, r.case.perturbation) for r in runs] == [
+        (s, k, p) for s in (0, 1) for k, p in ((1.0, 0.0), (2.0, 0.0), (1.0, 0.01))
+    ]
+    assert len(lines) == len(runs)  # one progress line per run
+    moved = [r.case.cost for r in runs if r.case.perturbation]
+    assert moved[0] != moved[1]  # each seed draws its own direction
+    for r in runs:
+        assert set(r.rows) == {"oracle", "precise", "affinity"}
+        assert r.rows["precise"]["seed"] == r.case.seed
+    (worst,) = sim.worst_cases(runs, route_s)
+    shares = [r.rows["precise"]["hit_rate"] / r.rows["oracle"]["hit_rate"] for r in runs]
+    margins = [r.rows["precise"]["hit_rate"] - r.rows["affinity"]["hit_rate"] for r in runs]
+    assert worst["nodes"] == 4 and worst["runs"] == len(runs)
+    assert worst["share"] == round(min(shares), 4) and worst["margin"] == round(min(margins), 4)
+    low = runs[shares.index(min(shares))]
+    assert worst["share_run"] == f"a {low.case.label} ({low.case.cost.short()})"
+    assert worst["route_us_p99"] > 0

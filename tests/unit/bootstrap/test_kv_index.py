@@ -158,3 +158,91 @@ def test_a_node_cannot_hold_more_than_its_pool_in_the_index():
     assert index.overlaps([1, 2], ["p1", "p2"]) == {"p1": 2}
     assert index.overlaps([7], ["p1", "p2"]) == {"p2": 1}
     assert index.memory_bytes() > 0
+
+
+def test_overlaps_match_a_per_node_count_whatever_the_depths():
+    # Nodes at random depths of one prompt (and of a sibling that shares a prefix), some
+    # with pages only expected: each node's answer is its leading run of held pages.
+    rng = random.Random(11)
+    ids = _ids(30 * PS, 12)
+    h = page_hash.prompt_hashes(ids, PS).tolist()
+    sibling = page_hash.prompt_hashes(ids[: 9 * PS] + _ids(21 * PS, 13), PS).tolist()
+    index, held = KVIndex(), {}
+    for i in range(70):
+        node, prompt = f"n{i}", rng.choice([h, sibling])
+        depth = rng.randrange(len(prompt) + 1)
+        _apply(index, node, 1, snapshot=True, stored=prompt[:depth])
+        if rng.random() < 0.3:
+            index.expect(node, prompt[: rng.randrange(1, len(prompt) + 1)], PS)
+        held[node] = set(prompt[:depth]) | index.node(node).expected.keys()
+
+    def leading(node: str) -> int:
+        return next((i for i, x in enumerate(h) if x not in held[node]), len(h))
+
+    want = {n: d for n in held if (d := leading(n))}
+    assert index.overlaps(h, list(held)) == want
+    assert index.overlaps(h, {"n3", "n4"}) == {n: d for n, d in want.items() if n in ("n3", "n4")}
+
+
+def test_a_routed_prompt_counts_as_held_until_the_node_stores_it():
+    index = KVIndex()
+    h = page_hash.prompt_hashes(_ids(40, 14), PS).tolist()  # 10 pages
+    _apply(index, "p0", 1, snapshot=True, stored=h[:4])
+    _apply(index, "p1", 1, snapshot=True)
+    index.expect("p1", h, PS)  # a copy is under way on p1
+    index.expect("p0", h, PS)  # p0 holds 4 pages: it is expected to add the other 6
+    assert index.node("p0").expected.keys() == set(h[4:])
+    assert index.overlaps(h, ["p0", "p1"]) == {"p0": 10, "p1": 10}
+    index.expect("p9", h, PS)  # a node the index has not heard from: nothing
+    assert index.overlaps(h, ["p9"]) == {}
+    # p1's prefill ends: its batch stores the pages, which ends the expectation.
+    _apply(index, "p1", 2, stored=h)
+    assert index.node("p1").expected == {} and index.num_expected == 6
+    assert index.overlaps(h, ["p1"]) == {"p1": 10}
+    # Evicted afterwards: the index follows the events again.
+    _apply(index, "p1", 3, removed=h[5:])
+    assert index.overlaps(h, ["p1"]) == {"p1": 5}
+    # A lost node takes its expectations with it.
+    index.drop_node("p0")
+    assert index.num_expected == 0 and index.overlaps(h, ["p0"]) == {}
+
+
+def test_expectations_share_pages_and_stay_within_the_pool():
+    index = KVIndex()
+    ids = _ids(40, 15)
+    a = page_hash.prompt_hashes(ids, PS).tolist()
+    b = page_hash.prompt_hashes(ids[:32] + _ids(8, 16), PS).tolist()  # shares 8 pages
+    _apply(index, "p0", 1, snapshot=True, cap=16)
+    index.expect("p0", a, PS)
+    index.expect("p0", b, PS)
+    assert len(index.node("p0").expected) == 12
+    _apply(index, "p0", 2, stored=a, cap=16)  # a's prefill ended; b still waits
+    assert index.node("p0").expected.keys() == set(b)  # the pages not held when b was sent
+    assert index.overlaps(b, ["p0"]) == {"p0": 10}
+    # Never confirmed (b failed): newer expectations push it out past the pool's size.
+    for seed in range(3):
+        index.expect("p0", page_hash.prompt_hashes(_ids(24, 20 + seed), PS).tolist(), PS)
+    node = index.node("p0")
+    assert len(node.expected) <= 16 and b[-1] not in node.expected
+    assert index.overlaps(b, ["p0"]) == {"p0": 8}  # what p0 holds
+
+
+def test_a_queue_waiting_behind_a_copy_is_counted_as_routed():
+    # p1 computes a prompt's 10 pages (the copy); two more requests of it follow it there.
+    # Until the copy's pages are stored, p1 counts each follower's whole prompt in its
+    # queue; the index takes off what they were routed as holding.
+    index = KVIndex()
+    h = page_hash.prompt_hashes(_ids(48, 17), PS).tolist()  # 12 pages
+    _apply(index, "p1", 1, snapshot=True)
+    index.expect("p1", h[:10], PS)  # the copy
+    index.expect("p1", h[:11], PS)  # follows it: routed as holding 10 pages
+    index.expect("p1", h, PS)  # follows both: routed as holding 11
+    assert index.overlaps(h, ["p1"]) == {"p1": 12}
+    _apply(index, "p1", 2, queued=40 + 44 + 48)  # the node counts every page as uncached
+    assert index.node("p1").queued_tokens == 40 + 4 + 4
+    # The copy's pages are stored: the second follower still waits for the first's page.
+    _apply(index, "p1", 3, stored=h[:10], queued=4 + 8)
+    assert index.node("p1").queued_tokens == 4 + 4
+    # Both followers' pages are stored: nothing is lent, the report stands as it is.
+    _apply(index, "p1", 4, stored=h[10:], queued=50)
+    assert index.node("p1").queued_tokens == 50 and index.num_expected == 0

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
+from bootstrap.kv_events import KVEventSubscriber, PrefillSource
 from bootstrap.router import (
     DecodeCandidate,
     HashRing,
@@ -14,6 +17,8 @@ from bootstrap.router import (
     choose_prefill_by_cache,
     prefill_candidates,
 )
+from common import messages as msg
+from common import page_hash
 
 NODES = ["p0", "p1", "p2", "p3"]
 DECODES = [DecodeCandidate("d0", 0)]
@@ -86,3 +91,54 @@ def test_fast_candidates_are_the_same_candidates():
     made = prefill_candidates(["a", "b"], {"a": 1, "b": 2}.__getitem__, {"a": 30})
     assert made == [PrefillCandidate("a", 1, 30), PrefillCandidate("b", 2, 0)]
     assert made[1].node_id == "b" and made[1].queued_tokens == 0
+
+
+def test_a_busy_prefix_is_copied_once_not_once_per_request():
+    # p0 holds a 39-page context and has a long queue. Requests of that context arrive
+    # faster than a copy's prefill ends (no event comes from any node meanwhile): the
+    # first starts a copy on an idle node, the next ones queue behind that copy, where
+    # the context will be, instead of each starting one more copy (the collapse
+    # bench/routing_sim.py showed at 32 nodes: copies evicted other tenants' contexts).
+    nodes = [f"p{i}" for i in range(8)]
+    sub = KVEventSubscriber("gw")  # not started: its batches are handed to it here
+    sub.sync(PrefillSource(n, "i1", f"inproc://{n}", f"inproc://{n}-req", 400) for n in nodes)
+    context = PROMPT[: 39 * 16]
+
+    def report(node: str, seq: int, queued: int, stored: Sequence[int] = ()) -> None:
+        batch = msg.KVEvents(
+            node_id=node,
+            instance_id="i1",
+            seq=seq,
+            stored=page_hash.pack(np.array(stored, dtype=np.uint64)),
+            removed=b"",
+            is_snapshot=seq == 1,
+            queued_tokens=queued,
+            num_pages=400,
+        )
+        sub._apply([batch], push=None)  # type: ignore[arg-type]  # no snapshot is asked
+
+    for node in nodes:
+        held = page_hash.prompt_hashes(context, 16).tolist() if node == "p0" else []
+        report(node, 1, 5000 if node == "p0" else 0, held)
+    router, placed = Router(mode="precise"), []
+
+    def admit(i: int) -> str:  # as bootstrap/service.py does
+        prompt = context + [7000 + i] * 16
+        hashes = page_hash.prompt_hashes(prompt, 16).tolist()
+        overlaps = sub.overlaps(hashes, nodes)
+        queued = sub.queued_tokens_of(nodes)
+        d = router.route(
+            prompt, None, prefill_candidates(nodes, lambda _: 0, queued), DECODES, None, overlaps
+        )
+        sub.note_dispatched(d.prefill_id, max(1, len(prompt) - d.cached_pages * 16), hashes, 16)
+        return d.prefill_id
+
+    placed = [admit(i) for i in range(12)]
+    copy = placed[0]
+    assert copy != "p0" and placed == [copy] * 12, placed  # one copy; p0 is too busy
+    # The copy's node reports its queue as it counts it: the context is not cached there
+    # yet, so every follower's whole prompt. They were sent to wait for the copy's pages:
+    # the gateway counts them as routed, and the next requests still follow the copy.
+    report(copy, 2, 12 * 640)
+    assert sub.queued_tokens(copy) == 640 + 11 * 16
+    assert [admit(i) for i in range(12, 16)] == [copy] * 4
