@@ -29,6 +29,7 @@ START_TIMEOUT_S = 180.0
 HEALTHY_TIMEOUT_S = 60.0
 HEAL_CHECK_S = 15.0  # a live node not healthy by then is restarted before the next case
 HOST = "127.0.0.1"
+MIGRATION_TIMEOUT_S = 1.0
 CHUNK = 256  # --chunked-prefill-size of the prefill nodes: a ~2000-token prompt takes 8 chunks
 
 
@@ -91,6 +92,10 @@ class Cluster:
                 API_KEY,
                 "--lease-timeout",
                 str(LEASE_S),
+                # One decode node: a request that loses it finds no other pair to move to,
+                # and its client hears so after this (within the cases' bound).
+                "--migration-timeout",
+                str(MIGRATION_TIMEOUT_S),
             ],
             self.api_port,
         )
