@@ -73,6 +73,11 @@ def _spawn(proc: Proc) -> None:
     threading.Thread(target=read, daemon=True).start()
 
 
+def respawn(proc: Proc) -> None:
+    """Start a process that exited (or was killed) again, with the same arguments."""
+    _spawn(proc)
+
+
 def wait_ready(procs: list[Proc], timeout: float = 300.0, *, restarts: int = 1) -> None:
     """Wait for every READY line. A process that exits fails at once. One that is still
     silent at the deadline has its threads' stacks dumped (SIGUSR1) into a warning and is
@@ -149,9 +154,15 @@ def metric(http_url: str, name: str, **labels: str) -> float:
 
 
 @contextlib.contextmanager
-def pd_pair(prefill_args: list[str], decode_args: list[str]) -> Iterator[dict[str, Any]]:
-    """A bootstrap, one prefill node `prefill-0` and one decode node `decode-0` on loopback,
-    both healthy at the gateway: {"api": its URL, "prefill": Proc, "decode": Proc}."""
+def pd_pair(
+    prefill_args: list[str],
+    decode_args: list[str],
+    num_decode: int = 1,
+    bootstrap_args: tuple[str, ...] = (),
+) -> Iterator[dict[str, Any]]:
+    """A bootstrap, one prefill node `prefill-0` and decode nodes `decode-0`.. on loopback,
+    all healthy at the gateway: {"api": its URL, "prefill": Proc, "decode": Proc (the
+    first), "decodes": [Proc, ...]}."""
     from tests.support.ports import free_port
 
     api, registry = free_port(), free_port()
@@ -165,21 +176,31 @@ def pd_pair(prefill_args: list[str], decode_args: list[str]) -> Iterator[dict[st
         str(api),
         "--disaggregation-bootstrap-port",
         str(registry),
+        *bootstrap_args,
     )
     node_args = ["--host", "127.0.0.1", "--port", "0", "--bootstrap-url", url]
     prefill = start("prefill", "prefill_node", *node_args, "--node-id", "prefill-0", *prefill_args)
-    decode = start("decode", "decode_node", *node_args, "--node-id", "decode-0", *decode_args)
-    procs = [boot, prefill, decode]
+    decodes = [
+        start(f"decode-{i}", "decode_node", *node_args, "--node-id", f"decode-{i}", *decode_args)
+        for i in range(num_decode)
+    ]
+    procs = [boot, prefill, *decodes]
     try:
         wait_ready(procs)
         deadline = time.monotonic() + 120
         while True:
             status, body = http("GET", f"http://127.0.0.1:{api}/nodes")
-            if status == 200 and sum(1 for n in body["nodes"] if n.get("healthy")) == 2:
+            num_healthy = sum(1 for n in body["nodes"] if n.get("healthy"))
+            if status == 200 and num_healthy == 1 + num_decode:
                 break
             assert time.monotonic() < deadline, body
             time.sleep(0.2)
-        yield {"api": f"http://127.0.0.1:{api}", "prefill": prefill, "decode": decode}
+        yield {
+            "api": f"http://127.0.0.1:{api}",
+            "prefill": prefill,
+            "decode": decodes[0],
+            "decodes": decodes,
+        }
     finally:
         for p in procs:
             p.stop()
