@@ -189,7 +189,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         request: Request, prepared: PreparedRequest, fmt_of: Any, stream: bool, marks: Marks
     ) -> Response:
         marks[stages.TOKENIZED] = time.time()
-        gen = service.admit(prepared, marks.arrival)
+        gen = await service.admit(prepared, marks.arrival)
         marks[stages.DISPATCHED] = time.time()
         gen.marks.update(marks)
         gen.is_streamed = stream
@@ -303,19 +303,24 @@ def build_api_app(service: BootstrapService) -> FastAPI:
     @app.get("/ready", responses=documented(503))
     async def ready() -> JSONResponse:
         """Readiness (the chart's probe): 200 only while a healthy prefill and a healthy decode
-        node are registered, so no traffic reaches a gateway that would answer 503.
+        node are registered and the registration window after the start has passed (the
+        nodes alive then have all registered again), so no traffic reaches a gateway that
+        would answer 503 or know only some of its nodes.
         /health stays the liveness check: no nodes is no reason to restart the gateway."""
         views = {role: service.registry.views(role) for role in ("prefill", "decode")}
         missing = [role for role, vs in views.items() if not any(v.is_healthy for v in vs)]
-        body = {
-            "status": "not_ready" if missing else "ready",
+        registering = service.is_registering()
+        body: dict[str, Any] = {
+            "status": "not_ready" if missing or registering else "ready",
             "missing_roles": missing,
             "num_prefill_nodes": len(views["prefill"]),
             "num_decode_nodes": len(views["decode"]),
         }
         if missing:
             body["message"] = f"no healthy {' or '.join(missing)} node is registered"
-        return JSONResponse(body, status_code=503 if missing else 200)
+        elif registering:
+            body["message"] = "started less than --registration-window ago; nodes registering"
+        return JSONResponse(body, status_code=503 if missing or registering else 200)
 
     @app.get("/metrics")
     async def metrics_text() -> Response:

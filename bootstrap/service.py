@@ -2,6 +2,11 @@
 
 ``admit`` is the whole front half of a request: limit check (429), live nodes (503), the
 router's pair, a fresh room, GenerateReq to both nodes. The lease timer runs here too.
+
+A gateway that has just started (or restarted) knows no node until the nodes' next
+heartbeats, at most a second apart: for --registration-window seconds after ``start``,
+``is_registering`` holds (``/ready`` says not ready) and a request that finds no pair waits
+for one instead of getting a 503.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from common.config import BootstrapConfig
 from common.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+REGISTRATION_POLL_S = 0.05  # how often a request waiting for the first nodes looks again
+_NO_NODE = frozenset({"no_prefill_node", "no_decode_node"})
 
 
 @dataclass(frozen=True)
@@ -127,8 +135,17 @@ class BootstrapService:
         self._timer: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
+        self._started_at: float | None = None  # monotonic, at start()
+
+    def is_registering(self, now: float | None = None) -> bool:
+        """Within --registration-window of the start: nodes may be alive and not yet known."""
+        if self._started_at is None:
+            return True
+        now = time.monotonic() if now is None else now
+        return now - self._started_at < self.config.registration_window_s
 
     async def start(self) -> None:
+        self._started_at = time.monotonic()
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self.dispatcher.start()
@@ -203,13 +220,18 @@ class BootstrapService:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def admit(self, prepared: PreparedRequest, arrival: float) -> Generation:
-        """Route and dispatch one request; raises APIError 429 or 503 (counted as rejected)."""
-        try:
-            return self._admit(prepared, arrival)
-        except APIError:
-            gm.count_request("rejected")
-            raise
+    async def admit(self, prepared: PreparedRequest, arrival: float) -> Generation:
+        """Route and dispatch one request; raises APIError 429 or 503 (counted as rejected).
+        Within the registration window a request that finds no pair waits for one."""
+        while True:
+            try:
+                return self._admit(prepared, arrival)
+            except APIError as exc:
+                if exc.code in _NO_NODE and self.is_registering():
+                    await asyncio.sleep(REGISTRATION_POLL_S)
+                    continue
+                gm.count_request("rejected")
+                raise
 
     def _admit(self, prepared: PreparedRequest, arrival: float) -> Generation:
         limit = self.config.max_queued_requests

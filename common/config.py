@@ -34,6 +34,13 @@ PREFILL_ROUTERS = ("precise", "affinity", "round-robin", "random")
 DEFAULT_LEASE_S = 10.0
 
 
+def default_kernel_cache_dir() -> str:
+    """kernels/ under pdserve's cache ($PDSERVE_CACHE_DIR, else ~/.cache/pdserve, as the
+    default model's conversion: common.model.gguf_convert)."""
+    root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.expanduser("~/.cache/pdserve")
+    return os.path.join(root, "kernels")
+
+
 class ConfigError(ValueError):
     """An invalid flag value or combination; the one-line message says what and how to fix it."""
 
@@ -105,6 +112,9 @@ class ModelConfig:
     attention_backend: str = "auto"  # common.model.attention: auto, cpu, triton, torch
     cuda_graph_max_bs: int = 128  # decode graphs for batch buckets up to this
     disable_cuda_graph: bool = False
+    # CPU: where warm-up's kernel choice is kept for the next start on this machine
+    # (common.model.cpu.choice_cache); "": measured at every start
+    kernel_cache_dir: str = field(default_factory=default_kernel_cache_dir)
 
     def __post_init__(self) -> None:
         page = self.page_size
@@ -389,6 +399,10 @@ class BootstrapConfig:
     # How long a migrating request waits for a pair to take it (nodes restarting, or none
     # healthy) before the client gets a 503.
     migration_timeout_s: float = 10.0
+    # A gateway that has just started knows no node: for this long, /ready says not ready
+    # and a request that finds no pair waits for the nodes to register instead of getting a
+    # 503 (nodes heartbeat at least every second, common/node/registry_client.py).
+    registration_window_s: float = 2.0
     # API bodies above this are a 413 before they are parsed. 4 MiB holds a prompt of ~1M
     # tokens of text, 100x the built-in model's context.
     max_request_bytes: int = 4 << 20
@@ -428,6 +442,7 @@ class BootstrapConfig:
         _check_positive(self.request_timeout_s, "--request-timeout")
         _check_non_negative(self.migration_limit, "--migration-limit")
         _check_positive(self.migration_timeout_s, "--migration-timeout")
+        _check_non_negative(self.registration_window_s, "--registration-window")
         _check_positive(self.max_request_bytes, "--max-request-bytes")
         _check(self.auth_token != "", "--auth-token is empty; pass a non-empty token or omit it")
         _check(all(k.strip() for k in self.api_keys), "--api-key is empty; pass a key or omit it")

@@ -148,6 +148,13 @@ def add_model_args(parser: Parser) -> None:
         "time (attention over the KV pages in place, fused per-layer steps, the AMX and "
         "panel products)",
     )
+    add(
+        "--kernel-cache-dir",
+        help="CPU: keep warm-up's kernel choice here and take it at the next start on this "
+        "machine (same CPU, torch, dtype and model shapes): a start without the measuring, "
+        "and the same numerics as before a restart. '' measures at every start "
+        "(default: kernels/ in $PDSERVE_CACHE_DIR, else in ~/.cache/pdserve)",
+    )
     parser.set_defaults(**field_values(ModelConfig, ModelConfig()))
 
 
@@ -286,6 +293,13 @@ def add_bootstrap_args(parser: Parser) -> None:
         dest="migration_timeout_s",
         type=float,
         help="seconds a migrating request waits for a healthy pair before a 503 (default 10)",
+    )
+    add(
+        "--registration-window",
+        dest="registration_window_s",
+        type=float,
+        help="seconds after a start in which /ready says not ready and requests wait for "
+        "the nodes to register instead of a 503 (default 2; nodes beat every second)",
     )
     add(
         "--max-request-bytes",

@@ -38,6 +38,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         attention_backend=cfg.attention_backend,
         cuda_graph_max_bs=cfg.cuda_graph_max_bs,
         disable_cuda_graph=cfg.disable_cuda_graph,
+        kernel_cache_dir=cfg.kernel_cache_dir or None,
     )
     prompt = " ".join(args.prompt)
     ids = (

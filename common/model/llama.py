@@ -349,6 +349,25 @@ class LlamaModel:
             before=layers_pass,
         )
 
+    def adopt_kernels(self, layers: dict[int, str], head: dict[int, str]) -> bool:
+        """An earlier warm-up's choice instead of measuring (common.model.cpu.choice_cache):
+        both choosers frozen on it and the weights' unchosen copies dropped, as after
+        `choose_kernels`. False, and nothing changed, if it does not fit this model's
+        kernels."""
+        if self.chooser is None or self.head_chooser is None:
+            return False
+        if self.chooser.is_frozen or self.head_chooser.is_frozen:
+            return False
+        kernels = self.chooser.kernels
+        if not all(KernelChooser(kernels).adopt(choice) for choice in (layers, head)):
+            return False
+        self.chooser.adopt(layers)
+        self.head_chooser.adopt(head)
+        for weight, _ in self.layer_products():
+            weight.keep_only(self.chooser.chosen_kernels())
+        self.lm_head.keep_only(self.head_chooser.chosen_kernels())
+        return True
+
     def layer_products(self) -> list[tuple[LinearWeight, int]]:
         """One pass's products in the layers, each with its input width."""
         hidden, inter = self.spec.hidden_size, self.layers[0].down.weight.shape[1]

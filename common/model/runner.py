@@ -10,6 +10,7 @@ import torch
 
 from common.kv_pool import KVLayout, KVPool, pages_needed, torch_dtype
 from common.model.attention import AttentionBatch
+from common.model.cpu import choice_cache
 from common.model.cpu.gemm import (
     DECODE_BUCKETS,
     PREFILL_BUCKETS,
@@ -84,6 +85,7 @@ class ModelRunner:
         disable_cuda_graph: bool = False,
         decodes: bool = True,
         warmup_tokens: int = DEFAULT_WARMUP_TOKENS,
+        kernel_cache_dir: str | None = None,
     ) -> None:
         """`pack_weights`: on the CPU, also keep packed weights (twice the weight memory:
         oneDNN's layout, or in bfloat16 with AMX and the C kernels the AMX tiles' layout;
@@ -103,7 +105,9 @@ class ModelRunner:
         (common.model.cuda_graph), captured at `warmup()` or the first decode, unless
         `disable_cuda_graph`; either way a step's inputs go to the device in one copy.
         `decodes`: False for a runner that never decodes in batches (a prefill node): no
-        graph buffers, and the sizing's warm-up runs no decode step."""
+        graph buffers, and the sizing's warm-up runs no decode step.
+        `kernel_cache_dir`: on the CPU, where warm-up's kernel choice is kept and found
+        again (common.model.cpu.choice_cache); None: measured at every start."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda was given but torch sees no CUDA device")
@@ -128,6 +132,7 @@ class ModelRunner:
         self.cuda_graph_max_bs = cuda_graph_max_bs
         self.decodes = decodes
         self.warmup_tokens = warmup_tokens
+        self.kernel_cache_dir = kernel_cache_dir
         self.graphs: DecodeGraphs | None = None
         if num_pages is None:
             if max_total_tokens is None and kv_memory_bytes is None:
@@ -217,10 +222,27 @@ class ModelRunner:
         the attention and the fused steps leave them (timed alone, the weights' streaming
         is not what a forward sees, and the order of the kernels differs); the rest by
         timing the products alone (LlamaModel.choose_kernels), which then fixes every
-        bucket. The passes' KV goes to pages freed after."""
+        bucket. The passes' KV goes to pages freed after. With `kernel_cache_dir`, a
+        choice kept there for this machine and model is taken instead, and a new one is
+        kept."""
         model = self.model
         if model.chooser is None or model.head_chooser is None or model.chooser.is_frozen:
             return
+        cached = None
+        if self.kernel_cache_dir:
+            key = choice_cache.choice_key(self.spec, model.dtype, model.chooser.kernels)
+            cached = choice_cache.path_for(self.kernel_cache_dir, key)
+            saved = choice_cache.load(cached)
+            if saved is not None and model.adopt_kernels(*saved):
+                logger.info("CPU kernels: the choice kept in %s", cached)
+                return
+        self._measure_kernels(keep_all_copies)
+        if cached is not None:
+            choice_cache.store(cached, model.chooser.choices(), model.head_chooser.choices())
+
+    def _measure_kernels(self, keep_all_copies: bool) -> None:
+        model = self.model
+        assert model.chooser is not None and model.head_chooser is not None
         choosers = (model.chooser, model.head_chooser)
         ps = self.page_size
         page = self.pool.allocator.allocate(1)  # every sequence of a pass reads this page

@@ -129,6 +129,7 @@ def build_runner(model: ModelConfig, progress: bool = True, *, decodes: bool = T
         cuda_graph_max_bs=model.cuda_graph_max_bs,
         disable_cuda_graph=model.disable_cuda_graph,
         decodes=decodes,
+        kernel_cache_dir=model.kernel_cache_dir or None,
     )
     runner.warmup()  # before the node registers: its first request runs at full speed
     return runner

@@ -1,10 +1,14 @@
 """A node's link to the bootstrap registry: register, heartbeat, re-register, learn the peers.
 
-Runs on a daemon thread. Registration is retried with exponential back-off (0.5 s up to
-10 s), so a node started before the bootstrap service, or one that outlives a bootstrap
-restart, joins as soon as the registry answers. A heartbeat that gets 404 (the registry
-forgot us, e.g. after a restart) registers again; a 409 (our node id is live in another
-instance, e.g. our previous process's lease has not run out) is retried with back-off.
+Runs on a daemon thread. The node heartbeats every third of its lease, and at least every
+HEARTBEAT_MAX_S, so that a restarted registry hears from every live node within about a
+second. A registry that does not answer (refused, reset, timed out) is tried again with
+back-off from 0.25 s up to CONNECT_RETRY_MAX_S: a node started before the bootstrap service,
+or one that outlives a bootstrap restart, joins within a second of the registry answering.
+A heartbeat that gets 404 (the registry forgot us, e.g. after a restart) registers again at
+once; a 409 (our node id is live in another instance: our previous process's lease has not
+run out) is asked again like an unreachable registry, at most a second apart; any other
+refusal (401) is retried with back-off from 0.5 s up to 10 s.
 Each answer carries the current node table, which the node reads through `peers()`, and
 the gateway's instance id: `is_gateway_alive()` tells the node's loop which requests
 have lost their gateway (it died, or restarted as another instance).
@@ -32,6 +36,10 @@ from typing import Any
 from common import messages as msg
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_MAX_S = 1.0  # a restarted registry knows every live node again within this
+CONNECT_RETRY_MAX_S = 1.0  # the longest wait between tries while the registry is down
+REFUSED_RETRY_MAX_S = 10.0  # the longest wait after the registry refused us
 
 
 class RegistryClient:
@@ -116,7 +124,7 @@ class RegistryClient:
             logger.info("deregister failed: %s", exc)
 
     def _run(self) -> None:
-        backoff = 0.5
+        refused_backoff, connect_backoff = 0.5, 0.25
         while not self._stop.is_set():
             try:
                 if self._is_leaving.is_set():
@@ -133,8 +141,8 @@ class RegistryClient:
                     self._accept(self._post("/register", self.register_msg))
                     logger.info("registered %s with %s", self.register_msg.node_id, self.url)
                     self.is_registered = True
-                backoff = 0.5
-                self._wake.wait(max(0.2, self.lease_s / 3))
+                refused_backoff, connect_backoff = 0.5, 0.25
+                self._wake.wait(self.heartbeat_interval_s)
                 self._wake.clear()
                 self._stop.wait(0.05)  # at most 20 beats a second, however often woken
             except urllib.error.HTTPError as exc:
@@ -142,14 +150,25 @@ class RegistryClient:
                 if exc.code == 404:
                     self.is_registered = False  # the registry forgot us: register again now
                     continue
+                if exc.code == 409:  # our old instance's lease runs out soon: ask often
+                    self.is_registered = False
+                    self._stop.wait(connect_backoff)
+                    connect_backoff = min(CONNECT_RETRY_MAX_S, connect_backoff * 2)
+                    continue
                 logger.warning("registry %s refused us: %s", self.url, self.last_error)
                 self.is_registered = False
-                self._stop.wait(backoff)
-                backoff = min(10.0, backoff * 2)
+                self._stop.wait(refused_backoff)
+                refused_backoff = min(REFUSED_RETRY_MAX_S, refused_backoff * 2)
             except (OSError, urllib.error.URLError, ValueError) as exc:
                 self.last_error = str(exc)
-                self._stop.wait(backoff)
-                backoff = min(10.0, backoff * 2)
+                self._stop.wait(connect_backoff)
+                connect_backoff = min(CONNECT_RETRY_MAX_S, connect_backoff * 2)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """A third of the lease (two beats may be lost before it runs out), at most
+        HEARTBEAT_MAX_S, at least 0.2 s."""
+        return max(0.2, min(HEARTBEAT_MAX_S, self.lease_s / 3))
 
     def _accept(self, body: dict[str, Any]) -> None:
         self.lease_s = float(body.get("lease_s", self.lease_s))

@@ -24,8 +24,8 @@ SLACK_S = 2.0
 OUTCOME_BOUND_S = LEASE_S + 1.0 + SLACK_S  # fault -> the client's outcome
 PAGES_BOUND_S = LEASE_S + 1.0 + SLACK_S  # fault -> pdserve_kv_pages_held == 0
 START_TIMEOUT_S = 180.0
-# A restarted node may be refused (409) until its old instance's lease runs out, and the
-# registry client backs off exponentially (0.5 s, 1 s, 2 s, ...) meanwhile.
+# A restarted node may be refused (409) until its old instance's lease runs out (it asks
+# again at most a second apart) and loads its model first on a busy 2-core machine.
 HEALTHY_TIMEOUT_S = 60.0
 HEAL_CHECK_S = 15.0  # a live node not healthy by then is restarted before the next case
 HOST = "127.0.0.1"
@@ -187,15 +187,17 @@ class Cluster:
             popen.wait(10)
             raise AssertionError(f"{name} did not exit within {timeout_s:g} s")
 
-    def restart(self, name: str, extra: Iterable[str] = ()) -> None:
-        """Start `name` again on the same ports and node id (killing what is left of it)."""
+    def restart(self, name: str, extra: Iterable[str] = (), *, wait_healthy: bool = True) -> None:
+        """Start `name` again on the same ports and node id (killing what is left of it);
+        returns at its READY line, or once every node is healthy again (`wait_healthy`)."""
         node = self.nodes[name]
         if node.is_alive:
             self.kill9(name)
         node.proc = start(node.name, node.module, *node.args, *extra)
         node.is_stopped = False
         wait_ready([node.proc], START_TIMEOUT_S)
-        self.wait_healthy()
+        if wait_healthy:
+            self.wait_healthy()
 
     def heal(self) -> None:
         """Resume the paused, restart what is dead or unhealthy: the next case starts whole."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.faults.checks import (
+    SHORT_PROMPT,
     assert_fresh_request_succeeds,
     assert_gateway_idle,
     assert_no_pages_held,
@@ -47,7 +50,17 @@ def test_kill9_bootstrap_makes_the_nodes_abort_its_requests(cluster: Cluster) ->
         assert not outcome.is_completed, outcome
     # Orphaned requests are aborted on every node without waiting for the gateway to return.
     assert_no_pages_held(cluster, NODES)
-    cluster.restart("bootstrap")  # same ports; the nodes register again
+    # Same ports. A request sent at the restarted gateway's READY line, before any node
+    # has registered again, waits for them (--registration-window) instead of a 503, and
+    # every node is known again within about a second (nodes beat at least every second).
+    cluster.restart("bootstrap", wait_healthy=False)
+    up = time.monotonic()
+    first = Stream(cluster.api, SHORT_PROMPT, max_tokens=8).start()
+    cluster.wait_healthy()
+    known_s = time.monotonic() - up
+    (outcome,) = wait_all([first])
+    assert outcome.is_completed and outcome.text, f"a request at the restart failed: {outcome}"
+    print(f"restarted gateway: every node known again {known_s:.2f} s after its READY line")
     assert_fresh_request_succeeds(cluster)
     assert_fresh_request_succeeds(cluster, key_for(prefill), prefill)
 

@@ -195,3 +195,21 @@ def test_the_grace_period_covers_prestop_and_the_node_drain() -> None:
         sleep = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
         assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
         assert pod["terminationGracePeriodSeconds"] >= sleep + drain_s + 5
+
+
+def test_cpu_nodes_keep_their_kernel_choice_in_a_writable_pod_volume() -> None:
+    """The root filesystem is read-only: a CPU node's kernel choice goes to an emptyDir,
+    which outlives a container restart (the restart then skips warm-up's measuring)."""
+    docs = ht.toggle_manifests("default")
+    for role in ht.NODE_ROLES:
+        ns, container = _parsed("default", role)
+        assert ns.kernel_cache_dir == "/var/cache/pdserve"
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "kernel-cache")
+        assert mount["mountPath"] == ns.kernel_cache_dir and not mount.get("readOnly")
+        pod = ht.named(docs, "Deployment", ht.role_name(role))["spec"]["template"]["spec"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "kernel-cache")
+        assert "emptyDir" in volume
+        ns, container = _parsed("gpu", role)  # GPU nodes choose no CPU kernels
+        assert "/var/cache/pdserve" not in ns.kernel_cache_dir
+        assert all(m["name"] != "kernel-cache" for m in container["volumeMounts"])

@@ -220,7 +220,9 @@ class Gateway:
 
 
 def start_gateway(tokenizer: Tokenizer, *, lease_s: float = 10.0, **config: Any) -> Gateway:
-    cfg = BootstrapConfig(**{"port": 0, "bootstrap_port": 0, "auth_token": None, **config})
+    # No registration window unless a test asks: a request finding no node gets its 503 now.
+    defaults = {"port": 0, "bootstrap_port": 0, "auth_token": None, "registration_window_s": 0.0}
+    cfg = BootstrapConfig(**{**defaults, **config})
     service = BootstrapService(
         cfg,
         tokenizer,

@@ -266,6 +266,17 @@ class KernelChooser:
             self._buckets[bucket] = _Bucket({}, choice)
         self.is_frozen = True
 
+    def adopt(self, choices: dict[int, str]) -> bool:
+        """Take a whole earlier choice (common.model.cpu.choice_cache) and freeze: False,
+        and nothing changed, unless it names a candidate kernel for every bucket."""
+        if self.is_frozen or set(choices) != set(BUCKETS):
+            return False
+        if any(k not in self.candidates(b) for b, k in choices.items()):
+            return False
+        self._buckets = {b: _Bucket({}, choices[b]) for b in BUCKETS}
+        self.is_frozen = True
+        return True
+
     def choices(self) -> dict[int, str]:
         """The kernel each bucket settled on (buckets still exploring are left out)."""
         return {b: s.choice for b, s in sorted(self._buckets.items()) if s.choice is not None}

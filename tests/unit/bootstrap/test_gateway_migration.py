@@ -15,6 +15,7 @@ import pytest
 from bootstrap import gateway_metrics as gm
 from common import messages as msg
 from common import metrics
+from common.node.registry_client import wait_until
 from common.tokenizer import Tokenizer
 from tests.support import gateway as harness
 from tests.support.gateway import Gateway, Send, reply_ids, silent
@@ -183,6 +184,37 @@ def test_with_no_pair_left_the_client_gets_an_error_within_the_migration_timeout
     error = events[-1]["error"]
     assert error["code"] == "migration_failed" and "no decode node" in error["message"]
     assert text == tokenizer.decode(ids[:1])
+
+
+def test_a_client_that_leaves_while_its_request_migrates_is_never_dispatched_again(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    """The abort storm's migrating stage: the request waits for a pair (none is live), its
+    client goes away, then a decode node registers. Nothing is sent to that node and the
+    gateway holds the request no more."""
+    ids = reply_ids(tokenizer)
+    gw = gateway_factory(migration_timeout_s=10.0)
+    gw.node("prefill")
+
+    def two_then_leave_and_fail(gen: msg.GenerateReq, send: Send) -> None:
+        for tid in ids[:2]:
+            send(msg.TokenChunk(rid=gen.rid, token_ids=[tid], logprobs=None, top_logprobs=None))
+        gw.nodes[1].registry.stop(deregister=True)  # no decode node is left to move to
+        send(msg.ReqFailed(gen.rid, 503, "node draining", True))
+
+    gw.node("decode", two_then_leave_and_fail)
+    with httpx.stream(
+        "POST", gw.api_url + CHAT, json={"messages": MESSAGES, "stream": True}, timeout=20
+    ) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 3:  # the role chunk and 2 tokens: the node has failed by now
+                break
+    assert wait_until(lambda: gw.call(lambda: gw.service.num_active) == 0, 5.0)
+    late = gw.node("decode", continuing(ids))
+    time.sleep(1.0)  # MIGRATION_RETRY_S is 0.25: a retry would have dispatched by now
+    assert late.generates() == []
 
 
 def test_a_pair_that_fails_after_the_last_token_is_not_asked_to_go_on(

@@ -1,0 +1,70 @@
+"""How often a node talks to its registry: a restarted registry knows every live node again
+within about a second, whatever the lease, and a registry that was down is joined within a
+second of it answering."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common import messages as msg
+from common.node.registry_client import CONNECT_RETRY_MAX_S, HEARTBEAT_MAX_S, RegistryClient
+from common.tokenizer import Tokenizer
+from tests.support import gateway as harness
+from tests.support.ports import free_port
+
+tokenizer = harness.tokenizer
+
+
+def _client(url: str) -> RegistryClient:
+    return RegistryClient(
+        url,
+        msg.RegisterNode(
+            node_id="prefill-0",
+            role="prefill",
+            request_endpoint="tcp://127.0.0.1:1",
+            control_endpoint="tcp://127.0.0.1:1",
+            http_url="http://127.0.0.1:1",
+            backend="fake",
+            backend_metadata=b"",
+            kv_layout={"page_size": 16},
+            num_pages=8,
+            max_running_requests=0,
+            protocol_version=msg.PROTOCOL_VERSION,
+            auth_token=None,
+        ),
+        timeout_s=1.0,
+    )
+
+
+@pytest.mark.parametrize(("lease_s", "interval_s"), [(10.0, 1.0), (2.4, 0.8), (0.3, 0.2)])
+def test_the_heartbeat_is_a_third_of_the_lease_and_at_most_a_second(
+    lease_s: float, interval_s: float
+) -> None:
+    client = _client("http://127.0.0.1:1")
+    client.lease_s = lease_s
+    assert client.heartbeat_interval_s == pytest.approx(interval_s)
+    assert HEARTBEAT_MAX_S == 1.0
+
+
+def test_a_registry_down_for_seconds_is_joined_within_a_second_of_its_start(
+    tokenizer: Tokenizer,
+) -> None:
+    """Before, tries backed off to 0.5, 1, 2, 4, 8 s: a registry that came back after 8 s
+    was joined 7.5 s later."""
+    port = free_port()
+    client = _client(f"http://127.0.0.1:{port}").start()
+    try:
+        time.sleep(8.0)  # the registry is down: the client keeps trying
+        assert not client.is_registered
+        gw = harness.start_gateway(tokenizer, bootstrap_port=port)
+        up = time.monotonic()
+        try:
+            while not client.is_registered:
+                assert time.monotonic() - up < CONNECT_RETRY_MAX_S + 2.0, client.last_error
+                time.sleep(0.05)
+        finally:
+            gw.stop()
+    finally:
+        client.stop(deregister=False)
