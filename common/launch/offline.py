@@ -19,6 +19,9 @@ class OfflineResult:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
+    # With params.logprobs / params.top_logprobs: per output token, as a node reports them.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def generate_stream(
@@ -42,13 +45,20 @@ def generate_stream(
     stop = StopChecker(params, tokenizer.eos_token_ids)
     detok = IncrementalDetokenizer(tokenizer, prompt_ids)
     out: list[int] = []
+    logprobs: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
     text = ""
     try:
         logits = runner.extend([ExtendRequest(prompt_ids, 0, pages)]).logits
         while True:
             if params.seed is not None:  # draw i of a seeded request: as on the nodes
                 seed_for_position(gen, params.seed, len(out))
-            token = sampler.sample(logits, [params], [gen], [grammar]).token_ids[0]
+            sampled = sampler.sample(logits, [params], [gen], [grammar])
+            token = sampled.token_ids[0]
+            if sampled.logprobs is not None:
+                logprobs.append(sampled.logprobs[0])
+            if sampled.top_logprobs is not None:
+                tops.append(sampled.top_logprobs[0])
             if grammar is not None and not grammar.accept(token):
                 raise ValueError(f"the grammar refused token {token}")
             out.append(token)
@@ -65,7 +75,13 @@ def generate_stream(
                 text += piece
                 yield piece
             if finish is not None:
-                yield OfflineResult(out, text, finish)
+                yield OfflineResult(
+                    out,
+                    text,
+                    finish,
+                    logprobs if params.logprobs else None,
+                    tops if params.top_logprobs else None,
+                )
                 return
             logits = runner.decode([token], [len(prompt_ids) + len(out)], [pages])
     finally:
