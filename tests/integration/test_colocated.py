@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from tests.support.cluster import http, metric, start, wait_ready
-from tests.support.ports import free_port
+from tests.support.cluster import colocated as colocated_cluster
+from tests.support.cluster import http, metric
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -17,53 +17,9 @@ TOKEN = "colocated-token"
 
 @pytest.fixture(scope="module")
 def colocated():
-    api, registry = free_port(), free_port()
-    boot = start(
-        "bootstrap",
-        "bootstrap",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(api),
-        "--disaggregation-bootstrap-port",
-        str(registry),
-        "--auth-token",
-        TOKEN,
-    )
-    node = start(
-        "colocated-0",
-        "colocated_node",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--node-id",
-        "colo",
-        "--bootstrap-url",
-        f"http://127.0.0.1:{registry}",
-        "--auth-token",
-        TOKEN,
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        "4096",
-        "--chunked-prefill-size",
-        "256",
-    )
-    try:
-        wait_ready([boot, node])
-        url = f"http://127.0.0.1:{api}"
-        deadline_ok = False
-        for _ in range(600):
-            if http("GET", url + "/ready")[0] == 200:
-                deadline_ok = True
-                break
-            threading.Event().wait(0.1)
-        assert deadline_ok, "the colocated node never registered both halves"
-        yield {"api": url, "node": node}
-    finally:
-        node.stop()
-        boot.stop()
+    args = ("--auth-token", TOKEN, "--dtype", "float32", "--max-total-tokens", "4096")
+    with colocated_cluster((*args, "--chunked-prefill-size", "256"), ("--auth-token", TOKEN)) as c:
+        yield c
 
 
 def _client(c):

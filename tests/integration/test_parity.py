@@ -17,14 +17,12 @@ import random
 import threading
 import time
 import urllib.parse
-from typing import Any
 
 import pytest
 
 from tests.support import parity
-from tests.support.cluster import http as http_call
-from tests.support.cluster import metric, pd_pair, start, wait_ready
-from tests.support.ports import free_port
+from tests.support.cluster import colocated as colocated_cluster
+from tests.support.cluster import metric, pd_pair
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
@@ -167,47 +165,9 @@ def test_an_abort_storm_leaves_the_survivors_exact_and_no_page_held(pd, prompts,
 
 @pytest.fixture(scope="module")
 def colocated():
-    api, registry = free_port(), free_port()
-    boot = start(
-        "bootstrap",
-        "bootstrap",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(api),
-        "--disaggregation-bootstrap-port",
-        str(registry),
-    )
-    node = start(
-        "colocated-0",
-        "colocated_node",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--node-id",
-        "colo",
-        "--bootstrap-url",
-        f"http://127.0.0.1:{registry}",
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        "768",
-        "--chunked-prefill-size",
-        "64",
-    )
-    procs: list[Any] = [boot, node]
-    try:
-        wait_ready(procs)
-        url = f"http://127.0.0.1:{api}"
-        deadline = time.monotonic() + 120
-        while http_call("GET", url + "/ready")[0] != 200:
-            assert time.monotonic() < deadline, "the colocated node never became ready"
-            time.sleep(0.2)
-        yield {"api": url, "node": node}
-    finally:
-        for p in procs:
-            p.stop()
+    args = ("--dtype", "float32", "--max-total-tokens", "768", "--chunked-prefill-size", "64")
+    with colocated_cluster(args) as cluster:
+        yield cluster
 
 
 def test_colocated_outputs_equal_the_reference(colocated, prompts, refs) -> None:

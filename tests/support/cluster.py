@@ -204,3 +204,49 @@ def pd_pair(
     finally:
         for p in procs:
             p.stop()
+
+
+@contextlib.contextmanager
+def colocated(
+    node_args: tuple[str, ...] = (), bootstrap_args: tuple[str, ...] = ()
+) -> Iterator[dict[str, Any]]:
+    """A bootstrap and one colocated node `colo` on loopback, ready at the gateway (both
+    halves registered): {"api": its URL, "node": Proc}. Pass an --auth-token to both."""
+    from tests.support.ports import free_port
+
+    api, registry = free_port(), free_port()
+    boot = start(
+        "bootstrap",
+        "bootstrap",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(api),
+        "--disaggregation-bootstrap-port",
+        str(registry),
+        *bootstrap_args,
+    )
+    node = start(
+        "colocated-0",
+        "colocated_node",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--node-id",
+        "colo",
+        "--bootstrap-url",
+        f"http://127.0.0.1:{registry}",
+        *node_args,
+    )
+    try:
+        wait_ready([boot, node])
+        url = f"http://127.0.0.1:{api}"
+        deadline = time.monotonic() + 60
+        while http("GET", url + "/ready")[0] != 200:
+            assert time.monotonic() < deadline, "the colocated node never registered both halves"
+            time.sleep(0.1)
+        yield {"api": url, "node": node}
+    finally:
+        node.stop()
+        boot.stop()
