@@ -8,8 +8,11 @@ instead of calling Python per request:
 - ``HrrnOrder``: the ratios move every round, so they are computed with numpy.
 - ``DfsWeightOrder``: request counts per radix node, ranked by one DFS over those nodes.
 
-Like SGLang, every order reads the match of the prompt less its last token
-(``usable_prefix_len``): that token is computed even when the whole prompt is cached.
+Like SGLang 0.5.23, lpm and hrrn key on the match capped at the prompt less its last token,
+in tokens (``sort_prefix_len``; SGLang's ``num_matched_prefix_tokens``): that token is
+computed even when the whole prompt is cached. dfs-weight places a request where its
+whole match ends (SGLang's ``last_node``). Admission starts from whole pages
+(``usable_prefix_len``), a different number when the whole prompt is cached.
 """
 
 from __future__ import annotations
@@ -33,8 +36,15 @@ _BEHIND = TreeNode(b"", [], None, -1)  # dfs-weight's stand-in node of depriorit
 
 def usable_prefix_len(r: Req, page_size: int) -> int:
     """The cached prefix a prefill can start from: the match of the prompt less its last
-    token, in whole pages (SGLang matches ``input_ids[:-1]``)."""
+    token, in whole pages (the last token is always computed)."""
     return min(r.prefix_len, (len(r.origin_input_ids) - 1) // page_size * page_size)
+
+
+def sort_prefix_len(r: Req) -> int:
+    """The cached tokens lpm and hrrn sort on: the match capped at the prompt less its last
+    token, not rounded to pages (SGLang's ``num_matched_prefix_tokens``; page 4: a 20-token
+    prompt fully cached keys 19, ahead of a 17-token one with 16 cached)."""
+    return min(r.prefix_len, max(len(r.origin_input_ids) - 1, 0))
 
 
 class CacheAwareOrder(Protocol):
@@ -64,15 +74,14 @@ class StaticKeyOrder:
 class HrrnOrder:
     """SGLang's hrrn key, ascending: ``(+inf, rid)`` when deprioritized, else
     ``(-(processed - arrival_processed) / uncached, rid)`` with the waited tokens clamped
-    at 0, where uncached counts from the usable prefix, so it is at least 1 (a fully cached
-    prompt still computes its last token). Without a counter (None) nothing ages: rid order
+    at 0, where uncached counts from ``sort_prefix_len``, so it is at least 1 (a fully
+    cached prompt still computes its last token). Without a counter (None) nothing ages: rid order
     within a class."""
 
     _DRAIN, _DEPRIORITIZED = 0.0, -1.0  # codes besides a positive uncached token count
     VECTOR_MIN = 256  # shorter queues sort with a Python key: numpy's fixed cost dominates
 
-    def __init__(self, page_size: int = 1) -> None:
-        self.page_size = page_size
+    def __init__(self) -> None:
         # complex(arrival_processed_tokens, uncached or a code): one C-level pass a round.
         self._state: dict[Req, complex] = {}
         self._deprioritized_by_rid: list[Req] = []  # the +inf class, already in key order
@@ -81,7 +90,7 @@ class HrrnOrder:
         flips = []
         for r in reqs:
             was = r in self._state and self._state[r].imag == self._DEPRIORITIZED
-            uncached = len(r.origin_input_ids) - usable_prefix_len(r, self.page_size)
+            uncached = len(r.origin_input_ids) - sort_prefix_len(r)
             if r.is_deprioritized:
                 code = self._DEPRIORITIZED
             else:
@@ -152,9 +161,10 @@ class DfsWeightOrder:
     SGLang's match splits a node where a request's match ends inside it, so that request
     hangs on the new upper part, below which the rest of the node (and its children) come
     first in the post-order DFS. The same order without splitting: a request is ranked by
-    the node its usable prefix ends in, then by how deep in that node it ends, deepest
+    the node its whole match ends in, then by how deep in that node it ends, deepest
     first (a split chain has one child per part, so the weights that order siblings do
-    not change)."""
+    not change). The whole match, not the one capped for the last token: a fully cached
+    prompt ends at its node's end, as deep as one that continues past it."""
 
     def __init__(self, tree: RadixCache) -> None:
         self.tree = tree
@@ -172,17 +182,17 @@ class DfsWeightOrder:
                 self._counts[node] += 1
 
     def _end_of(self, r: Req) -> tuple[TreeNode, int]:
-        """The node the request's usable prefix ends in and the tokens of it that it covers."""
+        """The node the request's match ends in and the tokens of it that it covers."""
         match = r.match
         assert match is not None
-        end = usable_prefix_len(r, self.tree.page_size)
+        end = r.prefix_len
         node = match.last_node
         # Where node starts: the tokens of its ancestors' keys.
         start, up = 0, node.parent
         while up is not None:
             start += len(up.key) // TOKEN_BYTES
             up = up.parent
-        while node.parent is not None and start >= end:  # the cap ended it higher up
+        while node.parent is not None and start >= end:  # no token of it (an empty match)
             node = node.parent
             start -= len(node.key) // TOKEN_BYTES
         return node, end - start

@@ -39,7 +39,7 @@ from prefill_node.cache_aware_orders import (
     DfsWeightOrder,
     HrrnOrder,
     StaticKeyOrder,
-    usable_prefix_len,
+    sort_prefix_len,
 )
 from prefill_node.in_batch_dedup import InBatchDedup
 from prefill_node.prefix_matcher import PrefixMatcher, RefreshResult
@@ -86,15 +86,15 @@ def prefill_work(req: Req) -> int:
     return max(1, len(req.origin_input_ids) - req.prefix_len)
 
 
-def _lpm_key_for(page_size: int, is_length_aware: bool = False) -> Callable[[Req], float]:
-    # SGLang sorts on the match of the prompt less its last token (which is always computed).
+def _lpm_key_for(is_length_aware: bool = False) -> Callable[[Req], float]:
+    # SGLang sorts on the match capped at the prompt less its last token (always computed).
     # Length-aware (opt-in, beyond SGLang): cached minus uncached tokens, so a request with
     # 20K cached and 100 to compute no longer waits behind one with 10K cached and 100K to
     # compute; among equal uncached work it is lpm, among equal matches shortest first.
     def key(r: Req) -> float:
         if r.is_deprioritized:
             return _INF
-        cached = usable_prefix_len(r, page_size)
+        cached = sort_prefix_len(r)
         if is_length_aware:
             return float(len(r.origin_input_ids) - 2 * cached)
         return -float(cached)
@@ -336,12 +336,12 @@ def _cache_aware_order(
 ) -> CacheAwareOrder | None:
     if policy is CacheAwarePolicy.LPM:
         assert tree is not None
-        return StaticKeyOrder(_lpm_key_for(tree.page_size, lpm_length_aware))
+        return StaticKeyOrder(_lpm_key_for(lpm_length_aware))
     if policy is CacheAwarePolicy.SHORTEST_PREFILL_FIRST:
         return StaticKeyOrder(_spf_key)
     if policy is CacheAwarePolicy.HRRN:
         assert tree is not None
-        return HrrnOrder(tree.page_size)
+        return HrrnOrder()
     if policy is CacheAwarePolicy.DFS_WEIGHT:
         assert tree is not None
         return DfsWeightOrder(tree)

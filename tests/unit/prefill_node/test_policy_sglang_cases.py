@@ -56,6 +56,45 @@ def test_dfs_weight_orders_as_if_the_node_were_split_at_each_match_end():
     assert rids(queue) == ["child", "whole", "three", "one"]
 
 
+def _page4_tree(*cached: list[int]) -> RadixCache:
+    alloc = PageAllocator(64)
+    tree = RadixCache(4, alloc)
+    for tokens in cached:
+        tree.insert(tokens, alloc.allocate(len(tokens) // 4))
+    return tree
+
+
+def test_lpm_and_hrrn_key_on_the_capped_match_in_tokens_not_pages():
+    # Page 4, cache [0..19]: "whole" (those 20 tokens) keys 20 capped at 19 in SGLang, "part"
+    # (16 of them + 1) keys 16. pdserve used to round both to 16 pages' worth: a tie kept
+    # queue order part, whole; SGLang sorts whole first.
+    base = list(range(20))
+    tree = _page4_tree(base)
+    queue = [req("part", base[:16] + [99]), req("whole", base)]
+    SchedulePolicy("lpm", tree).calc_priority(queue)
+    assert rids(queue) == ["whole", "part"] and queue[1].prefix_len == 16
+    # hrrn, 4 tokens waited: whole has 1 token to compute (ratio 4), part 2 (ratio 2).
+    # Rounded to pages whole had 4 to compute (ratio 1) and went behind part.
+    queue = [
+        req("part", base[:16] + [98, 99], arrival_processed_tokens=0),
+        req("whole", base, arrival_processed_tokens=0),
+    ]
+    SchedulePolicy("hrrn", tree).calc_priority(queue, None, processed_tokens=4)
+    assert rids(queue) == ["whole", "part"]
+
+
+def test_dfs_weight_places_a_fully_cached_prompt_at_its_whole_match():
+    # The issue's case, page 1: cache 28 tokens; r2 = those 28, r5 = those 28 and 27 more.
+    # SGLang matches r2's whole prompt (28 tokens, the node's end: no split), so both hang
+    # on the one node, queue order: r2, r5. pdserve used to place r2 at its capped match
+    # (27 tokens, inside the node) and put r5 first.
+    cached = [921, 63, *range(300, 326)]
+    assert len(cached) == 28
+    queue = [req("r2", list(cached)), req("r5", cached + list(range(500, 527)))]
+    SchedulePolicy("dfs-weight", _page1_tree(cached), dfs_weight_dedup=False).calc_priority(queue)
+    assert rids(queue) == ["r2", "r5"]
+
+
 def test_dfs_weight_dedup_off_is_sglangs_unused_dedup_set():
     tree = _page1_tree([1])
     shared = [1, *range(100, 140)]  # 1 cached token, then 40 shared that are not

@@ -51,24 +51,25 @@ def _sglang_dedup(queue: list[Req], check: int, deprioritize: int) -> set[str]:
     return out
 
 
-def _usable(r: Req) -> int:
-    """SGLang matches the prompt less its last token (that one is always computed)."""
-    return min(r.prefix_len, (len(r.origin_input_ids) - 1) // PAGE * PAGE)
+def _matched(r: Req) -> int:
+    """SGLang's num_matched_prefix_tokens: the match capped at the prompt less its last
+    token (always computed), in tokens."""
+    return min(r.prefix_len, len(r.origin_input_ids) - 1)
 
 
 def _hrrn_key(r: Req, deprio: set[str], now: int) -> tuple[float, str]:
     if r.rid in deprio:
         return (INF, r.rid)
-    uncached = len(r.origin_input_ids) - _usable(r)  # >= 1
+    uncached = len(r.origin_input_ids) - _matched(r)  # >= 1
     return (-max(0, now - r.arrival_processed_tokens) / uncached, r.rid)
 
 
 def _sglang_dfs_weight(reqs: list[Req], tree: RadixCache) -> list[Req]:
-    """SGLang's dfs-weight on a tree split at every request's match end, naively: a trie
+    """SGLang's dfs-weight on a tree split at every request's (whole) match end, naively: a trie
     with one node per page (fully split), children heaviest first, ties in the order the
     real tree got them; a node's own requests after its children's, in queue order."""
     path = {
-        r: tuple(tuple(r.origin_input_ids[i : i + PAGE]) for i in range(0, _usable(r), PAGE))
+        r: tuple(tuple(r.origin_input_ids[i : i + PAGE]) for i in range(0, r.prefix_len, PAGE))
         for r in reqs
     }
     weight: Counter[tuple] = Counter()
@@ -103,7 +104,7 @@ def _reference_order(name: str, before: list[Req], tree: RadixCache, deprio: set
         [r for r in before if r.rid in deprio],
     )
     if name == "lpm":
-        return sorted(before, key=lambda r: INF if r.rid in deprio else -_usable(r))
+        return sorted(before, key=lambda r: INF if r.rid in deprio else -_matched(r))
     if name == "shortest-prefill-first":
         return sorted(
             before, key=lambda r: (r.rid in deprio, prefill_work(r), r.wait_queue_entry_time)
