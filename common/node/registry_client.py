@@ -24,6 +24,7 @@ control_endpoint, num_pages, load.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import threading
@@ -120,8 +121,8 @@ class RegistryClient:
                     instance_id=self.register_msg.instance_id,
                 ),
             )
-        except (OSError, urllib.error.URLError) as exc:
-            logger.info("deregister failed: %s", exc)
+        except (OSError, urllib.error.URLError, ValueError, http.client.HTTPException) as exc:
+            logger.info("deregister failed: %r", exc)
 
     def _run(self) -> None:
         refused_backoff, connect_backoff = 0.5, 0.25
@@ -159,10 +160,18 @@ class RegistryClient:
                 self.is_registered = False
                 self._stop.wait(refused_backoff)
                 refused_backoff = min(REFUSED_RETRY_MAX_S, refused_backoff * 2)
-            except (OSError, urllib.error.URLError, ValueError) as exc:
-                self.last_error = str(exc)
+            except (OSError, urllib.error.URLError, ValueError, http.client.HTTPException) as exc:
+                # HTTPException: a registry killed mid-answer (IncompleteRead, BadStatusLine);
+                # it is no OSError, and escaping here ended the thread: the node never beat
+                # again and every gateway dropped it for good (the 10-minute chaos run).
+                self.last_error = repr(exc)
                 self._stop.wait(connect_backoff)
                 connect_backoff = min(CONNECT_RETRY_MAX_S, connect_backoff * 2)
+            except Exception as exc:  # the thread must outlive any answer: log it, go on
+                self.last_error = repr(exc)
+                logger.exception("registry %s: unexpected error", self.url)
+                self._stop.wait(refused_backoff)
+                refused_backoff = min(REFUSED_RETRY_MAX_S, refused_backoff * 2)
 
     @property
     def heartbeat_interval_s(self) -> float:

@@ -160,7 +160,27 @@ class ChaosCluster:
                     return False
             return True
 
-        wait_for(whole, timeout_s, "every replica sees every node healthy", interval_s=0.2)
+        try:
+            wait_for(whole, timeout_s, "every replica sees every node healthy", interval_s=0.2)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.describe()}") from None
+
+    def describe(self) -> str:
+        """What each replica lists and each process last said (for a failed wait)."""
+        out = []
+        for api in self.apis:
+            try:
+                status, body = call("GET", api + "/nodes", token=API_KEY, timeout=5)
+                rows = body.get("nodes", []) if isinstance(body, dict) else []
+                seen = {n["id"]: (n.get("healthy"), n.get("last_heartbeat_s_ago")) for n in rows}
+                out.append(f"{api}: {status} {seen}")
+            except OSError as exc:
+                out.append(f"{api}: {exc!r}")
+        for name, node in self.nodes.items():
+            state = "stopped" if node.is_stopped else "alive" if node.is_alive else "dead"
+            lines = node.proc.lines[-12:] if node.proc is not None else []
+            out.append(f"--- {name} ({state})\n" + "".join(lines))
+        return "\n".join(out)
 
     def pages_held(self) -> dict[str, float]:
         return {

@@ -4,6 +4,8 @@ second of it answering."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
 import pytest
@@ -62,6 +64,53 @@ def test_a_registry_down_for_seconds_is_joined_within_a_second_of_its_start(
         up = time.monotonic()
         try:
             while not client.is_registered:
+                assert time.monotonic() - up < CONNECT_RETRY_MAX_S + 2.0, client.last_error
+                time.sleep(0.05)
+        finally:
+            gw.stop()
+    finally:
+        client.stop(deregister=False)
+
+
+def _broken_registry(port: int, answers: list[bytes], done: threading.Event) -> threading.Thread:
+    """A registry killed mid-answer: each connection reads the request and gets the next
+    of ``answers`` (a truncated body, a garbled status line), then the socket closes."""
+    server = socket.create_server(("127.0.0.1", port))
+
+    def serve() -> None:
+        with server:
+            for answer in answers:
+                conn, _ = server.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(answer)
+        done.set()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_registry_killed_mid_answer_is_tried_again_until_it_answers(
+    tokenizer: Tokenizer,
+) -> None:
+    """Before, http.client's IncompleteRead and BadStatusLine (no OSError) ended the client's
+    thread: the node never beat again and its gateways dropped it for good."""
+    port = free_port()
+    done = threading.Event()
+    answers = [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{",  # IncompleteRead
+        b"garbled\r\n\r\n",  # BadStatusLine
+    ]
+    _broken_registry(port, answers, done)
+    client = _client(f"http://127.0.0.1:{port}").start()
+    try:
+        assert done.wait(10.0), "the client stopped asking"
+        gw = harness.start_gateway(tokenizer, bootstrap_port=port)
+        up = time.monotonic()
+        try:
+            while not client.is_registered:
+                assert client._thread.is_alive(), client.last_error
                 assert time.monotonic() - up < CONNECT_RETRY_MAX_S + 2.0, client.last_error
                 time.sleep(0.05)
         finally:
