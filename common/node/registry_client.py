@@ -161,9 +161,9 @@ class RegistryClient:
                 self._stop.wait(refused_backoff)
                 refused_backoff = min(REFUSED_RETRY_MAX_S, refused_backoff * 2)
             except (OSError, urllib.error.URLError, ValueError, http.client.HTTPException) as exc:
-                # HTTPException: a registry killed mid-answer (IncompleteRead, BadStatusLine);
-                # it is no OSError, and escaping here ended the thread: the node never beat
-                # again and every gateway dropped it for good (the 10-minute chaos run).
+                # HTTPException: a registry killed mid-answer (IncompleteRead, BadStatusLine).
+                # It is no OSError; escaping here ended the thread, so the node never beat
+                # again and every gateway dropped it for good.
                 self.last_error = repr(exc)
                 self._stop.wait(connect_backoff)
                 connect_backoff = min(CONNECT_RETRY_MAX_S, connect_backoff * 2)
