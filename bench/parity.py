@@ -34,7 +34,10 @@ from tests.support.ports import free_port  # noqa: E402
 
 PREFILL = ["--dtype", "float32", "--chunked-prefill-size", "64", "--max-total-tokens", "1024"]
 DECODE = ["--dtype", "float32", "--max-total-tokens", "512", "--num-reserved-decode-tokens", "0"]
-COLOCATED = ["--dtype", "float32", "--chunked-prefill-size", "64", "--max-total-tokens", "1024"]
+COLOCATED = [
+    "--dtype", "float32", "--chunked-prefill-size", "64", "--max-total-tokens", "512",
+    "--num-reserved-decode-tokens", "0",
+]  # fmt: skip
 
 
 def _colocated_cluster() -> tuple[str, str, list[Any]]:

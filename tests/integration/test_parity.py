@@ -165,7 +165,12 @@ def test_an_abort_storm_leaves_the_survivors_exact_and_no_page_held(pd, prompts,
 
 @pytest.fixture(scope="module")
 def colocated():
-    args = ("--dtype", "float32", "--max-total-tokens", "768", "--chunked-prefill-size", "64")
+    # One 384-token pool for both halves and no reserved decode tokens: the decode half
+    # retracts, as the P/D pair's decode node does.
+    args = (
+        "--dtype", "float32", "--max-total-tokens", "384", "--chunked-prefill-size", "64",
+        "--num-reserved-decode-tokens", "0",
+    )  # fmt: skip
     with colocated_cluster(args) as cluster:
         yield cluster
 
@@ -175,4 +180,5 @@ def test_colocated_outputs_equal_the_reference(colocated, prompts, refs) -> None
     _check(parity.compare(served, refs))
     url = colocated["node"].ready["http_url"]
     assert metric(url, "pdserve_prefix_cache_hit_tokens_total") > 0, "no cache hit"
+    assert metric(url, "pdserve_retractions_total") > 0, "no retraction"
     _wait_no_pages([url])
