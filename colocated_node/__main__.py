@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda node_id: pkv.control_endpoint if node_id == prefill_id else None,
         prefill_endpoints=lambda: [pkv.control_endpoint],
         grammar=grammar,
+        shares_pool_with_prefill=True,
     )
 
     def step() -> bool:

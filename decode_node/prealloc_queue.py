@@ -10,10 +10,18 @@ The budget (tokens; pages are counted as whole pages):
 
 A request is admitted only if both fit in allocatable: ceil_page(input) + reserved, and
 input + min(max_new, CLIP) - retractable (so it can finish alone by retracting the rest).
-Each admission takes ceil_page(input) + reserved off allocatable. The first ready request
-that does not fit stops the scan (head-of-line blocking, on purpose); requests still
-handshaking are skipped. Liveness: when nothing at all holds pages, the head may enter
-as soon as it could finish alone, even if the reserved headroom is larger than the pool.
+Each admission takes ceil_page(input) + reserved off allocatable.
+
+A colocated node's decode half shares its pool with the prefill half, which computes every
+preallocated prompt in that same pool before handing it over: there the budget also keeps
+ceil_page(input) free for each request in transfer and charges each admission its input
+twice. (Without it the decode half preallocated 23 of 24 pages for 11 prompts the prefill
+half then had no page to compute: nothing moved until the requests timed out.)
+
+The first ready request that does not fit stops the scan (head-of-line blocking, on
+purpose); requests still handshaking are skipped. Liveness: when nothing at all holds
+pages, the head may enter as soon as it could finish alone, even if the reserved headroom
+is larger than the pool.
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ class DecodeBudget:
     running: Sequence[BudgetReq] = ()
     retracted: Sequence[BudgetReq] = ()
     num_free_slots: int | None = None  # request slots left; None: unlimited
+    # Colocated: prompt tokens the prefill half still computes in this pool (requests in
+    # transfer), and whether an admission's prompt is computed here too.
+    num_prefill_tokens: int = 0
+    shares_pool_with_prefill: bool = False
 
     def ceil_page(self, num_tokens: int) -> int:
         return pages_needed(num_tokens, self.page_size) * self.page_size
@@ -86,7 +98,15 @@ class DecodeBudget:
                 r.num_input_tokens + r.num_output_tokens + self.num_reserved_decode_tokens
                 for r in self.retracted
             )
-        return self.free_tokens - reserve - retracted
+        return self.free_tokens - reserve - retracted - self.num_prefill_tokens
+
+    def admission_tokens(self, r: BudgetReq) -> int:
+        """What admitting r takes off allocatable: its pages and reserve, and in a shared
+        pool the pages the prefill half computes its prompt into."""
+        pages = self.ceil_page(r.num_input_tokens)
+        if self.shares_pool_with_prefill:
+            pages *= 2
+        return pages + self.num_reserved_decode_tokens
 
 
 def admit_preallocated(candidates: Sequence[BudgetReq], budget: DecodeBudget) -> list[int]:
@@ -99,7 +119,7 @@ def admit_preallocated(candidates: Sequence[BudgetReq], budget: DecodeBudget) ->
             continue
         if slots is not None and len(admitted) >= slots:
             break
-        required = budget.ceil_page(r.num_input_tokens) + budget.num_reserved_decode_tokens
+        required = budget.admission_tokens(r)
         fits = required <= allocatable and budget.single_req_need(r) <= allocatable
         if not fits and budget.is_idle and not admitted:
             # Nothing holds a page: the head runs if it can finish with the whole pool.

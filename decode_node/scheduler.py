@@ -85,8 +85,11 @@ class DecodeScheduler:
         prefill_lookup_timeout_s: float = PREFILL_LOOKUP_TIMEOUT_S,
         prefill_endpoints: Callable[[], list[str]] = list,
         grammar: GrammarBackend | None = None,
+        shares_pool_with_prefill: bool = False,
     ) -> None:
         self.config = config
+        # Colocated: the prefill half computes preallocated prompts in this same pool.
+        self.shares_pool_with_prefill = shares_pool_with_prefill
         self.grammar = grammar  # None: structured output is off here (400 for a grammar)
         self.runner = runner
         self.kv = kv
@@ -249,7 +252,19 @@ class DecodeScheduler:
             running=[_budget_req(r) for r in self.running],
             retracted=[_budget_req(r) for r in self.retracted_queue],
             num_free_slots=max(0, self.max_held_requests - num_held),
+            num_prefill_tokens=self._prefill_tokens_in_pool(),
+            shares_pool_with_prefill=self.shares_pool_with_prefill,
         )
+
+    def _prefill_tokens_in_pool(self) -> int:
+        """Colocated: the pages (in tokens) the prefill half still computes prompts in
+        transfer into, in the pool this node shares with it; 0 for a decode node."""
+        if not self.shares_pool_with_prefill:
+            return 0
+        pages = sum(
+            pages_needed(r.num_input_tokens, self.page_size) for r in self.transfer_queue.queue
+        )
+        return pages * self.page_size
 
     def _process_prealloc(self) -> None:
         for r in [r for r in self.prealloc_queue.queue if r.receiver is None]:

@@ -35,6 +35,24 @@ def budget(free_pages, active=0, running=(), retracted=(), reserved=8, slots=Non
     )
 
 
+def test_a_pool_shared_with_the_prefill_half_keeps_room_to_compute_the_prompts():
+    """Colocated: each admitted prompt is computed in the same pool before it is handed
+    over. Before, the decode half preallocated the whole pool and the prefill half had no
+    page left to compute those prompts into: nothing moved."""
+    cands = [BudgetReq(7, 0, 1)] * 6  # 2 pages each, 8 tokens to finish, no reserve
+    plain = DecodeBudget(page_size=PAGE, num_free_pages=12, num_reserved_decode_tokens=0,
+                         num_active_reqs=0)  # fmt: skip
+    assert admit_preallocated(cands, plain) == [0, 1, 2, 3, 4, 5]  # all 12 pages
+    shared = DecodeBudget(page_size=PAGE, num_free_pages=12, num_reserved_decode_tokens=0,
+                          num_active_reqs=0, shares_pool_with_prefill=True)  # fmt: skip
+    assert admit_preallocated(cands, shared) == [0, 1, 2]  # 6 pages theirs, 6 to compute
+    # Two already in transfer: their 4 pages of prompt still to compute stay free too.
+    busy = DecodeBudget(page_size=PAGE, num_free_pages=8, num_reserved_decode_tokens=0,
+                        num_active_reqs=2, shares_pool_with_prefill=True,
+                        num_prefill_tokens=4 * PAGE)  # fmt: skip
+    assert admit_preallocated(cands, busy) == [0]
+
+
 def test_admits_in_order_until_the_pool_is_reserved():
     # 100 free pages = 400 tokens; each request takes ceil_page(input) + 8 reserved.
     cands = [BudgetReq(40, 0, 16), BudgetReq(40, 0, 16), BudgetReq(300, 0, 16)]

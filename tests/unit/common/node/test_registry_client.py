@@ -60,16 +60,24 @@ def test_a_registry_down_for_seconds_is_joined_within_a_second_of_its_start(
     try:
         time.sleep(8.0)  # the registry is down: the client keeps trying
         assert not client.is_registered
-        gw = harness.start_gateway(tokenizer, bootstrap_port=port)
-        up = time.monotonic()
-        try:
-            while not client.is_registered:
-                assert time.monotonic() - up < CONNECT_RETRY_MAX_S + 2.0, client.last_error
-                time.sleep(0.05)
-        finally:
-            gw.stop()
+        _joins_within_a_second_of_the_registry(client, tokenizer, port)
     finally:
         client.stop(deregister=False)
+
+
+def _joins_within_a_second_of_the_registry(
+    client: RegistryClient, tokenizer: Tokenizer, port: int
+) -> None:
+    """Start a gateway on ``port``; the client registers within CONNECT_RETRY_MAX_S + 2 s."""
+    gw = harness.start_gateway(tokenizer, bootstrap_port=port)
+    up = time.monotonic()
+    try:
+        while not client.is_registered:
+            assert client._thread.is_alive(), client.last_error
+            assert time.monotonic() - up < CONNECT_RETRY_MAX_S + 2.0, client.last_error
+            time.sleep(0.05)
+    finally:
+        gw.stop()
 
 
 def _broken_registry(port: int, answers: list[bytes], done: threading.Event) -> threading.Thread:
@@ -106,14 +114,6 @@ def test_a_registry_killed_mid_answer_is_tried_again_until_it_answers(
     client = _client(f"http://127.0.0.1:{port}").start()
     try:
         assert done.wait(10.0), "the client stopped asking"
-        gw = harness.start_gateway(tokenizer, bootstrap_port=port)
-        up = time.monotonic()
-        try:
-            while not client.is_registered:
-                assert client._thread.is_alive(), client.last_error
-                assert time.monotonic() - up < CONNECT_RETRY_MAX_S + 2.0, client.last_error
-                time.sleep(0.05)
-        finally:
-            gw.stop()
+        _joins_within_a_second_of_the_registry(client, tokenizer, port)
     finally:
         client.stop(deregister=False)
