@@ -95,10 +95,32 @@ def check_tokenizer(path: Path, vocab_size: int) -> dict[str, Any]:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports below the kernel's ephemeral range. Ports from bind(0) come from
+    that range, where the processes' own port-0 sockets (zmq, the nodes' HTTP) may be handed
+    the same port before the bootstrap binds it: "address already in use" at start-up."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng, held, ports = secrets.SystemRandom(), [], []
+    try:
+        while len(ports) < n:
+            port = rng.randrange(max(1024, low // 2), low)
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)  # held until all are chosen: distinct
+            ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports
 
 
 class _Proc:
@@ -170,7 +192,7 @@ def _complete(api: int, timeout: float) -> dict[str, Any]:
 def _cluster(
     path: Path, mode: Mode, backend: str, deadline: Deadline, work: Path
 ) -> dict[str, Any]:
-    api, registry = _free_port(), _free_port()
+    api, registry, reply = _free_ports(3)
     env = dict(os.environ, PDSERVE_AUTH_TOKEN=secrets.token_urlsafe(24), OMP_WAIT_POLICY="PASSIVE")
     if not mode.is_cpu:
         env.setdefault("UCX_TLS", "tcp,self,sm,cuda_copy,cuda_ipc")
@@ -210,6 +232,8 @@ def _cluster(
                 str(api),
                 "--disaggregation-bootstrap-port",
                 str(registry),
+                "--reply-port",
+                str(reply),
                 "--model-path",
                 str(path),
                 "--served-model-name",
