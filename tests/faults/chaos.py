@@ -23,14 +23,22 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.faults.harness import API_KEY, HOST, START_TIMEOUT_S, TOKEN, Node, healthy_ids
+from tests.faults.harness import (
+    API_KEY,
+    HOST,
+    START_TIMEOUT_S,
+    TOKEN,
+    Node,
+    healthy_ids,
+    start_nodes,
+    stop_nodes,
+)
 from tests.support import parity
 from tests.support.cluster import http as call
 from tests.support.cluster import metric, start, wait_ready
@@ -95,19 +103,12 @@ class ChaosCluster:
                 self.nodes[f"{role}-{i}"] = Node(f"{role}-{i}", module, args, port)
 
     def start(self) -> ChaosCluster:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # start() inherits os.environ
-        for node in self.nodes.values():
-            node.proc = start(node.name, node.module, *node.args)
-        wait_ready([n.proc for n in self.nodes.values() if n.proc], START_TIMEOUT_S)
+        start_nodes(self.nodes)
         self.wait_healthy()
         return self
 
     def close(self) -> None:
-        for node in self.nodes.values():
-            if node.proc is not None and node.is_alive:
-                if node.is_stopped:
-                    node.proc.popen.send_signal(signal.SIGCONT)
-                node.proc.stop(timeout=10)
+        stop_nodes(self.nodes)
 
     def names(self, role: str) -> list[str]:
         return sorted(n for n in self.nodes if n.startswith(role + "-"))

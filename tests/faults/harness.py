@@ -131,19 +131,12 @@ class Cluster:
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> Cluster:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # start() inherits os.environ
-        for node in self.nodes.values():
-            node.proc = start(node.name, node.module, *node.args)
-        wait_ready([n.proc for n in self.nodes.values() if n.proc], START_TIMEOUT_S)
+        start_nodes(self.nodes)
         self.wait_healthy()
         return self
 
     def close(self) -> None:
-        for node in self.nodes.values():
-            if node.proc is not None and node.is_alive:
-                if node.is_stopped:
-                    node.proc.popen.send_signal(signal.SIGCONT)
-                node.proc.stop(timeout=10)
+        stop_nodes(self.nodes)
 
     def proc(self, name: str) -> Proc:
         node = self.nodes[name]
@@ -303,3 +296,20 @@ class Cluster:
             return wait_for(zero, within_s, "pdserve_kv_pages_held == 0", interval_s=0.1)
         except AssertionError as exc:
             raise AssertionError(f"{exc} on {targets}; values seen: {seen}") from None
+
+
+def start_nodes(nodes: dict[str, Node]) -> None:
+    """Start every node's process and wait for all their READY lines."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # start() inherits os.environ
+    for node in nodes.values():
+        node.proc = start(node.name, node.module, *node.args)
+    wait_ready([n.proc for n in nodes.values() if n.proc], START_TIMEOUT_S)
+
+
+def stop_nodes(nodes: dict[str, Node]) -> None:
+    """Stop every live node's process (a stopped one is continued first)."""
+    for node in nodes.values():
+        if node.proc is not None and node.is_alive:
+            if node.is_stopped:
+                node.proc.popen.send_signal(signal.SIGCONT)
+            node.proc.stop(timeout=10)
