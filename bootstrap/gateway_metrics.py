@@ -43,6 +43,13 @@ NODES_LOST: Final = Counter(
     ("role",),
     registry=metrics.REGISTRY,
 )
+REGISTRY_PAUSED: Final = Counter(
+    "pdserve_registry_paused_seconds_total",
+    "Time the gateway's registry did not run (the process was stopped or starved of CPU); "
+    "node leases do not count it.",
+    ("role",),
+    registry=metrics.REGISTRY,
+)
 
 
 KV_EVENTS: Final = Counter(

@@ -18,6 +18,14 @@ A removal other than a deregistration is a loss: listeners (the gateway) fail th
 routed to the node at once. A deregistering node drains its in-flight work itself.
 The clock is injected; ``expire()`` is called by the service's timer.
 
+A lease counts only the time the registry was running to hear heartbeats. With
+``pause_after_s`` set (the service sets it to twice its timer's interval), a gap longer than
+that between any two calls is the registry's own pause (the process was stopped, starved of
+CPU, or its pod frozen): every node's silence is shortened by the gap, so that a gateway
+resuming from a pause past the leases does not drop every node at once and answer 503 "no
+prefill node is registered" while they are beating at its door. A node that did die during
+the pause is dropped one lease of running time later (sooner through its closed connection).
+
 Thread safe: the registry's HTTP server runs on a thread of its own (so API load never
 delays a heartbeat) while the gateway reads views on its event loop; every public call
 holds one lock. Listeners may be called on either thread.
@@ -137,15 +145,21 @@ class NodeRegistry:
         auth_token: str | None,
         lease_s: float = DEFAULT_LEASE_S,
         clock: Callable[[], float] = time.monotonic,
+        pause_after_s: float | None = None,
     ) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        if pause_after_s is not None and pause_after_s <= 0:
+            raise ValueError(f"pause_after_s must be > 0, got {pause_after_s}")
         self.auth_token = auth_token
         self.lease_s = lease_s
+        self.pause_after_s = pause_after_s  # None: no pause detection (no timer calls us)
+        self.paused_s = 0.0  # the registry's own pauses so far, in seconds
         # The instance id of the gateway serving this registry, told to every node in each
         # answer: nodes abort requests of a gateway they no longer hear from.
         self.gateway_id = ""
         self._clock = clock
+        self._awake_at = clock()  # when any call last ran
         self._nodes: dict[str, NodeEntry] = {}
         self._lost_listeners: list[NodeLostListener] = []
         self._lock = threading.RLock()
@@ -176,7 +190,7 @@ class NodeRegistry:
                 raise RegistryError(400, f"{name} must not be empty", "bad_field")
         if m.num_pages < 0 or m.max_running_requests < 0:
             raise RegistryError(400, "num_pages and max_running_requests must be >= 0", "bad_field")
-        now = self._clock()
+        now = self._now()
         old = self._nodes.get(m.node_id)
         if old is not None and old.info.instance_id != m.instance_id:
             if now - old.last_seen <= self.lease_s:
@@ -206,7 +220,7 @@ class NodeRegistry:
             raise RegistryError(
                 409, f"node id {m.node_id!r:.80} belongs to another instance", "node_id_in_use"
             )
-        entry.last_seen = self._clock()
+        entry.last_seen = self._now()
         entry.load = dict(m.load)
 
     @_locked
@@ -234,10 +248,29 @@ class NodeRegistry:
 
     # ---- leases --------------------------------------------------------------------------
 
+    def _now(self) -> float:
+        """The clock; a gap since the last call longer than ``pause_after_s`` was our own
+        pause, and no node's silence (call under the lock)."""
+        now = self._clock()
+        gap = now - self._awake_at
+        self._awake_at = now
+        if self.pause_after_s is not None and gap > self.pause_after_s and self._nodes:
+            self.paused_s += gap
+            for entry in self._nodes.values():
+                entry.last_seen += gap
+                if entry.unreachable_since is not None:
+                    entry.unreachable_since += gap
+            logger.warning(
+                "the registry did not run for %.1f s (paused or starved): the nodes' leases "
+                "do not count it",
+                gap,
+            )
+        return now
+
     @_locked
     def expire(self) -> list[str]:
         """Remove every node whose lease ran out; their ids (listeners are told)."""
-        now = self._clock()
+        now = self._now()
         expired = [i for i, e in self._nodes.items() if now - e.last_seen > self.lease_s]
         for node_id in expired:
             del self._nodes[node_id]
@@ -261,7 +294,7 @@ class NodeRegistry:
     @_locked
     def views(self, role: str | None = None) -> list[NodeView]:
         """Snapshots of the live nodes (of ``role``), in registration order."""
-        now = self._clock()
+        now = self._now()
         return [
             NodeView(
                 node_id=node_id,
@@ -291,7 +324,7 @@ class NodeRegistry:
     def mark_unreachable(self, request_endpoint: str) -> list[str]:
         """The nodes at ``request_endpoint`` closed their connection: unreachable (and not
         routed to) until their next heartbeat; their ids."""
-        now = self._clock()
+        now = self._now()
         hit = [i for i, e in self._nodes.items() if e.info.request_endpoint == request_endpoint]
         for node_id in hit:
             self._nodes[node_id].unreachable_since = now
@@ -301,7 +334,7 @@ class NodeRegistry:
     @_locked
     def table(self) -> list[dict[str, Any]]:
         """The node table as JSON objects (the shape of ``GET /nodes``); never the token."""
-        now = self._clock()
+        now = self._now()
         rows = []
         for node_id, e in self._nodes.items():
             info = e.info

@@ -124,6 +124,7 @@ class BootstrapServer:
                 await asyncio.sleep(0.01)
             api, registry = (s.servers[0].sockets[0].getsockname()[1] for s in self._servers)
             self.api_port, self.registry_port = api, registry
+            self.service.registry_listening()
             if on_ready is not None:
                 on_ready(self.ready_info())
             stop = asyncio.create_task(self._stop.wait())

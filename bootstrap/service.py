@@ -110,7 +110,11 @@ class BootstrapService:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.context_length = context_length
-        self.registry = NodeRegistry(config.auth_token, settings.lease_s)
+        self.lease_tick_s = min(1.0, settings.lease_s / 4)  # how often leases are checked
+        # A registry not called for two ticks was paused with us: its leases skip the pause.
+        self.registry = NodeRegistry(
+            config.auth_token, settings.lease_s, pause_after_s=2 * self.lease_tick_s
+        )
         self.api_keys = ApiKeys(config.api_keys, config.api_key_file)
         self.registry.gateway_id = settings.gateway_id
         self.router = Router(
@@ -144,6 +148,11 @@ class BootstrapService:
         now = time.monotonic() if now is None else now
         return now - self._started_at < self.config.registration_window_s
 
+    def registry_listening(self) -> None:
+        """The registry's port is open: the registration window runs from now (the nodes
+        cannot register before; uvicorn's start took up to a second on a busy 2-core VM)."""
+        self._started_at = time.monotonic()
+
     async def start(self) -> None:
         self._started_at = time.monotonic()
         self._loop = asyncio.get_running_loop()
@@ -163,10 +172,15 @@ class BootstrapService:
         self.dispatcher.close()
 
     async def _lease_timer(self) -> None:
-        interval = min(1.0, self.settings.lease_s / 4)
+        paused_s = 0.0
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.lease_tick_s)
             self.registry.expire()
+            if self.registry.paused_s > paused_s:
+                gm.REGISTRY_PAUSED.labels(**metrics.role_labels()).inc(
+                    self.registry.paused_s - paused_s
+                )
+                paused_s = self.registry.paused_s
             self._sync_kv_events()
             for role in ("prefill", "decode"):
                 num = len(self.registry.views(role))

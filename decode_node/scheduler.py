@@ -143,7 +143,10 @@ class DecodeScheduler:
     def step(self) -> bool:
         """One iteration; returns whether a decode step ran (callers sleep briefly if not)."""
         self.failures.drain(
-            self.request_socket, "decode_requests", lambda g: self._add_request(g, time.time())
+            self.request_socket,
+            "decode_requests",
+            lambda g: self._add_request(g, time.time()),
+            now=self.clock(),
         )
         self.failures.abort_orphans(self.clock())
         self._warm_peers()

@@ -110,6 +110,7 @@ class PrefillScheduler:
             "prefill_requests",
             lambda g: self._add_request(g, time.time()),
             self._on_message,
+            now=self.clock(),
         )
         self.kv.poll()
         self.failures.abort_orphans(self.clock())

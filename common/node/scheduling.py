@@ -148,11 +148,15 @@ class RequestFailures(Generic[R]):
         socket_name: str,
         add: Callable[[msg.GenerateReq], None],
         other: Callable[[msg.Message], None] | None = None,
+        *,
+        now: float,
     ) -> None:
         """Receive what the request socket holds: each GenerateReq goes to `add` (an
-        exception fails that request alone), each AbortReq to abort, the rest to `other`."""
+        exception fails that request alone; its gateway counts as heard at `now`), each
+        AbortReq to abort, the rest to `other`."""
         for m in recv_messages(socket, socket_name=socket_name, max_frames=MAX_FRAMES_PER_STEP):
             if isinstance(m, msg.GenerateReq):
+                self.gateway_watch.heard(m.gateway_id, now)
                 try:
                     add(m)
                 except Exception as exc:  # noqa: BLE001 - one request never stops the node

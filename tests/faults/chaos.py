@@ -376,7 +376,7 @@ def run_chaos(
     faulting.join(START_TIMEOUT_S)
     for t in clients:
         t.join(HANG_S + 30)
-    _classify(report, results, refs)
+    _classify(report, results, refs, started)
     cluster.heal()
     ended = time.monotonic()
     try:
@@ -403,7 +403,9 @@ def run_chaos(
     return report
 
 
-def _classify(report: ChaosReport, results: list[StreamResult], refs: list[parity.Answer]) -> None:
+def _classify(
+    report: ChaosReport, results: list[StreamResult], refs: list[parity.Answer], run_started: float
+) -> None:
     gateway_faults = [f for f in report.faults if f.target.startswith("gateway-")]
     for r in results:
         if r.ended == 0.0:
@@ -427,5 +429,6 @@ def _classify(report: ChaosReport, results: list[StreamResult], refs: list[parit
             report.hung.append(f"prompt {r.prompt} via {name}: {r.error}")
         else:
             report.node_fault_errors.append(
-                f"prompt {r.prompt} via {name} at +{r.ended - r.started:.1f}s: {r.error}"
+                f"prompt {r.prompt} via {name}, sent at +{r.started - run_started:.1f}s of the "
+                f"run, answered {r.ended - r.started:.1f}s later: {r.error}"
             )

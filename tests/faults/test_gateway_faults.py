@@ -13,10 +13,11 @@ from tests.faults.checks import (
     assert_no_pages_held,
     key_for,
     long_prompt,
+    metric_or_zero,
     wait_all,
     wait_metric,
 )
-from tests.faults.harness import CHUNK, OUTCOME_BOUND_S, Cluster
+from tests.faults.harness import CHUNK, LEASE_S, OUTCOME_BOUND_S, Cluster
 from tests.faults.streams import Stream
 from tests.support.waits import wait_for
 
@@ -97,3 +98,26 @@ def test_client_disconnect_mid_stream_frees_every_page(cluster: Cluster) -> None
     assert_no_pages_held(cluster, NODES)
     assert_gateway_idle(cluster)
     assert_fresh_request_succeeds(cluster)
+
+
+def test_sigstop_bootstrap_past_two_leases_then_sigcont_serves_at_once(cluster: Cluster) -> None:
+    """A gateway paused past its nodes' leases (SIGSTOP here; a CPU-starved or frozen pod in
+    a cluster) did not hear them because it was not running, not because they were gone.
+    Before: on SIGCONT its lease timer expired every node at once, and a request sent then
+    got a 503 "no prefill node is registered" (the chaos run in CI saw one)."""
+    streaming = Stream(cluster.api, "Story: the harbour at noon", max_tokens=200).start()
+    wait_for(lambda: streaming.num_chunks >= 3, 60, "3 chunks streamed")
+    lost_before = metric_or_zero(cluster, "bootstrap", "pdserve_nodes_lost_total")
+    cluster.sigstop("bootstrap")
+    time.sleep(2 * LEASE_S + 1.0)
+    resumed = cluster.sigcont("bootstrap")
+    fresh = [Stream(cluster.api, SHORT_PROMPT, max_tokens=8).start() for _ in range(3)]
+    for outcome in wait_all(fresh):
+        assert outcome.is_completed and outcome.text, f"a request after the pause: {outcome}"
+    # The nodes aborted the paused gateway's stream (it was silent past their lease); its
+    # client hears an end within the bound, and nothing stays held.
+    [outcome] = wait_all([streaming])
+    assert outcome.ended is not None and outcome.ended - resumed <= OUTCOME_BOUND_S, outcome
+    assert metric_or_zero(cluster, "bootstrap", "pdserve_nodes_lost_total") == lost_before
+    assert_no_pages_held(cluster, NODES)
+    assert_gateway_idle(cluster)

@@ -114,6 +114,46 @@ def test_lease_expiry_removes_the_node_and_tells_listeners() -> None:
     assert [v.node_id for v in reg.views()] == ["d0"] and reg.views()[0].load == {"free_pages": 7}
 
 
+def test_a_pause_of_the_registry_itself_does_not_count_against_the_leases() -> None:
+    """The gateway's process was stopped for 5 s (past a 2 s lease): on resuming it must not
+    drop every node (before: expire() removed both and admission answered 503). Leases run
+    on again from there: a node that stays silent is dropped one lease of running time on."""
+    clock = Clock()
+    reg = NodeRegistry(TOKEN, lease_s=2.0, clock=clock, pause_after_s=1.0)
+    lost: list[str] = []
+    reg.add_lost_listener(lambda node_id, _: lost.append(node_id))
+    reg.register(register_msg("p0"))
+    reg.register(register_msg("d0", role="decode", request_endpoint="tcp://127.0.0.1:6000"))
+    reg.mark_unreachable("tcp://127.0.0.1:6000")
+    clock.now += 0.5
+    assert reg.expire() == []
+    clock.now += 5.0  # SIGSTOP ... SIGCONT: no call ran meanwhile
+    assert reg.expire() == [] and lost == []
+    assert {v.node_id: (v.is_healthy, v.is_reachable) for v in reg.views()} == {
+        "p0": (True, True),
+        "d0": (False, False),  # still unreachable: no heartbeat came after its disconnect
+    }
+    assert reg.paused_s == pytest.approx(5.0)
+    for _ in range(3):  # running again, ticking every 0.5 s; only d0 beats
+        clock.now += 0.5
+        reg.heartbeat(msg.Heartbeat(node_id="d0", load={}, auth_token=TOKEN))
+        assert reg.expire() == []
+    assert {v.node_id: v.is_healthy for v in reg.views()} == {"p0": False, "d0": True}
+    clock.now += 0.5  # p0: 2.5 s of running time without a beat
+    assert reg.expire() == ["p0"] and lost == ["p0"]
+    assert reg.paused_s == pytest.approx(5.0)
+
+
+def test_without_pause_detection_a_long_silence_expires_every_node() -> None:
+    clock = Clock()
+    reg = NodeRegistry(TOKEN, lease_s=2.0, clock=clock)
+    reg.register(register_msg("p0"))
+    clock.now += 5.0
+    assert reg.expire() == ["p0"] and reg.paused_s == 0.0
+    with pytest.raises(ValueError):
+        NodeRegistry(TOKEN, pause_after_s=0.0)
+
+
 def test_heartbeat_of_unknown_node_is_404_and_deregister_is_not_a_loss() -> None:
     reg = NodeRegistry(TOKEN)
     lost: list[str] = []

@@ -15,7 +15,7 @@ import zmq
 from common import messages as msg
 from common.ipc import bind_pull
 from common.messages import encode
-from common.node.gateway_watch import GatewayWatch
+from common.node.gateway_watch import HEARD_GRACE_S, GatewayWatch
 from common.node.scheduling import IllegalTransition, RequestFailures, check_transition
 
 REPLY = "tcp://127.0.0.1:1"
@@ -136,6 +136,19 @@ def test_orphans_are_the_requests_of_a_gateway_that_is_gone_and_checked_at_inter
     assert reqs == {}
 
 
+def test_a_request_from_a_gateway_keeps_it_alive_for_the_grace_whatever_the_registry_says():
+    """A gateway resumed from a pause past the lease sends requests before the node's
+    registry link hears it again; before, those fresh requests were aborted as orphans."""
+    watch = GatewayWatch(interval_s=0.0)
+    watch.is_alive = lambda gateway_id, now: False  # the registry link has not heard it yet
+    failures, reqs, end, _, _ = _failures("a", "b", watch=watch)
+    watch.heard("gw-a", 10.0)
+    failures.abort_orphans(10.0 + HEARD_GRACE_S)
+    assert list(reqs) == ["a"]  # b's gateway sent nothing lately
+    failures.abort_orphans(10.0 + HEARD_GRACE_S + 0.01)
+    assert reqs == {} and [c[0] for c in end.calls] == ["b", "a"]
+
+
 def test_fail_all_ends_every_request_and_tells_each_gateway():
     failures, reqs, end, _, _ = _failures("a", "b")
     failures.fail_all(503, "draining")
@@ -212,11 +225,14 @@ def test_drain_adds_requests_aborts_and_passes_the_rest_on():
         deadline = time.monotonic() + 10
         while handled() < len(frames) and time.monotonic() < deadline:
             pull.poll(50)
-            failures.drain(pull, "requests", add, others.append)
+            failures.drain(pull, "requests", add, others.append, now=5.0)
         assert added == ["new"]
         assert [c[0] for c in end.calls] == ["old"] and "old" not in reqs
         assert [m.rid for _, m in sent.sent] == ["broken"]  # failed alone, 500
         assert [type(m) for m in others] == [msg.Heartbeat]
+        # Each request is word from its gateway: it is not an orphan for a while.
+        failures.gateway_watch.is_alive = lambda gateway_id, now: False
+        assert failures.gateway_watch.orphans(["gw-a"], lambda g: g, 5.0 + 1.0) == []
     finally:
         push.close()
         pull.close()
