@@ -28,8 +28,11 @@ HEARD_GRACE_S = HEARTBEAT_MAX_S + CONNECT_RETRY_MAX_S
 
 
 class GatewayWatch:
-    def __init__(self, interval_s: float = CHECK_INTERVAL_S) -> None:
+    def __init__(
+        self, interval_s: float = CHECK_INTERVAL_S, heard_grace_s: float = HEARD_GRACE_S
+    ) -> None:
         self.interval_s = interval_s
+        self.heard_grace_s = heard_grace_s
         # (gateway id, now) -> whether that gateway is still there; the node process sets it.
         self.is_alive: Callable[[str, float], bool] = lambda gateway_id, now: True
         self._next_check = 0.0
@@ -44,8 +47,11 @@ class GatewayWatch:
         if now < self._next_check:
             return []
         self._next_check = now + self.interval_s
-        self._heard = {g: t for g, t in self._heard.items() if now - t <= HEARD_GRACE_S}
+        self._heard = {g: t for g, t in self._heard.items() if now - t <= self.heard_grace_s}
         return [x for x in items if not self._is_alive(gateway_of(x), now)]
 
     def _is_alive(self, gateway_id: str, now: float) -> bool:
-        return gateway_id in self._heard or self.is_alive(gateway_id, now)
+        heard_at = self._heard.get(gateway_id)
+        if heard_at is not None and now - heard_at <= self.heard_grace_s:
+            return True
+        return self.is_alive(gateway_id, now)

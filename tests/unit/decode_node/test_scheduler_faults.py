@@ -24,6 +24,7 @@ def test_requests_of_a_gateway_that_is_gone_are_aborted_on_both_nodes(h):
     for sched in (h.decode, h.prefill):
         sched.gateway_watch.is_alive = lambda gid, now: alive.get(gid, False)
         sched.gateway_watch.interval_s = 0.0  # the tiny model decodes 200 tokens in 0.25 s
+        sched.gateway_watch.heard_grace_s = 0.0  # else a request counts as word for 2 s
     h.submit("orphan", 1, prompt(9, 1), gateway_id="g1", max_new_tokens=200)
     h.submit("queued", 2, prompt(40, 2), gateway_id="g1", max_new_tokens=200)
     h.submit("kept", 3, prompt(9, 3), gateway_id="g2", max_new_tokens=12)
