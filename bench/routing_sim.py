@@ -273,7 +273,6 @@ def simulate(
     )
     ring = rt.HashRing(sorted(node_ids), rt.DEFAULT_VIRTUAL_NODES)  # the Router's own ring
     pending_n = dict.fromkeys(node_ids, 0)
-    since_report = dict.fromkeys(node_ids, 0)  # the subscriber's tokens sent since a report
     heap: list[tuple[float, int, str, Any]] = []
     order = itertools.count()
     n_req = len(w.requests)
@@ -314,10 +313,11 @@ def simulate(
                 for nid, nd in nodes.items()
                 if (k := len(nd.cache.match_prefix(tokens).page_ids))
             }
-            cands = [
-                rt.PrefillCandidate(nid, pending_n[nid], nodes[nid].exact_tokens(req.arrival))
-                for nid in node_ids
-            ]
+            cands = rt.PrefillLoads(
+                node_ids,
+                pending_n,
+                {nid: nodes[nid].exact_tokens(req.arrival) for nid in node_ids},
+            )
             key = rt.affinity_key(ids, None, rt.DEFAULT_AFFINITY_TOKENS, page_size)
             choice = rt.choose_prefill_by_cache(
                 exact, cands, len(ids), page_size, ring, key
@@ -325,16 +325,15 @@ def simulate(
             chosen, cached_pages = choice.node_id, exact.get(choice.node_id, 0)
         else:
             overlaps = index.overlaps(hashes, node_ids) if router_name == "precise" else None
-            queued = (  # KVEventSubscriber.queued_tokens_of; the service passes none else
-                index.queued_tokens_of(node_ids, since_report) if router_name == "precise" else {}
-            )
-            cands = rt.prefill_candidates(node_ids, pending_n.__getitem__, queued)
+            # KVEventSubscriber.queued_tokens (a copy); the service passes none else
+            queued = dict(index.loads) if router_name == "precise" else {}
+            cands = rt.PrefillLoads(node_ids, pending_n, queued)
             decision = router.route(ids, None, cands, DECODES, None, overlaps)
             chosen, cached_pages = decision.prefill_id, decision.cached_pages
         res.route_s.append(time.perf_counter() - started)
         uncached = max(1, len(ids) - cached_pages * page_size)  # as service.py dispatches
         pending_n[chosen] += 1
-        since_report[chosen] += uncached
+        index.sent(chosen, uncached)  # KVEventSubscriber.note_dispatched
         if router_name == "precise":  # KVEventSubscriber.note_dispatched
             index.expect(chosen, hashes, page_size)
         res.routed[i] = chosen
@@ -373,10 +372,8 @@ def simulate(
                 max_pages=w.pool_pages,
             )
             assert held is None or state.hashes == held, f"{nid}: the index is not its cache"
-            since_report[nid] = 0
         else:
             index.report_load(*payload)
-            since_report[payload[0]] = 0
     res.index_mb = index.memory_bytes() / 2**20 if router_name == "precise" else 0.0
     res.busy_s = sum(nd.busy_s for nd in nodes.values())
     res.nodes = list(nodes.values())

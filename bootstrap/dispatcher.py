@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -127,6 +127,11 @@ class Dispatcher:
     @property
     def num_requests(self) -> int:
         return len(self._reqs)
+
+    @property
+    def pending_prefill(self) -> Mapping[str, int]:
+        """num_pending_prefill of every node, read in place (the router reads it per node)."""
+        return self._num_pending_prefill
 
     def num_pending_prefill(self, node_id: str) -> int:
         """Requests routed to prefill node ``node_id`` that have not produced a token yet."""

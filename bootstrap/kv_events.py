@@ -65,7 +65,6 @@ class KVEventSubscriber:
         self._ctx = ctx or zmq.Context.instance()
         self._lock = threading.Lock()  # guards index, _sources and _wanted
         self._sources: dict[str, PrefillSource] = {}  # what the loop says is registered
-        self._since_report: dict[str, int] = {}  # tokens dispatched since the last report
         self._connected: dict[str, str] = {}  # thread: node id -> endpoint its SUB dials
         self._asked_at: dict[str, float] = {}  # thread: node id -> last snapshot request
         self._stop = threading.Event()
@@ -94,22 +93,18 @@ class KVEventSubscriber:
         """A node is lost: nothing it held may attract requests any more."""
         with self._lock:
             self._sources.pop(node_id, None)
-            self._since_report.pop(node_id, None)
             self.index.drop_node(node_id)
 
     def overlaps(self, hashes: Sequence[int], node_ids: Iterable[str]) -> dict[str, int]:
         with self._lock:
             return self.index.overlaps(hashes, node_ids)
 
-    def queued_tokens(self, node_id: str) -> int:
-        """Prefill tokens waiting on a node: its last report, plus what this gateway sent it
-        since (the report does not have those yet)."""
-        return self.queued_tokens_of([node_id])[node_id]
-
-    def queued_tokens_of(self, node_ids: Iterable[str]) -> dict[str, int]:
-        """queued_tokens of many nodes under one lock (the router asks for every node)."""
+    def queued_tokens(self) -> dict[str, int]:
+        """Prefill tokens waiting on each node: its last report, plus what this gateway sent
+        it since (the report does not have those yet); a node missing counts 0. One copy
+        under the lock, kept up to date as reports and dispatches come (KVIndex.loads)."""
         with self._lock:
-            return self.index.queued_tokens_of(node_ids, self._since_report)
+            return dict(self.index.loads)
 
     def note_dispatched(
         self, node_id: str, tokens: int, page_hashes: Sequence[int] = (), page_size: int = 0
@@ -119,7 +114,7 @@ class KVEventSubscriber:
         node's events store them (KVIndex.expect: what keeps a busy prefix from being
         copied to node after node)."""
         with self._lock:
-            self._since_report[node_id] = self._since_report.get(node_id, 0) + tokens
+            self.index.sent(node_id, tokens)
             if page_hashes:
                 self.index.expect(node_id, page_hashes, page_size)
 
@@ -192,8 +187,6 @@ class KVEventSubscriber:
                             if self.index.num_gaps > gaps
                             else "applied"
                         )
-                        # The report counts what reached the node before it was sent.
-                        self._since_report[m.node_id] = 0
             gm.KV_EVENTS.labels(**metrics.role_labels(outcome=outcome)).inc()
             if node is not None and node.needs_snapshot and source is not None:
                 self._ask_snapshot(source, push)

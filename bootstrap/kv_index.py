@@ -98,6 +98,10 @@ class KVIndex:
         self._nodes: dict[str, NodeCache] = {}
         self._slot_owner: list[str | None] = []
         self._free_slots: list[int] = []
+        # node id -> its queued tokens as precise routing counts them: the last report (less
+        # lent tokens) plus what the gateway sent it since (``sent``); kept as they change,
+        # so a routing decision reads it, not a pass over every node.
+        self._loads: dict[str, int] = {}
         self.num_gaps = 0
         self.num_over_cap = 0
 
@@ -148,6 +152,13 @@ class KVIndex:
         if node is not None:
             lent = sum(e.lent_tokens(node.hashes) for e in node.expectations if e.lender)
             node.queued_tokens = max(0, queued_tokens - lent)
+        # The report counts what reached the node before it was sent.
+        self._loads[node_id] = node.queued_tokens if node is not None else 0
+
+    def sent(self, node_id: str, tokens: int) -> None:
+        """The gateway sent ``node_id`` a request it expects to compute ``tokens``: they
+        count in its queue until its next report (which has them)."""
+        self._loads[node_id] = self._loads.get(node_id, 0) + tokens
 
     def expect(self, node_id: str, hashes: Sequence[int], page_size: int) -> None:
         """A request with these prompt page hashes was routed to ``node_id``: count its
@@ -187,6 +198,7 @@ class KVIndex:
 
     def drop_node(self, node_id: str) -> None:
         """Forget everything about a node (it is lost, or restarted)."""
+        self._loads.pop(node_id, None)
         node = self._nodes.pop(node_id, None)
         if node is None:
             return
@@ -311,14 +323,11 @@ class KVIndex:
                     out[node_id] = depth
         return out
 
-    def queued_tokens_of(self, node_ids: Iterable[str], since: Mapping[str, int]) -> dict[str, int]:
-        """Each node's last reported queued tokens plus ``since`` (what the gateway sent
-        it after that report; 0 for a node not reported yet)."""
-        nodes, sent = self._nodes, since.get
-        return {
-            i: (node.queued_tokens if (node := nodes.get(i)) is not None else 0) + sent(i, 0)
-            for i in node_ids
-        }
+    @property
+    def loads(self) -> Mapping[str, int]:
+        """Each node's queued tokens: its last report plus what was sent to it after (see
+        ``sent``); a node neither reported nor sent to is missing (0). Read in place."""
+        return self._loads
 
     def node(self, node_id: str) -> NodeCache | None:
         return self._nodes.get(node_id)

@@ -1,7 +1,8 @@
 """Pair choice: prefill by cached prefix (precise) or prefix affinity, decode by least load.
 
-Pure decisions: every call takes a snapshot of the candidate nodes and returns a decision;
-no sockets, clocks or metrics here (the gateway counts what the decisions say).
+Pure decisions: every call takes the candidate nodes and the mappings their loads are kept
+in (read in place, not copied per node) and returns a decision; no sockets, clocks or
+metrics here (the gateway counts what the decisions say).
 
 Prefill: the affinity key is a stable 64-bit hash of the request's ``routing_key`` when one
 is given, else of its leading prompt tokens (the first ``affinity_tokens``, whole pages
@@ -45,9 +46,11 @@ import operator
 import random
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from itertools import repeat
+from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import compress, filterfalse, repeat
 from typing import NamedTuple
 
 from common.config import PREFILL_ROUTERS
@@ -61,10 +64,6 @@ DEFAULT_EPSILON = 0.25
 # How many affinity keys the router remembers to tell an affinity hit from a first sight.
 AFFINITY_MEMORY = 65_536
 ROOM_BITS = 63
-
-
-_NODE_ID = operator.itemgetter(0)  # a candidate's node_id
-_QUEUED = operator.itemgetter(2)  # a candidate's queued_tokens
 
 
 def _hash64(data: bytes) -> int:
@@ -130,23 +129,26 @@ def bounded_load_capacity(total_load: int, num_nodes: int, epsilon: float) -> in
     return math.ceil((1.0 + epsilon) * (total_load + 1) / num_nodes)
 
 
-class PrefillCandidate(NamedTuple):
-    """A live prefill node and the requests routed to it that have not prefilled yet.
-    (A tuple: the gateway makes one per node per request, at hundreds of nodes.)"""
+@dataclass(frozen=True)
+class PrefillLoads:
+    """The prefill nodes a request may go to, and where their loads are kept.
 
-    node_id: str
-    num_pending: int
-    queued_tokens: int = 0  # prefill tokens waiting on the node (precise routing's load)
+    Read in place, not copied into a tuple per node: at 128 nodes those tuples were most
+    of a routing decision's time and, as garbage, what set off the collector inside it
+    (bench/routing_sim.py's routing p99). A node missing from a mapping counts 0."""
 
+    node_ids: Sequence[str]
+    pending: Mapping[str, int] = field(
+        default_factory=dict
+    )  # requests routed there that have not prefilled yet
+    queued: Mapping[str, int] = field(
+        default_factory=dict
+    )  # prefill tokens waiting there (precise routing's load)
 
-def prefill_candidates(
-    node_ids: Iterable[str], pending: Callable[[str], int], queued: Mapping[str, int]
-) -> list[PrefillCandidate]:
-    """One candidate per node, as fast as tuples are made (the gateway builds hundreds
-    per request; the NamedTuple constructor alone is slower)."""
-    ids = list(node_ids)
-    fields = zip(ids, map(pending, ids), map(queued.get, ids, repeat(0)))
-    return list(map(tuple.__new__, repeat(PrefillCandidate), fields))  # type: ignore[arg-type]
+    @cached_property
+    def members(self) -> AbstractSet[str]:
+        ids = self.node_ids
+        return ids if isinstance(ids, AbstractSet) else frozenset(ids)
 
 
 class DecodeCandidate(NamedTuple):
@@ -193,29 +195,28 @@ class RouteDecision:
     cached_pages: int = 0  # leading prompt pages the KV index says the node holds
 
 
-def choose_prefill(
-    ring: HashRing, key: int, candidates: Sequence[PrefillCandidate], epsilon: float
-) -> PrefillChoice:
-    """Consistent hashing with bounded loads over ``candidates`` (all must be on ``ring``)."""
-    if not candidates:
+def choose_prefill(ring: HashRing, key: int, loads: PrefillLoads, epsilon: float) -> PrefillChoice:
+    """Consistent hashing with bounded loads over ``loads.node_ids`` (all on ``ring``)."""
+    ids = loads.node_ids
+    if not ids:
         raise ValueError("no prefill candidate")
-    load = {c.node_id: c.num_pending for c in candidates}
-    capacity = bounded_load_capacity(sum(load.values()), len(load), epsilon)
+    pending, members = loads.pending.get, loads.members
+    capacity = bounded_load_capacity(sum(map(pending, ids, repeat(0))), len(ids), epsilon)
     home = None
     for node_id in ring.walk(key):  # lazily: it usually stops at the first candidate
-        if node_id not in load:
+        if node_id not in members:
             continue
         home = home or node_id
-        if load[node_id] < capacity:
+        if pending(node_id, 0) < capacity:
             return PrefillChoice(node_id, home, is_spilled=node_id != home)
     # Unreachable while capacity * n > total load; kept for floats at the edge.
-    best = min(load, key=load.__getitem__)
+    best = min(ids, key=lambda n: pending(n, 0))
     return PrefillChoice(best, home or best, is_spilled=best != home)
 
 
 def choose_prefill_by_cache(
     overlaps: Mapping[str, int],
-    candidates: Sequence[PrefillCandidate],
+    loads: PrefillLoads,
     prompt_tokens: int,
     page_size: int,
     ring: HashRing,
@@ -225,30 +226,41 @@ def choose_prefill_by_cache(
     """The node that would finish this prefill's wait soonest, or None when no candidate
     holds a page of the prompt. ``overlaps``: leading pages held per node id; ties go to
     the longer cached prefix, then to the first of the tied nodes clockwise from ``key``
-    on ``ring``."""
-    if not overlaps:
-        return None
-    node_ids = list(map(_NODE_ID, candidates))
-    held = list(map(overlaps.get, node_ids, repeat(0)))
-    if not any(held):
-        return None  # the nodes holding pages of it are not candidates
-    # A node's cost is its queue plus what holding ``h`` pages leaves to compute; the
-    # few distinct depths are priced once, the nodes in C-level passes (hundreds a request).
-    cached = {h: min(h * page_size, prompt_tokens) for h in set(held)}
+    on ``ring``.
+
+    The holders (a few) are priced one by one; every other node would compute the whole
+    prompt, so of those only the least queued can win, found in C-level passes over the
+    node ids (no object per node: hundreds of nodes a request)."""
+    members = loads.members
+    held = {n: h for n, h in overlaps.items() if h > 0 and n in members}
+    if not held:
+        return None  # no candidate holds a page of it
+    queued = loads.queued.get
+    # A holder's cost: its queue plus what holding ``h`` pages leaves to compute; the few
+    # distinct depths are priced once, the holders (up to every node) in C-level passes.
+    holders, depths = list(held), list(held.values())
+    cached = {h: min(h * page_size, prompt_tokens) for h in set(depths)}
     extra = {h: recompute_weight * max(1, prompt_tokens - c) for h, c in cached.items()}
-    costs = list(map(operator.add, map(_QUEUED, candidates), map(extra.__getitem__, held)))
-    least = min(costs)
-    tied = [i for i, c in enumerate(costs) if c == least]
-    if len(tied) > 1:  # the longer cached prefix, then the ring
-        most = max(cached[held[i]] for i in tied)
-        tied = [i for i in tied if cached[held[i]] == most]
+    costs = list(map(operator.add, map(queued, holders, repeat(0)), map(extra.__getitem__, depths)))
+    best_cost = min(costs)
+    best = list(compress(holders, map(best_cost.__eq__, costs)))
+    if len(best) > 1:  # the longer cached prefix
+        most = max(cached[held[n]] for n in best)
+        best = [n for n in best if cached[held[n]] == most]
+    rest = list(filterfalse(held.__contains__, loads.node_ids))
+    if rest:
+        rest_loads = list(map(queued, rest, repeat(0)))
+        least = min(rest_loads)
+        # A holder ties a non-holder of equal cost with a longer cached prefix: it wins.
+        if least + recompute_weight * max(1, prompt_tokens) < best_cost:
+            best = list(compress(rest, map(least.__eq__, rest_loads)))
     walk = ring.walk(key)
-    home = next(walk, node_ids[tied[0]])
-    best = node_ids[tied[0]]
-    if len(tied) > 1:
-        wanted = {node_ids[i] for i in tied}
-        best = home if home in wanted else next((n for n in walk if n in wanted), min(wanted))
-    return PrefillChoice(best, home, is_spilled=False, cached_pages=overlaps.get(best, 0))
+    home = next(walk, best[0])
+    chosen = best[0]
+    if len(best) > 1:
+        wanted = set(best)
+        chosen = home if home in wanted else next((n for n in walk if n in wanted), min(wanted))
+    return PrefillChoice(chosen, home, is_spilled=False, cached_pages=held.get(chosen, 0))
 
 
 def choose_decode(candidates: Sequence[DecodeCandidate]) -> str:
@@ -293,7 +305,7 @@ class Router:
         self,
         input_ids: Sequence[int],
         routing_key: str | None,
-        prefills: Sequence[PrefillCandidate],
+        prefills: PrefillLoads,
         decodes: Sequence[DecodeCandidate],
         cache_salt: str | None = None,
         overlaps: Mapping[str, int] | None = None,
@@ -331,22 +343,21 @@ class Router:
         key: int,
         prompt_tokens: int,
         routing_key: str | None,
-        prefills: Sequence[PrefillCandidate],
+        prefills: PrefillLoads,
         overlaps: Mapping[str, int],
     ) -> tuple[PrefillChoice, str]:
-        if not prefills:
+        if not prefills.node_ids:
             raise ValueError("no prefill candidate")
         if self.mode == "round-robin":
-            ordered = sorted(prefills, key=lambda c: c.node_id)
+            ordered = sorted(prefills.node_ids)
             self._turn = (self._turn + 1) % len(ordered)
-            node_id = ordered[self._turn].node_id
+            node_id = ordered[self._turn]
             return PrefillChoice(node_id, node_id, False), "round_robin"
         if self.mode == "random":
-            node_id = self._rng.choice(prefills).node_id
+            node_id = self._rng.choice(list(prefills.node_ids))
             return PrefillChoice(node_id, node_id, False), "random"
-        node_ids = frozenset(map(_NODE_ID, prefills))
-        if node_ids != self._ring.node_ids:
-            self._ring = HashRing(sorted(node_ids), self.virtual_nodes)
+        if prefills.members != self._ring.node_ids:
+            self._ring = HashRing(sorted(prefills.members), self.virtual_nodes)
         if self.mode == "precise" and overlaps and routing_key is None:
             by_cache = choose_prefill_by_cache(
                 overlaps, prefills, prompt_tokens, self.page_size, self._ring, key

@@ -31,9 +31,9 @@ from bootstrap.router import (
     DEFAULT_EPSILON,
     DEFAULT_VIRTUAL_NODES,
     DecodeCandidate,
+    PrefillLoads,
     RoomAllocator,
     Router,
-    prefill_candidates,
 )
 from common import messages as msg
 from common import metrics, page_hash
@@ -303,12 +303,11 @@ class BootstrapService:
         if self.kv_events is not None:
             if prepared.page_hashes:
                 overlaps = self.kv_events.overlaps(prepared.page_hashes, ids)
-            queued = self.kv_events.queued_tokens_of(ids)
-        pending = self.dispatcher.num_pending_prefill
+            queued = self.kv_events.queued_tokens()
         decision = self.router.route(
             prepared.input_ids,
             prepared.routing_key,
-            prefill_candidates(ids, pending, queued),
+            PrefillLoads(ids, self.dispatcher.pending_prefill, queued),
             [
                 DecodeCandidate(
                     v.node_id,

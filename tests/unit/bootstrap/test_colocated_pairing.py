@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bootstrap.registry import NodeView
-from bootstrap.router import DecodeCandidate, PrefillCandidate, Router
+from bootstrap.router import DecodeCandidate, PrefillLoads, Router
 from bootstrap.service import _pairable
 
 
@@ -22,7 +22,7 @@ def test_colocated_halves_pair_with_each_other_and_plain_nodes_with_plain_ones()
         router.route(
             [1] * 40,
             None,
-            [PrefillCandidate(v.node_id, 0) for v in usable],
+            PrefillLoads([v.node_id for v in usable]),
             [DecodeCandidate("c.decode", 0), DecodeCandidate("d0", 5)],
             partners=partners,
         )

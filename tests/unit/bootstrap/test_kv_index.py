@@ -246,3 +246,19 @@ def test_a_queue_waiting_behind_a_copy_is_counted_as_routed():
     # Both followers' pages are stored: nothing is lent, the report stands as it is.
     _apply(index, "p1", 4, stored=h[10:], queued=50)
     assert index.node("p1").queued_tokens == 50 and index.num_expected == 0
+
+
+def test_loads_are_each_report_plus_what_was_sent_since_and_go_with_the_node():
+    index = KVIndex()
+    index.sent("p0", 30)  # before the node was heard from: counted all the same
+    assert dict(index.loads) == {"p0": 30}
+    _apply(index, "p0", 1, snapshot=True, queued=100)  # the report has those 30 and more
+    _apply(index, "p1", 1, snapshot=True, queued=7)
+    index.sent("p0", 16)
+    index.sent("p0", 4)
+    assert dict(index.loads) == {"p0": 120, "p1": 7}
+    _apply(index, "p0", 2, queued=5)  # a report replaces what was sent before it
+    index.report_load("p1", 0)
+    assert dict(index.loads) == {"p0": 5, "p1": 0}
+    index.drop_node("p0")
+    assert dict(index.loads) == {"p1": 0}

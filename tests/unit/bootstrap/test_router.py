@@ -10,7 +10,7 @@ import pytest
 from bootstrap.router import (
     DecodeCandidate,
     HashRing,
-    PrefillCandidate,
+    PrefillLoads,
     RoomAllocator,
     Router,
     affinity_key,
@@ -23,8 +23,8 @@ SYSTEM = list(range(1000, 1040))  # a 40-token shared system prompt
 NODES = ["p0", "p1", "p2", "p3"]
 
 
-def idle(nodes: list[str] = NODES) -> list[PrefillCandidate]:
-    return [PrefillCandidate(n, 0) for n in nodes]
+def idle(nodes: list[str] = NODES) -> PrefillLoads:
+    return PrefillLoads(nodes)
 
 
 DECODES = [DecodeCandidate("d0", 0)]
@@ -108,9 +108,7 @@ def test_hot_prefix_spills_to_the_next_node_on_the_ring() -> None:
     home, second = order[0], order[1]
     loads = {n: 0 for n in NODES}
     loads[home] = 2  # capacity with 2 pending over 4 nodes: ceil(1.25 * 3 / 4) = 1
-    choice = choose_prefill(
-        ring, key, [PrefillCandidate(n, load) for n, load in loads.items()], 0.25
-    )
+    choice = choose_prefill(ring, key, PrefillLoads(NODES, loads), 0.25)
     assert (choice.node_id, choice.home_id, choice.is_spilled) == (second, home, True)
 
 
@@ -118,8 +116,7 @@ def test_bounded_load_spreads_a_burst_of_one_prefix() -> None:
     router = Router(epsilon=0.25)
     pending = Counter[str]()
     for _ in range(40):  # nothing finishes prefill during the burst
-        cands = [PrefillCandidate(n, pending[n]) for n in NODES]
-        d = router.route(SYSTEM, None, cands, DECODES)
+        d = router.route(SYSTEM, None, PrefillLoads(NODES, pending), DECODES)
         pending[d.prefill_id] += 1
     assert set(pending) == set(NODES)
     # No node above (1 + eps) x average (+1 for rounding).

@@ -7,15 +7,17 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bootstrap.kv_events import KVEventSubscriber, PrefillSource
 from bootstrap.router import (
     DecodeCandidate,
     HashRing,
-    PrefillCandidate,
+    PrefillLoads,
     Router,
+    choose_prefill,
     choose_prefill_by_cache,
-    prefill_candidates,
 )
 from common import messages as msg
 from common import page_hash
@@ -25,8 +27,8 @@ DECODES = [DecodeCandidate("d0", 0)]
 PROMPT = list(range(1000, 1000 + 640))  # 40 pages of 16
 
 
-def cands(queued: dict[str, int] | None = None) -> list[PrefillCandidate]:
-    return [PrefillCandidate(n, 0, (queued or {}).get(n, 0)) for n in NODES]
+def cands(queued: dict[str, int] | None = None) -> PrefillLoads:
+    return PrefillLoads(NODES, queued=queued or {})
 
 
 def test_the_node_holding_the_longest_prefix_wins_when_loads_are_equal():
@@ -87,10 +89,40 @@ def test_round_robin_and_random_baselines_spread_over_every_node():
         Router(mode="nearest")
 
 
-def test_fast_candidates_are_the_same_candidates():
-    made = prefill_candidates(["a", "b"], {"a": 1, "b": 2}.__getitem__, {"a": 30})
-    assert made == [PrefillCandidate("a", 1, 30), PrefillCandidate("b", 2, 0)]
-    assert made[1].node_id == "b" and made[1].queued_tokens == 0
+def test_non_holders_of_equal_queue_tie_on_the_ring_and_a_holder_wins_an_equal_cost():
+    ring = HashRing(NODES)
+    busy = {"p0": 9000, "p1": 9000, "p2": 9000, "p3": 9000}
+    # p3 holds a page but is far busier: the least queued of the others wins, and when
+    # several are equally least queued, the first of them clockwise from the key.
+    for key in (1, 2**40, 2**63):
+        loads = {**busy, "p3": 50_000}
+        for n in NODES[:3]:
+            loads[n] = 10
+        choice = choose_prefill_by_cache({"p3": 1}, cands(loads), 640, 16, ring, key)
+        expected = next(n for n in ring.walk(key) if n != "p3")
+        assert choice is not None and (choice.node_id, choice.cached_pages) == (expected, 0)
+        loads["p1"] = 9  # one least queued: it, wherever the key is
+        choice = choose_prefill_by_cache({"p3": 1}, cands(loads), 640, 16, ring, key)
+        assert choice is not None and choice.node_id == "p1"
+    # p3 holds one page (16 tokens, twice over: 32 in cost) and has 32 more queued than
+    # p0: equal cost, the longer cached prefix wins.
+    loads = {**busy, "p0": 100, "p3": 132}
+    choice = choose_prefill_by_cache({"p3": 1}, cands(loads), 640, 16, ring, 7)
+    assert choice is not None and (choice.node_id, choice.cached_pages) == ("p3", 1)
+    loads["p3"] = 133
+    choice = choose_prefill_by_cache({"p3": 1}, cands(loads), 640, 16, ring, 7)
+    assert choice is not None and choice.node_id == "p0"
+
+
+def test_the_loads_are_read_in_place_and_a_missing_node_counts_zero():
+    loads = PrefillLoads(["a", "b"], {"a": 1}, {"a": 30})
+    assert loads.members == {"a", "b"}
+    choice = choose_prefill_by_cache({"a": 1}, loads, 640, 16, HashRing(["a", "b"]), 7)
+    assert choice is not None and choice.node_id == "a"  # saves 16 tokens, 30 queued: 32 > 30
+    ring = HashRing(["a", "b"])
+    for key in range(0, 2**64, 2**60):
+        # capacity ceil(1.25 * 2 / 2) = 2: neither is full, the home node takes it
+        assert choose_prefill(ring, key, loads, 0.25).node_id == next(ring.walk(key))
 
 
 def test_a_busy_prefix_is_copied_once_not_once_per_request():
@@ -126,10 +158,8 @@ def test_a_busy_prefix_is_copied_once_not_once_per_request():
         prompt = context + [7000 + i] * 16
         hashes = page_hash.prompt_hashes(prompt, 16).tolist()
         overlaps = sub.overlaps(hashes, nodes)
-        queued = sub.queued_tokens_of(nodes)
-        d = router.route(
-            prompt, None, prefill_candidates(nodes, lambda _: 0, queued), DECODES, None, overlaps
-        )
+        queued = sub.queued_tokens()
+        d = router.route(prompt, None, PrefillLoads(nodes, queued=queued), DECODES, None, overlaps)
         sub.note_dispatched(d.prefill_id, max(1, len(prompt) - d.cached_pages * 16), hashes, 16)
         return d.prefill_id
 
@@ -140,5 +170,41 @@ def test_a_busy_prefix_is_copied_once_not_once_per_request():
     # yet, so every follower's whole prompt. They were sent to wait for the copy's pages:
     # the gateway counts them as routed, and the next requests still follow the copy.
     report(copy, 2, 12 * 640)
-    assert sub.queued_tokens(copy) == 640 + 11 * 16
+    assert sub.queued_tokens()[copy] == 640 + 11 * 16
     assert [admit(i) for i in range(12, 16)] == [copy] * 4
+
+
+def _by_cache_reference(overlaps, queued, nodes, prompt, ring, key):
+    """The rule as the docs state it, node by node: least cost, then the longer cached
+    prefix, then the first clockwise from the key."""
+    priced = {}
+    for n in nodes:
+        cached = min(overlaps.get(n, 0) * 16, prompt)
+        priced[n] = (queued.get(n, 0) + 2.0 * max(1, prompt - cached), -cached)
+    best = min(priced.values())
+    tied = {n for n, p in priced.items() if p == best}
+    return next(n for n in ring.walk(key) if n in tied)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(2, 12),
+    st.lists(st.integers(0, 5), min_size=12, max_size=12),
+    st.lists(st.sampled_from([0, 16, 32, 1000, 1024]), min_size=12, max_size=12),
+    st.integers(1, 200),
+    st.integers(0, 2**64 - 1),
+)
+def test_the_cache_choice_equals_the_rule_priced_node_by_node(n, held, queued, prompt, key):
+    nodes = [f"p{i}" for i in range(n)]
+    overlaps = {node: h for node, h in zip(nodes, held) if h}
+    loads = dict(zip(nodes, queued))
+    ring = HashRing(nodes)
+    choice = choose_prefill_by_cache(
+        overlaps, PrefillLoads(nodes, {}, loads), prompt, 16, ring, key
+    )
+    if not overlaps:
+        assert choice is None
+        return
+    assert choice is not None
+    assert choice.node_id == _by_cache_reference(overlaps, loads, nodes, prompt, ring, key)
+    assert choice.cached_pages == overlaps.get(choice.node_id, 0)

@@ -81,7 +81,7 @@ def test_the_gateway_index_follows_a_nodes_cache_over_the_wire():
         assert node.num_snapshot_requests >= 1
         node.cache.insert(b, list(range(10, 16)))
         _wait(lambda: sub.overlaps(hb, ["p0"]) == {"p0": 6}, tick=node.step)
-        assert sub.queued_tokens("p0") == 123
+        assert sub.queued_tokens().get("p0", 0) == 123
         node.cache.evict(6)  # least recently used: a's pages
         _wait(lambda: sub.overlaps(ha, ["p0"]) == {}, tick=node.step)
         assert sub.overlaps(hb, ["p0"]) == {"p0": 6}
@@ -142,13 +142,15 @@ def test_queued_tokens_are_the_last_report_plus_what_was_sent_since():
     try:
         sub.start()
         sub.sync([node.source()])
-        _wait(lambda: sub.queued_tokens("p0") == 123, tick=node.step)  # the node reports 123
+        _wait(
+            lambda: sub.queued_tokens().get("p0", 0) == 123, tick=node.step
+        )  # the node reports 123
         node.events.keepalive_s = 3600.0  # no report for a while
         sub.note_dispatched("p0", 500)
         sub.note_dispatched("p0", 20)
-        assert sub.queued_tokens("p0") == 643
+        assert sub.queued_tokens().get("p0", 0) == 643
         node.events.keepalive_s = 0.0  # the next report has them (the node says 123 still)
-        _wait(lambda: sub.queued_tokens("p0") == 123, tick=node.step)
+        _wait(lambda: sub.queued_tokens().get("p0", 0) == 123, tick=node.step)
     finally:
         sub.close()
         node.close()

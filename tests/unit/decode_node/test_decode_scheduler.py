@@ -171,6 +171,10 @@ class PD:
         ends = [m for m in self.replies[rid] if isinstance(m, (msg.ReqFinished, msg.ReqFailed))]
         return ends[-1] if ends else None
 
+    def first_result(self, rid):
+        ends = [m for m in self.replies[rid] if isinstance(m, (msg.ReqFinished, msg.ReqFailed))]
+        return ends[0] if ends else None
+
     def done(self, *rids):
         return all(self.result(r) is not None for r in rids)
 
