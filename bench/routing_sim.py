@@ -333,8 +333,8 @@ def simulate(
         res.route_s.append(time.perf_counter() - started)
         uncached = max(1, len(ids) - cached_pages * page_size)  # as service.py dispatches
         pending_n[chosen] += 1
-        index.sent(chosen, uncached)  # KVEventSubscriber.note_dispatched
-        if router_name == "precise":  # KVEventSubscriber.note_dispatched
+        index.sent(chosen, uncached)  # KVEventSubscriber.note_dispatched, as are the pages:
+        if router_name == "precise":
             index.expect(chosen, hashes, page_size)
         res.routed[i] = chosen
         nodes[chosen].enqueue(Job(i, req, len(ids), uncached))

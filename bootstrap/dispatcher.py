@@ -130,12 +130,9 @@ class Dispatcher:
 
     @property
     def pending_prefill(self) -> Mapping[str, int]:
-        """num_pending_prefill of every node, read in place (the router reads it per node)."""
+        """Per prefill node, the requests routed to it that have not produced a token yet;
+        read in place (the router reads it per node)."""
         return self._num_pending_prefill
-
-    def num_pending_prefill(self, node_id: str) -> int:
-        """Requests routed to prefill node ``node_id`` that have not produced a token yet."""
-        return self._num_pending_prefill[node_id]
 
     def num_inflight(self, node_id: str) -> int:
         """Requests routed to decode node ``node_id`` that have not ended."""

@@ -138,12 +138,10 @@ class PrefillLoads:
     (bench/routing_sim.py's routing p99). A node missing from a mapping counts 0."""
 
     node_ids: Sequence[str]
-    pending: Mapping[str, int] = field(
-        default_factory=dict
-    )  # requests routed there that have not prefilled yet
-    queued: Mapping[str, int] = field(
-        default_factory=dict
-    )  # prefill tokens waiting there (precise routing's load)
+    # requests routed there that have not prefilled yet
+    pending: Mapping[str, int] = field(default_factory=dict)
+    # prefill tokens waiting there (precise routing's load)
+    queued: Mapping[str, int] = field(default_factory=dict)
 
     @cached_property
     def members(self) -> AbstractSet[str]:
@@ -228,9 +226,9 @@ def choose_prefill_by_cache(
     the longer cached prefix, then to the first of the tied nodes clockwise from ``key``
     on ``ring``.
 
-    The holders (a few) are priced one by one; every other node would compute the whole
-    prompt, so of those only the least queued can win, found in C-level passes over the
-    node ids (no object per node: hundreds of nodes a request)."""
+    The holders are priced by depth; every other node would compute the whole prompt, so
+    of those only the least queued can win. Both in C-level passes over the node ids (no
+    object per node: hundreds of nodes a request)."""
     members = loads.members
     held = {n: h for n, h in overlaps.items() if h > 0 and n in members}
     if not held:
