@@ -25,6 +25,8 @@ SCHEDULE_POLICIES = (
     *FALLBACK_CACHE_AWARE_POLICIES,
     "shortest-prefill-first",
 )
+# SGLang's HiCache write policies (prefill_node/hiradix_cache.py's WritePolicy).
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 _DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -251,6 +253,11 @@ class PrefillConfig:
     schedule_low_priority_values_first: bool = False  # ignored without priority scheduling
     abort_on_priority_when_disabled: bool = False
     disable_radix_cache: bool = False
+    # A host-memory tier under the radix cache (SGLang's HiCache; prefill_node/hiradix_cache.py)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host pages per device page
+    hicache_size: float = 0.0  # GB of host pages; 0: --hicache-ratio sizes the tier
+    hicache_write_policy: str = "write_through"
     in_batch_prefix_caching_check_threshold: int = field(
         default_factory=partial(_env_int, "IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD", 32)
     )
@@ -293,6 +300,17 @@ class PrefillConfig:
             " pass only one of them",
         )
         _check_non_negative(self.cache_aware_fallback_threshold, "--cache-aware-fallback-threshold")
+        _check(
+            not (self.enable_hierarchical_cache and self.disable_radix_cache),
+            "--enable-hierarchical-cache is a tier under the radix cache;"
+            " drop --disable-radix-cache",
+        )
+        _check(
+            self.hicache_ratio > 0 and self.hicache_size >= 0,
+            f"--hicache-ratio {self.hicache_ratio} must be > 0 and --hicache-size"
+            f" {self.hicache_size} >= 0",
+        )
+        _check_choice(self.hicache_write_policy, HICACHE_WRITE_POLICIES, "--hicache-write-policy")
         _check(
             self.dfs_weight_dedup in ("on", "off"),
             f"--dfs-weight-dedup must be on or off, got {self.dfs_weight_dedup!r}",

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from common.config import (
     DTYPES,
     GRAMMAR_BACKENDS,
+    HICACHE_WRITE_POLICIES,
     PREFILL_ROUTERS,
     RETRACTION_POLICIES,
     SCHEDULE_POLICIES,
@@ -182,6 +183,14 @@ def _add_prefill_only_args(parser: Parser) -> None:
         help="reject (400) a request that gives a priority while priority scheduling is off",
     )
     add("--disable-radix-cache", action="store_true")
+    add(
+        "--enable-hierarchical-cache",
+        action="store_true",
+        help="keep KV the device pool evicts in a host-memory tier and load it back on a hit",
+    )
+    add("--hicache-ratio", type=float, help="host-tier pages per device pool page (default 2)")
+    add("--hicache-size", type=float, help="host-tier size in GB; 0: --hicache-ratio sizes it")
+    add("--hicache-write-policy", choices=HICACHE_WRITE_POLICIES)
     add("--in-batch-prefix-caching-check-threshold", type=int)
     add("--in-batch-prefix-caching-deprioritize-threshold", type=int)
     add("--cache-aware-fallback-threshold", type=int, help="queue length above which fcfs runs")

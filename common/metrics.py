@@ -130,6 +130,23 @@ KV_TRANSFER_ROOMS: Final = _gauge(
 PREFIX_CACHE_EVICTED_PAGES: Final = _counter(
     "pdserve_prefix_cache_evicted_pages_total", "KV pages evicted from the radix cache (LRU)."
 )
+# --- the host tier under the radix cache (--enable-hierarchical-cache) ----------------------
+HOST_CACHE_HIT_TOKENS: Final = _counter(
+    "pdserve_host_cache_hit_tokens_total",
+    "Prompt tokens loaded back from the host tier (also counted in prefix_cache_hit_tokens).",
+)
+HOST_CACHE_PAGES: Final = _gauge(
+    "pdserve_host_cache_pages", "Host-tier pages holding a copy of cached KV."
+)
+HOST_CACHE_PAGES_TOTAL: Final = _gauge("pdserve_host_cache_pages_total", "Host-tier pages in all.")
+HOST_CACHE_EVICTED_PAGES: Final = _counter(
+    "pdserve_host_cache_evicted_pages_total", "Host-tier pages dropped to make room (LRU)."
+)
+HOST_CACHE_LOAD_SECONDS: Final = _histogram(
+    "pdserve_host_cache_load_seconds",
+    "Time to copy one request's host-tier prefix back to the device pool.",
+    _SORT_BUCKETS,
+)
 RETRACTIONS: Final = _counter("pdserve_retractions_total", "Decode retractions.")
 PREEMPTIONS: Final = _counter(
     "pdserve_priority_preemptions_total",

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from common.token_keys import TOKEN_BYTES
+from prefill_node.dfs_weight import dfs_node_ranks
 from prefill_node.radix_cache import RadixCache
 from prefill_node.radix_node import TreeNode
 from prefill_node.request import Req
@@ -155,7 +156,7 @@ class HrrnOrder:
 
 
 class DfsWeightOrder:
-    """SGLang's dfs-weight order (``RadixCache.dfs_weight_order``) over the requests that
+    """SGLang's dfs-weight order (``prefill_node.dfs_weight``) over the requests that
     are not deprioritized, then the deprioritized ones in queue order.
 
     SGLang's match splits a node where a request's match ends inside it, so that request
@@ -186,7 +187,7 @@ class DfsWeightOrder:
         match = r.match
         assert match is not None
         end = r.prefix_len
-        node = match.last_node
+        node = match.end_node
         # Where node starts: the tokens of its ancestors' keys.
         start, up = 0, node.parent
         while up is not None:
@@ -208,7 +209,7 @@ class DfsWeightOrder:
                 del self._counts[node]
 
     def sort(self, queue: list[Req], processed_tokens: int | None) -> None:
-        rank = self.tree.dfs_node_ranks(self._counts)
+        rank = dfs_node_ranks(self.tree.root, self._counts)
         rank[_BEHIND] = len(rank)
         keys = [(rank[node], -depth) for node, depth in map(self._node_of.__getitem__, queue)]
         order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: queue order in a node

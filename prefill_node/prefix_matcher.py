@@ -12,9 +12,16 @@ indexes say which tree changes concern it:
   whose next page is ``page``. Only a child added to ``n`` under that page can lengthen
   such a match (children are keyed by their first page).
 
+With a host tier (HiRadixCache) a match may go on through host-only nodes; it is also
+filed under the first of them and the deepest. A node that changes tier (``EV_TIER``:
+its device pages evicted, or loaded back) concerns the matches filed under it: a node
+goes to the host only as a device leaf, so the matches through it end there, and comes
+back only below a device node, so it is the first host-only node of every match through
+it. A split of a node concerns every match with a host part filed under it.
+
 No other change can alter a match: a split above ``n`` keeps its pages and node, an
-evicted node is always a leaf (so never above a live match), locks and LRU touches don't
-change the tree's shape. Each round reads the tree's event log since the last round
+evicted node is always a leaf of its tier (so never above a live match), locks and LRU
+touches don't change the tree's shape. Each round reads the tree's event log since the last round
 (O(changes)), rematches the requests it names, and finds arrivals and departures with a
 few C-level passes over the queue. A request therefore never uses a match that misses an
 insert or keeps an evicted page, and costs nothing while the tree doesn't change under it.
@@ -82,7 +89,7 @@ class PrefixMatcher:
         for r in stale:
             self._rematch(r)
         if arrivals or stale:
-            touched = [r.match.last_node for r in (*arrivals, *stale)]  # type: ignore[union-attr]
+            touched = [r.match.end_node for r in (*arrivals, *stale)]  # type: ignore[union-attr]
             self.tree.touch_paths(touched, is_ordered=False)
         rematched = stale
         if self._matched_between:  # the departed were forgotten above: the rest are waiting
@@ -160,7 +167,7 @@ class PrefixMatcher:
                 reqs = by_node.get(node)
                 if reqs:
                     dirty.update(r for r in reqs if _ends_by(r.match, key))  # type: ignore[arg-type]
-            else:  # EV_EVICT
+            else:  # EV_EVICT, EV_TIER
                 reqs = by_node.pop(node, None)
                 if reqs:
                     dirty |= reqs
@@ -170,21 +177,23 @@ class PrefixMatcher:
         m = self.tree.match_prefix(req.key, req.namespace)
         self.num_matches += 1
         req.match = m
-        self._by_node.setdefault(m.last_node, set()).add(req)
+        for node in _filed_under(m):
+            self._by_node.setdefault(node, set()).add(req)
         if m.extend_key is not None:
-            self._by_extend.setdefault((m.last_node, m.extend_key), set()).add(req)
+            self._by_extend.setdefault((m.end_node, m.extend_key), set()).add(req)
 
     def _unregister(self, req: Req) -> None:
         m = req.match
         if not isinstance(m, MatchResult):
             return
-        reqs = self._by_node.get(m.last_node)
-        if reqs is not None:
-            reqs.discard(req)
-            if not reqs:
-                del self._by_node[m.last_node]
+        for node in _filed_under(m):
+            reqs = self._by_node.get(node)
+            if reqs is not None:
+                reqs.discard(req)
+                if not reqs:
+                    del self._by_node[node]
         if m.extend_key is not None:
-            watch = (m.last_node, m.extend_key)
+            watch = (m.end_node, m.extend_key)
             reqs = self._by_extend.get(watch)
             if reqs is not None:
                 reqs.discard(req)
@@ -192,5 +201,13 @@ class PrefixMatcher:
                     del self._by_extend[watch]
 
 
+def _filed_under(m: MatchResult) -> tuple[TreeNode, ...]:
+    """The nodes whose changes concern match m (see the module's doc)."""
+    if m.first_host is None:
+        return (m.last_node,)
+    return (m.last_node, m.first_host, m.end_node)
+
+
 def _ends_by(match: MatchResult, depth: int) -> bool:
-    return match.is_partial and match.num_tokens <= depth
+    """Whether a split at depth (tokens) moves the end of match, or its host part."""
+    return match.first_host is not None or (match.is_partial and match.num_tokens <= depth)

@@ -19,17 +19,18 @@ set, for a snapshot.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from common import page_hash
 from common.token_keys import TOKEN_BYTES, token_key
+from prefill_node.radix_integrity import check_tree
 from prefill_node.radix_node import (
     EV_ADD,
     EV_EVICT,
     EV_SPLIT,
+    EV_TIER,
     CacheEvents,
     Event,
     MatchResult,
@@ -70,6 +71,8 @@ class RadixCache:
         self.num_evictable_pages = 0
         self.num_protected_pages = 0
         self._evictable_leaves: set[TreeNode] = set()
+        self._host_leaves: set[TreeNode] = set()  # host-only nodes without children
+        self.num_host_pages = 0  # host copies held (a host tier's)
         self._namespace_of: dict[TreeNode, bytes] = {}  # salt subtree roots (no pages)
 
     # --- sizes -----------------------------------------------------------------------------
@@ -104,31 +107,61 @@ class RadixCache:
         key = self._as_key(token_ids)
         pb = self._page_bytes
         end = len(key) - len(key) % pb
-        node, pos, pages, is_partial = self.root, 0, [], False
+        node, pos, is_partial = self.root, 0, False
+        pages: list[int] = []
+        host: list[int] = []
         if namespace is not None:
             salted = self.root.children.get(namespace)
             if salted is None:  # nothing cached under this salt: creating it can extend
                 extend = namespace if end else None
                 return MatchResult([], 0, self.root, self.version, self.generation, extend, False)
             node = salted
+        # The device part ends where a host-only node starts (the device tier is
+        # prefix-closed); the match goes on through host-only nodes into host_pages.
+        found, device_node, device_pos = pages, node, 0
+        first_host: TreeNode | None = None
         while pos < end:
             child = node.children.get(key[pos : pos + pb])
             if child is None:
                 break
+            if first_host is None and not child.value:
+                device_node, device_pos, first_host, found = node, pos, child, host
+            value = child.value or child.host_value
+            assert value is not None
             ck = child.key
             node = child
             if key.startswith(ck, pos):
-                pages += child.value
+                found += value
                 pos += len(ck)
                 continue
             n = _common_pages(key, pos, end, ck, pb)
-            pages += child.value[:n]
+            found += value[:n]
             pos += n * pb
             is_partial = True
             break
         extend_key = key[pos : pos + pb] if not is_partial and pos < end else None
+        if first_host is None:
+            return MatchResult(
+                pages,
+                pos // TOKEN_BYTES,
+                node,
+                self.version,
+                self.generation,
+                extend_key,
+                is_partial,
+            )
         return MatchResult(
-            pages, pos // TOKEN_BYTES, node, self.version, self.generation, extend_key, is_partial
+            pages,
+            device_pos // TOKEN_BYTES,
+            device_node,
+            self.version,
+            self.generation,
+            extend_key,
+            is_partial,
+            host,
+            (pos - device_pos) // TOKEN_BYTES,
+            first_host,
+            node,
         )
 
     def insert(
@@ -158,15 +191,25 @@ class RadixCache:
         if namespace is not None and end:
             node = self._namespace_node(namespace)
             node.last_access = tick
+        adopted = None  # where the caller's pages started to become the tree's
         while pos < end:
             first = key[pos : pos + pb]
             child = node.children.get(first)
             if child is None:
                 self._add_leaf(node, first, key[pos:end], list(page_ids[pos // pb : num_pages]))
                 node.children[first].last_access = tick
-                return pos // TOKEN_BYTES
+                return (pos if adopted is None else adopted) // TOKEN_BYTES
             ck = child.key
             child.last_access = tick
+            if child.is_host_only:  # computed again by the caller: its pages come back
+                adopted = pos if adopted is None else adopted
+                if not key.startswith(ck, pos):
+                    child = self._split(child, _common_pages(key, pos, end, ck, pb))
+                    ck = child.key
+                self._revive(child, list(page_ids[pos // pb : (pos + len(ck)) // pb]))
+                node = child
+                pos += len(ck)
+                continue
             if key.startswith(ck, pos):
                 node = child
                 pos += len(ck)
@@ -176,7 +219,7 @@ class RadixCache:
                 break  # the whole key lies inside child: nothing to add
             node = self._split(child, n)
             pos += n * pb
-        return end // TOKEN_BYTES
+        return (end if adopted is None else adopted) // TOKEN_BYTES
 
     def _namespace_node(self, namespace: bytes) -> TreeNode:
         """The root of a salt's subtree (a child of the root without pages), made on demand;
@@ -199,12 +242,39 @@ class RadixCache:
         if self._events is not None:
             leaf.hashes = page_hash.chain(key, self.page_size, self._tail_hash(parent))
             self._events.stored(leaf.hashes)
-        if not parent.children and parent.lock_ref == 0:
-            self._evictable_leaves.discard(parent)
+        self._evictable_leaves.discard(parent)  # it has a device child now
         parent.children[first] = leaf
         self._evictable_leaves.add(leaf)
         self.num_evictable_pages += len(value)
         self._log_event(EV_ADD, parent, first)
+        self._stored(leaf)
+
+    def _revive(self, node: TreeNode, pages: list[int]) -> None:
+        """A host-only node (its parent on the device) gets device pages again."""
+        parent = node.parent
+        assert (
+            parent is not None
+            and node.is_host_only
+            and len(pages) * self._page_bytes == len(node.key)
+        )
+        node.value = pages
+        self._host_leaves.discard(node)
+        self._evictable_leaves.discard(parent)
+        self.num_evictable_pages += len(pages)
+        if not any(c.value for c in node.children.values()):
+            self._evictable_leaves.add(node)
+        self._log_event(EV_TIER, node, None)
+
+    # Hooks of the host tier (HiRadixCache); without one, nothing is copied or kept.
+    def _stored(self, node: TreeNode) -> None:
+        """node got new device pages (an insert)."""
+
+    def record_hit(self, node: TreeNode) -> None:
+        """A request starts from the prefix ending at node (its admission)."""
+
+    def _offload(self, node: TreeNode) -> bool:
+        """Whether an evicted device node keeps a host copy (then it stays, host-only)."""
+        return False
 
     def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
         """Cut child after num_pages pages; the new upper node takes its place (and serial)."""
@@ -214,8 +284,12 @@ class RadixCache:
         upper = TreeNode(child.key[: num_pages * pb], child.value[:num_pages], parent, child.serial)
         if child.hashes is not None:
             upper.hashes, child.hashes = child.hashes[:num_pages], child.hashes[num_pages:]
+        if child.host_value is not None:
+            upper.host_value = child.host_value[:num_pages]
+            child.host_value = child.host_value[num_pages:]
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
+        upper.hit_count = child.hit_count
         parent.children[child.key[:pb]] = upper  # same key: keeps its place among siblings
         child.serial = self._next_serial()
         child.key = child.key[num_pages * pb :]
@@ -252,35 +326,72 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.num_evictable_pages += len(node.value)
                 self.num_protected_pages -= len(node.value)
-                if not node.children:
+                if self._is_device_leaf(node):
                     self._evictable_leaves.add(node)
             node = node.parent  # type: ignore[assignment]
 
     def evict(self, num_pages: int) -> int:
-        """Free at least num_pages pages (if there are) from unlocked leaves, least recently
-        used first, whole nodes at a time; return the number of pages freed."""
+        """Free at least num_pages device pages (if there are) from unlocked device leaves,
+        least recently used first, whole nodes at a time; return the number freed. A node
+        with a host copy stays in the tree, host-only; one without leaves it (with any
+        host-only nodes below it)."""
         heap = [(n.last_access, n.serial, n) for n in self._evictable_leaves]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
             node = heapq.heappop(heap)[2]
+            if node not in self._evictable_leaves:
+                continue  # a host eviction took it meanwhile (a salt root)
             parent = node.parent
             assert parent is not None
             freed += node.value
-            del parent.children[self._child_key(node)]
-            self._namespace_of.pop(node, None)
+            is_kept = bool(node.value) and self._offload(node)  # may drop host leaves below
             self._evictable_leaves.discard(node)
             self.num_evictable_pages -= len(node.value)
-            node.is_evicted = True
-            if self._events is not None and node.hashes is not None and len(node.hashes):
-                self._events.removed(node.hashes)
-            self._log_event(EV_EVICT, node, None)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if is_kept:
+                node.value = []
+                if not node.children:
+                    self._host_leaves.add(node)
+                self._log_event(EV_TIER, node, None)
+            else:
+                self._remove(node)
+            if parent is not self.root and self._is_device_leaf(parent):
                 self._evictable_leaves.add(parent)
                 heapq.heappush(heap, (parent.last_access, parent.serial, parent))
         if freed and self._allocator is not None:
             self._allocator.free(freed)
         return len(freed)
+
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        """Unlocked with no device child (a salt root: no child at all): evict may take it."""
+        if node.lock_ref:
+            return False
+        if not node.value:
+            return not node.children
+        return not any(c.value for c in node.children.values())
+
+    def _remove(self, node: TreeNode) -> None:
+        """Take node and the host-only nodes below it out of the tree (its device pages are
+        the caller's to free); their host copies are freed."""
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._child_key(node)]
+        if parent.is_host_only and not parent.children:
+            self._host_leaves.add(parent)
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            self._namespace_of.pop(n, None)
+            self._host_leaves.discard(n)
+            self._drop_host_copy(n)
+            n.is_evicted = True
+            if self._events is not None and n.hashes is not None and len(n.hashes):
+                self._events.removed(n.hashes)
+            self._log_event(EV_EVICT, n, None)
+
+    def _drop_host_copy(self, node: TreeNode) -> None:
+        """Free node's host pages (a host tier's; a plain tree has none)."""
 
     def touch(self, target: TreeNode | Sequence[int] | bytes) -> None:
         """Mark a node's path (or a sequence's cached prefix) as just used."""
@@ -307,44 +418,6 @@ class RadixCache:
                 node.last_access = tick
                 node = node.parent  # type: ignore[assignment]
 
-    # --- dfs-weight ------------------------------------------------------------------------
-    def dfs_weight_order(self, last_nodes: Sequence[TreeNode]) -> list[int]:
-        """Indices of last_nodes in SGLang's dfs-weight order: DFS from the root visiting
-        children with more requests in their subtree first (ties: insertion order), a node's
-        own requests after its children's, in input order."""
-        nodes = [self.root if n.is_evicted else n for n in last_nodes]  # stale: no match
-        rank = self.dfs_node_ranks(Counter(nodes))
-        keys = list(map(rank.__getitem__, nodes))
-        return sorted(range(len(keys)), key=keys.__getitem__)  # stable: input order in a node
-
-    def dfs_node_ranks(self, counts: Mapping[TreeNode, int]) -> dict[TreeNode, int]:
-        """Post-order position, in dfs-weight order, of every node with a positive count
-        (requests ending there) and of its ancestors. Cost: those nodes times depth."""
-        weight: dict[TreeNode, int] = {}
-        kids: dict[TreeNode, list[TreeNode]] = {}
-        for node, count in counts.items():
-            while node is not None:  # add count to the node and its ancestors
-                if node in weight:
-                    weight[node] += count
-                else:
-                    weight[node] = count
-                    if node.parent is not None:
-                        kids.setdefault(node.parent, []).append(node)
-                node = node.parent  # type: ignore[assignment]
-        rank: dict[TreeNode, int] = {}
-        stack: list[tuple[TreeNode, bool]] = [(self.root, False)]
-        while stack:
-            node, is_visited = stack.pop()
-            if is_visited:
-                rank[node] = len(rank)
-                continue
-            stack.append((node, True))
-            children = kids.get(node)
-            if children:
-                children.sort(key=lambda c: (-weight[c], c.serial))
-                stack.extend((c, False) for c in reversed(children))
-        return rank
-
     # --- versioning ------------------------------------------------------------------------
     def events_since(self, version: int) -> list[Event] | None:
         """Structural changes after ``version``; None when they are no longer logged."""
@@ -361,13 +434,16 @@ class RadixCache:
         events = self.events_since(match.version)
         if events is None:
             return False
-        node = match.last_node
+        filed = (match.last_node, match.first_host, match.end_node)
         for kind, n, detail in events:
-            if n is node and (
-                kind == EV_EVICT
-                or (kind == EV_SPLIT and match.is_partial and match.num_tokens <= detail)  # type: ignore[operator]
-                or (kind == EV_ADD and detail == match.extend_key)
-            ):
+            if n not in filed:
+                continue
+            if kind == EV_ADD:
+                if n is match.end_node and detail == match.extend_key:
+                    return False
+            elif kind != EV_SPLIT or match.first_host is not None:
+                return False  # evicted, moved between tiers, or split with a host part
+            elif match.is_partial and match.num_tokens <= detail:  # type: ignore[operator]
                 return False
         return True
 
@@ -395,6 +471,7 @@ class RadixCache:
         if pages and self._allocator is not None:
             self._allocator.free(pages)
         for node in self._nodes():
+            self._drop_host_copy(node)
             node.is_evicted = True
         self._init_tree()
         if self._events is not None:
@@ -426,46 +503,7 @@ class RadixCache:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every invariant holds (tests and idle loops call it)."""
-        pb, seen_pages = self._page_bytes, set()
-        evictable = protected = 0
-        leaves = set()
-        for node in self._nodes():
-            parent = node.parent
-            _require(parent is not None and not node.is_evicted, f"{node} detached")
-            assert parent is not None
-            _require(
-                parent.children.get(self._child_key(node)) is node, f"{node} not under its key"
-            )
-            is_namespace = node in self._namespace_of
-            _require(
-                (len(node.key) > 0 or (is_namespace and parent is self.root))
-                and len(node.key) == len(node.value) * pb,
-                f"{node}: key length does not match its pages",
-            )
-            _require(node.lock_ref >= 0, f"{node} has a negative lock count")
-            _require(
-                parent is self.root or parent.lock_ref >= node.lock_ref,
-                f"{node} is locked more than its parent",
-            )
-            for p in node.value:
-                _require(p not in seen_pages, f"page {p} held by two nodes")
-                seen_pages.add(p)
-            if node.lock_ref:
-                protected += len(node.value)
-            else:
-                evictable += len(node.value)
-                if not node.children:
-                    leaves.add(node)
-        _require(
-            evictable == self.num_evictable_pages,
-            f"evictable {self.num_evictable_pages} pages, counted {evictable}",
-        )
-        _require(
-            protected == self.num_protected_pages,
-            f"protected {self.num_protected_pages} pages, counted {protected}",
-        )
-        _require(leaves == self._evictable_leaves, "evictable leaf set out of date")
-        _require(self.version == self._log_start + len(self._log), "event log out of step")
+        check_tree(self)
 
 
 def _common_pages(key: bytes, pos: int, end: int, node_key: bytes, pb: int) -> int:
@@ -479,8 +517,3 @@ def _common_pages(key: bytes, pos: int, end: int, node_key: bytes, pb: int) -> i
         else:
             hi = mid - 1
     return lo
-
-
-def _require(is_ok: bool, message: str) -> None:
-    if not is_ok:
-        raise AssertionError(message)

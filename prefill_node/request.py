@@ -22,7 +22,11 @@ class PrefixMatch(Protocol):
     @property
     def num_tokens(self) -> int: ...
     @property
+    def total_tokens(self) -> int: ...  # with the host tier's
+    @property
     def last_node(self) -> Any: ...  # a prefill_node.radix_cache.TreeNode
+    @property
+    def end_node(self) -> Any: ...  # the deepest node, on either tier
     @property
     def version(self) -> int: ...
 
@@ -77,8 +81,9 @@ class Req:
 
     @property
     def prefix_len(self) -> int:
-        """Tokens of the prompt found in the radix cache (a multiple of the page size)."""
-        return self.match.num_tokens if self.match is not None else 0
+        """Tokens of the prompt found in the radix cache, on the device and the host tier
+        (a multiple of the page size; SGLang's num_matched_prefix_tokens counts both)."""
+        return self.match.total_tokens if self.match is not None else 0
 
     num_cached_tokens = prefix_len
 

@@ -49,7 +49,7 @@ from prefill_node.request import Req
 WAITING_PREFIX_REFRESH_INTERVAL = 32  # rounds between waiting-prefix touches
 _INF = float("inf")
 _IS_DEPRIORITIZED = attrgetter("is_deprioritized")
-_LAST_NODE = attrgetter("match.last_node")
+_END_NODE = attrgetter("match.end_node")  # touched: host-only nodes age too
 
 
 class CacheAwarePolicy(Enum):
@@ -328,7 +328,7 @@ class SchedulePolicy:
         is_due = self._num_touch_rounds % self.waiting_prefix_refresh_interval == 0
         self._num_touch_rounds += 1
         if is_due:
-            self.tree_cache.touch_paths(list(map(_LAST_NODE, queue)))
+            self.tree_cache.touch_paths(list(map(_END_NODE, queue)))
 
 
 def _cache_aware_order(

@@ -30,8 +30,9 @@ from common import messages as msg
 from common import stages
 from common.config import PrefillConfig
 from common.grammar.backend import GrammarBackend, GrammarError, GrammarState
+from common.host_kv_pool import HostKVPool
 from common.ipc import PushPool
-from common.kv_pool import pages_needed
+from common.kv_pool import KVPool, pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
 from common.node.gateway_watch import GatewayWatch
 from common.node.scheduling import RequestFailures
@@ -40,11 +41,13 @@ from common.sampling_params import SamplingParams
 from common.token_keys import TOKEN_BYTES
 from common.work_done import WorkDone
 from prefill_node.cache_aware_orders import usable_prefix_len
+from prefill_node.hiradix_cache import HiRadixCache
 from prefill_node.integrity import check_requests
 from prefill_node.kv_events import KVEventPublisher
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
 from prefill_node.queues import BootstrapQueue, GrammarQueue, InflightQueue, poll_grammar
 from prefill_node.radix_cache import RadixCache
+from prefill_node.radix_node import MatchResult
 from prefill_node.req_state import PrefillReq, PrefillState
 from prefill_node.request import Req
 from prefill_node.schedule_policy import SchedulePolicy
@@ -76,11 +79,7 @@ class PrefillScheduler:
         self.allocator = runner.pool.allocator
         self.page_size = runner.page_size
         self.events = None if config.disable_radix_cache else events
-        self.tree = (
-            None
-            if config.disable_radix_cache
-            else RadixCache(self.page_size, self.allocator, events=self.events)
-        )
+        self.tree = build_tree(config, runner.pool, self.events)
         self.policy = SchedulePolicy.from_config(config, self.tree)
         self.request_socket = request_socket
         self.push = PushPool(zmq.Context.instance())
@@ -178,7 +177,8 @@ class PrefillScheduler:
         match = req.match
         if match is None or match.version != self.tree.version:
             match = self.tree.match_prefix(req.key, req.namespace)  # pure: changes nothing
-        return min(match.num_tokens, (req.num_input_tokens - 1) // self.page_size * self.page_size)
+        usable = (req.num_input_tokens - 1) // self.page_size * self.page_size
+        return min(match.total_tokens, usable)
 
     # ---- ingress -------------------------------------------------------------------------------
 
@@ -289,9 +289,13 @@ class PrefillScheduler:
                     break
                 match = self.policy.match_prefix_for_req(req)
                 prefix = usable_prefix_len(req, self.page_size) if match is not None else 0
-                node = match.last_node if match is not None and prefix > 0 else None
                 if self._waits_for_batch_mate(req, prefix, adder.can_run_list):
                     continue
+                if match is not None and prefix > match.num_tokens:
+                    match = self._load_back(req, match, prefix)
+                    adder.free_tokens = self.allocator.num_free_pages * self.page_size
+                    prefix = min(prefix, match.num_tokens)
+                node = match.last_node if match is not None and prefix > 0 else None
                 result = adder.add_one_req(req, prefix, node)
                 if adder.can_run_list and adder.can_run_list[-1].req is req:
                     pages = (
@@ -305,6 +309,28 @@ class PrefillScheduler:
             if adder.new_chunked_req is not None:
                 self.chunked = self.states[adder.new_chunked_req.rid]
         return [c for c in adder.can_run_list if self._allocate(c)]
+
+    def _load_back(self, req: Req, match: MatchResult, prefix: int) -> MatchResult:
+        """Copy the host tier's part of a request's usable prefix into device pages (evicting
+        to make room) and return the match that now holds it on the device. What gets no
+        device pages, or left the host tier meanwhile, is computed instead."""
+        tree = self.tree
+        assert isinstance(tree, HiRadixCache)
+        need = (prefix - match.num_tokens) // self.page_size
+        tree.inc_lock_ref(match.last_node)  # the device part stays while room is made
+        try:
+            short = need - self.allocator.num_free_pages
+            if short > 0:
+                self.stats.evicted(tree.evict(short))
+            pages = self.allocator.allocate(min(need, self.allocator.num_free_pages))
+            start = time.perf_counter()
+            loaded, unused = tree.load_back(req.key, req.namespace, pages)
+            seconds = time.perf_counter() - start
+        finally:
+            tree.dec_lock_ref(match.last_node)
+        self.allocator.free(unused)
+        self.stats.host_loaded((len(pages) - len(unused)) * self.page_size, seconds)
+        return loaded
 
     def _is_running_full(self, adder: PrefillAdder) -> bool:
         """--max-running-requests: requests being prefilled this round or transferring
@@ -335,6 +361,8 @@ class PrefillScheduler:
         s.pages, s.num_prefix_pages = list(prefix_pages), len(prefix_pages)
         s.num_computed = s.num_cached_tokens = chunk.start
         s.locked_node = chunk.locked_node
+        if chunk.locked_node is not None and self.tree is not None:
+            self.tree.record_hit(chunk.locked_node)
         # A chunk deferred for pages and admitted again keeps its first mark.
         s.marks.setdefault(stages.PREFILL_SCHEDULED, time.time())
         self.stats.cache_hit_tokens(chunk.start)
@@ -539,3 +567,27 @@ class PrefillScheduler:
         if self.tree is not None:
             self.tree.check_integrity()
         check_requests(self)
+
+
+def build_tree(
+    config: PrefillConfig, pool: KVPool, events: KVEventPublisher | None
+) -> RadixCache | None:
+    """The prefill node's radix cache: none (--disable-radix-cache), device-only, or with a
+    host tier below it (--enable-hierarchical-cache)."""
+    if config.disable_radix_cache:
+        return None
+    if not config.enable_hierarchical_cache:
+        return RadixCache(pool.page_size, pool.allocator, events=events)
+    num_host = HostKVPool.num_pages_for(
+        pool.layout, pool.num_pages, config.hicache_size, config.hicache_ratio
+    )
+    host = HostKVPool(pool, num_host)
+    logger.info(
+        "host tier: %d pages (%.2f GB), %s",
+        num_host,
+        host.nbytes / 2**30,
+        config.hicache_write_policy,
+    )
+    return HiRadixCache(
+        pool.page_size, pool.allocator, host, config.hicache_write_policy, events=events
+    )

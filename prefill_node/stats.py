@@ -7,6 +7,8 @@ from typing import Protocol
 
 from common import metrics
 from common.kv_pool import PageAllocator
+from prefill_node.hiradix_cache import HiRadixCache
+from prefill_node.radix_cache import RadixCache
 
 
 class HasPages(Protocol):
@@ -35,6 +37,9 @@ class PrefillView(Protocol):
     @property
     def states(self) -> Mapping[str, HasPages]: ...
 
+    @property
+    def tree(self) -> RadixCache | None: ...
+
 
 class PrefillStats:
     def __init__(self, scheduler: PrefillView) -> None:
@@ -51,6 +56,10 @@ class PrefillStats:
         self._prefill = metrics.PREFILL_TOKENS.labels(role=role)
         self._hits = metrics.PREFIX_CACHE_HIT_TOKENS.labels(role=role)
         self.role = role
+        self._host_evicted = 0  # the tree's count when last reported
+        if isinstance(scheduler.tree, HiRadixCache):
+            total = scheduler.tree.host.allocator.num_pages
+            metrics.HOST_CACHE_PAGES_TOTAL.labels(role=role).set(total)
 
     def update(self) -> None:
         s = self.s
@@ -60,6 +69,13 @@ class PrefillStats:
         self._queues["inflight"].set(len(s.inflight_queue))
         self._used.set(s.allocator.num_used_pages)
         self._held.set(self.num_held_pages())
+        tree = s.tree
+        if isinstance(tree, HiRadixCache):
+            metrics.HOST_CACHE_PAGES.labels(role=self.role).set(tree.num_host_pages)
+            if tree.num_host_evicted_pages > self._host_evicted:
+                dropped = tree.num_host_evicted_pages - self._host_evicted
+                metrics.HOST_CACHE_EVICTED_PAGES.labels(role=self.role).inc(dropped)
+                self._host_evicted = tree.num_host_evicted_pages
 
     def num_held_pages(self) -> int:
         """Pages live requests hold: their own plus the cached prefixes they lock."""
@@ -74,6 +90,11 @@ class PrefillStats:
     def cache_hit_tokens(self, n: int) -> None:
         if n:
             self._hits.inc(n)
+
+    def host_loaded(self, num_tokens: int, seconds: float) -> None:
+        """A request's host-tier prefix was copied back to the device."""
+        metrics.HOST_CACHE_HIT_TOKENS.labels(role=self.role).inc(num_tokens)
+        metrics.HOST_CACHE_LOAD_SECONDS.labels(role=self.role).observe(seconds)
 
     def evicted(self, num_pages: int) -> None:
         if num_pages:

@@ -80,6 +80,9 @@ def test_prefill_defaults_match_sglang() -> None:
     assert cfg.schedule_low_priority_values_first is False
     assert cfg.abort_on_priority_when_disabled is False
     assert cfg.disable_radix_cache is False
+    # SGLang's HiCache defaults: off; twice the device pool; write_through
+    assert (cfg.enable_hierarchical_cache, cfg.hicache_ratio, cfg.hicache_size) == (False, 2.0, 0)
+    assert cfg.hicache_write_policy == "write_through"
     assert cfg.in_batch_prefix_caching_check_threshold == 32
     assert cfg.in_batch_prefix_caching_deprioritize_threshold == 32
     assert cfg.cache_aware_fallback_threshold is None
@@ -141,6 +144,10 @@ def test_prefill_flags_reach_every_field() -> None:
             "--in-batch-prefix-caching-check-threshold=4",
             "--in-batch-prefix-caching-deprioritize-threshold=5",
             "--cache-aware-fallback-threshold=100",
+            "--enable-hierarchical-cache",
+            "--hicache-ratio=3.5",
+            "--hicache-size=1.5",
+            "--hicache-write-policy=write_back",
             "--no-packed-weights",
             "--no-cpu-kernels",
         ]
@@ -158,6 +165,12 @@ def test_prefill_flags_reach_every_field() -> None:
     assert cfg.in_batch_prefix_caching_check_threshold == 4
     assert cfg.in_batch_prefix_caching_deprioritize_threshold == 5
     assert cfg.cache_aware_fallback_threshold == 100
+    assert cfg.enable_hierarchical_cache
+    assert (cfg.hicache_ratio, cfg.hicache_size, cfg.hicache_write_policy) == (
+        3.5,
+        1.5,
+        "write_back",
+    )
 
 
 def test_decode_and_bootstrap_flags() -> None:
@@ -282,6 +295,12 @@ def test_power_of_two_page_sizes_parse(page_size: int) -> None:
             "drop --disable-radix-cache",
         ),
         (["--abort-on-priority-when-disabled", "--enable-priority-scheduling"], "contradicts"),
+        (
+            ["--enable-hierarchical-cache", "--disable-radix-cache"],
+            "drop --disable-radix-cache",
+        ),
+        (["--hicache-ratio=0"], "--hicache-ratio 0.0 must be > 0"),
+        (["--hicache-size=-1"], "--hicache-size -1.0 >= 0"),
     ],
 )
 def test_invalid_prefill_flags_raise_one_line_error(argv: list[str], fragment: str) -> None:

@@ -123,3 +123,28 @@ def test_spare_pages_follow_the_allocators_and_copies_between_pools_ignore_them(
     assert torch.equal(dst.buffer[0], src.buffer[5]) and torch.equal(dst.buffer[3], src.buffer[1])
     a.close()
     b.close()
+
+
+def test_host_pages_copy_device_pages_both_ways_bit_exactly(device):
+    from common.host_kv_pool import HostKVPool
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype="bfloat16")
+    pool = KVPool(layout, 8, device)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(0)))
+    host = HostKVPool(pool, 5)
+    assert host.buffer.device.type == "cpu" and host.buffer.is_pinned() == (device.type == "cuda")
+    assert host.nbytes == 5 * layout.bytes_per_page
+    host.backup([6, 1, 3], [4, 0, 2])
+    expected = pool.buffer[[6, 1, 3]].cpu()
+    assert torch.equal(host.buffer[[4, 0, 2]], expected)
+    host.load([4, 0, 2], [0, 7, 5])
+    assert torch.equal(pool.buffer[[0, 7, 5]].cpu(), expected)
+
+
+def test_host_tier_is_sized_by_gigabytes_or_by_a_ratio_of_the_device_pool():
+    from common.host_kv_pool import HostKVPool
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype="float32")
+    assert HostKVPool.num_pages_for(layout, 100, 0.0, 2.5) == 250
+    gib = 1 << 30
+    assert HostKVPool.num_pages_for(layout, 100, 1.0, 2.5) == gib // layout.bytes_per_page

@@ -1,159 +1,30 @@
 """The prefill loop in one process: tiny Llama, real zmq sockets, loopback KV transfer.
 
-The KV goes to a test receiver.
+The KV goes to a test receiver (tests/support/prefill_harness.py).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import pytest
 import torch
-import zmq
 
 from common import messages as msg
-from common.config import ModelConfig, PrefillConfig
-from common.ipc import bind_pull, recv_messages
-from common.kv_pool import KVPool, pages_needed
-from common.model.runner import ExtendRequest, ModelRunner
+from common.ipc import recv_messages
 from prefill_node.req_state import PrefillState
-from prefill_node.scheduler import PrefillScheduler
-from tests.support.tolerance import assert_close_scaled
-from transfer.kv_manager import KVManager
+from tests.support.prefill_harness import Harness, check_landed, prompt
 from transfer.kv_poll import KVPoll
-from transfer.loopback_backend import LoopbackBackend
 
 PAGE = 4
-_ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tests.unit.common.model.test_model_runner import _save_tiny
-
-    path = tmp_path_factory.mktemp("tiny")
-    _save_tiny(path, "llama")
-    return path
-
-
-class Harness:
-    def __init__(self, model_dir, num_pages=64, **cfg):
-        n = next(_ids)
-        cfg.setdefault("chunked_prefill_size", 64)
-        cfg.setdefault("max_prefill_tokens", 256)
-        self.config = PrefillConfig(model=ModelConfig(page_size=PAGE), **cfg)
-        self.runner = ModelRunner.from_path(
-            str(model_dir), progress=False, page_size=PAGE, num_pages=num_pages
-        )
-        self.ref = ModelRunner.from_path(
-            str(model_dir), progress=False, page_size=PAGE, num_pages=num_pages
-        )
-        ctx = zmq.Context.instance()
-        self.kv = KVManager(
-            f"p{n}",
-            "prefill",
-            LoopbackBackend(f"p{n}"),
-            self.runner.pool,
-            backend_kind="loopback",
-            lease_s=5,
-        )
-        self.dpool = KVPool(self.runner.layout, num_pages)
-        self.decode = KVManager(
-            f"d{n}",
-            "decode",
-            LoopbackBackend(f"d{n}"),
-            self.dpool,
-            backend_kind="loopback",
-            lease_s=5,
-        )
-        self.req_sock, self.req_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
-        self.reply_sock, self.reply_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
-        self.sched = PrefillScheduler(self.config, self.runner, self.kv, self.req_sock)
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.connect(self.req_endpoint)
-        self.replies: list = []
-
-    def submit(self, rid, room, ids, **kw):
-        sampling = {"max_new_tokens": 8, "temperature": 0.0}
-        self.push.send(
-            msg.encode(
-                msg.GenerateReq(
-                    rid=rid,
-                    room=room,
-                    input_ids=ids,
-                    sampling=kw.pop("sampling", sampling),
-                    priority=kw.pop("priority", None),
-                    routing_key=None,
-                    prefill_node_id="p",
-                    decode_node_id="d",
-                    reply_endpoint=self.reply_endpoint,
-                    arrival_time=time.time(),
-                    return_logprob=False,
-                    cache_salt=kw.pop("cache_salt", None),
-                )
-            )
-        )
-
-    def receive(self, room, num_tokens):
-        r = self.decode.create_receiver(room, self.kv.control_endpoint)
-        self.run_until(lambda: r.poll() is KVPoll.WaitingForInput)
-        pages = self.dpool.allocator.allocate(pages_needed(num_tokens, PAGE))
-        r.send_metadata(pages)
-        return r, pages
-
-    def run_until(self, cond, timeout=10.0):
-        deadline = time.monotonic() + timeout
-        while not cond():
-            self.sched.step()
-            self.decode.poll()
-            self.replies += recv_messages(self.reply_sock)
-            assert time.monotonic() < deadline, "condition not reached"
-
-    def reference(self, ids):
-        pages = self.ref.pool.allocator.allocate(pages_needed(len(ids), PAGE))
-        out = self.ref.extend([ExtendRequest(ids, 0, pages)])
-        kv = self.ref.pool.buffer[pages].clone()
-        self.ref.pool.allocator.free(pages)
-        return kv, int(out.logits[0].argmax())
-
-    def close(self):
-        self.push.close(0)
-        self.kv.close()
-        self.decode.close()
-
-
-@pytest.fixture
-def h(model_dir):
-    harness = Harness(model_dir)
-    yield harness
-    harness.close()
-
-
-def _prompt(n, seed):
-    return torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _check_landed(h, receiver, pages, ids):
-    kv, first = h.reference(ids)
-    assert receiver.aux.first_token_id == first and receiver.aux.room_echo == receiver.room
-    lay = h.runner.layout
-
-    def tokens(pages_kv):  # [pages, L, 2, ps, kvh, hd] -> [L, 2, tokens, kvh * hd]
-        flat = pages_kv.permute(1, 2, 0, 3, 4, 5).reshape(
-            lay.num_layers, 2, -1, lay.num_kv_heads * lay.head_dim
-        )
-        return flat[:, :, : len(ids)]  # the tail of the last page holds no token
-
-    assert_close_scaled(tokens(h.dpool.buffer[pages]), tokens(kv))
 
 
 def test_prompt_kv_and_first_token_arrive_at_the_decode_side(h):
-    ids = _prompt(23, 1)
+    ids = prompt(23, 1)
     h.submit("a", 1, ids)
     receiver, pages = h.receive(1, len(ids))
     h.run_until(lambda: receiver.poll() is KVPoll.Success and not h.sched.states)
-    _check_landed(h, receiver, pages, ids)
+    check_landed(h, receiver, pages, ids)
     assert h.sched.stats.num_held_pages() == 0
     # The prompt's whole pages stay cached; nothing else is used.
     assert h.runner.pool.allocator.num_used_pages == h.sched.tree.total_size() // PAGE == 5
@@ -163,7 +34,7 @@ def test_prompt_kv_and_first_token_arrive_at_the_decode_side(h):
 def test_long_prompt_is_prefilled_in_chunks_and_still_lands_exactly(model_dir):
     h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
     try:
-        ids = _prompt(37, 2)
+        ids = prompt(37, 2)
         h.submit("long", 2, ids)
         receiver, pages = h.receive(2, len(ids))
         rounds = []
@@ -173,14 +44,14 @@ def test_long_prompt_is_prefilled_in_chunks_and_still_lands_exactly(model_dir):
             )
         )
         assert len(rounds) >= 4  # 37 tokens in chunks of 8
-        _check_landed(h, receiver, pages, ids)
+        check_landed(h, receiver, pages, ids)
     finally:
         h.close()
 
 
 def test_shared_prefix_is_served_from_the_radix_cache(h):
-    base = _prompt(32, 3)
-    first, second = base + _prompt(5, 4), base + _prompt(9, 5)
+    base = prompt(32, 3)
+    first, second = base + prompt(5, 4), base + prompt(9, 5)
     h.submit("one", 11, first)
     r1, p1 = h.receive(11, len(first))
     h.run_until(lambda: r1.poll() is KVPoll.Success and not h.sched.states)
@@ -189,25 +60,25 @@ def test_shared_prefix_is_served_from_the_radix_cache(h):
     r2, p2 = h.receive(12, len(second))
     h.run_until(lambda: r2.poll() is KVPoll.Success and not h.sched.states)
     assert h.sched.processed_tokens - computed_before == len(second) - 32
-    _check_landed(h, r2, p2, second)
+    check_landed(h, r2, p2, second)
     h.sched.check_integrity()
 
 
 def test_abort_in_bootstrap_or_mid_chunk_or_from_decode_frees_everything(model_dir):
     h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
     try:
-        h.submit("x", 21, _prompt(12, 6))
+        h.submit("x", 21, prompt(12, 6))
         h.run_until(lambda: "x" in h.sched.states)
         h.sched.abort("x", None, "client went away")  # still in the bootstrap queue
         assert not h.sched.states and len(h.sched.bootstrap_queue) == 0
-        ids = _prompt(37, 7)
+        ids = prompt(37, 7)
         h.submit("y", 22, ids)
         r, _ = h.receive(22, len(ids))
         h.run_until(lambda: h.sched.chunked is not None)  # mid-prompt, holding pages
         assert h.runner.pool.allocator.num_used_pages > 0
         h.sched.abort("y", None, "client went away")
         h.run_until(lambda: r.poll() is KVPoll.Failed)
-        h.submit("z", 23, _prompt(20, 8))
+        h.submit("z", 23, prompt(20, 8))
         rz, _ = h.receive(23, 20)
         rz.abort()  # the decode side gives up before prefill ran
         h.run_until(lambda: not h.sched.states)
@@ -223,8 +94,8 @@ def test_abort_in_bootstrap_or_mid_chunk_or_from_decode_frees_everything(model_d
 def test_a_prefix_is_shared_as_soon_as_it_is_computed_not_after_its_transfer(model_dir):
     h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
     try:
-        base = _prompt(32, 9)
-        first, second = base + _prompt(5, 10), base + _prompt(9, 11)
+        base = prompt(32, 9)
+        first, second = base + prompt(5, 10), base + prompt(9, 11)
         h.submit("first", 41, first)
         h.submit("second", 42, second)
         r1, _ = h.receive(41, len(first))
@@ -236,7 +107,7 @@ def test_a_prefix_is_shared_as_soon_as_it_is_computed_not_after_its_transfer(mod
         )
         # "second" ran while "first" was still in flight, and reused its 32 cached tokens.
         assert h.sched.processed_tokens == len(first) + len(second) - 32
-        _check_landed(h, r2, p2, second)
+        check_landed(h, r2, p2, second)
         h.sched.check_integrity()
     finally:
         h.close()
@@ -253,7 +124,7 @@ def test_prompt_longer_than_the_context_is_refused_with_400(h):
 def test_a_priority_while_priority_scheduling_is_off_is_refused_when_asked(model_dir):
     h = Harness(model_dir, abort_on_priority_when_disabled=True)
     try:
-        h.submit("p", 1, _prompt(9, 1), priority=3)
+        h.submit("p", 1, prompt(9, 1), priority=3)
         h.run_until(lambda: any(isinstance(m, msg.ReqFailed) for m in h.replies))
         [failed] = [m for m in h.replies if isinstance(m, msg.ReqFailed)]
         # The seeds: SGLang rejects it with 503.
@@ -285,11 +156,11 @@ def test_shortest_prefill_first_admits_short_requests_beside_the_capped_chunk(mo
 
     h.sched._schedule = recording
     try:
-        long_ids = _prompt(h.runner.context_length - 1, 7)  # many rounds of 16
+        long_ids = prompt(h.runner.context_length - 1, 7)  # many rounds of 16
         h.submit("long", 31, long_ids)
         r_long, p_long = h.receive(31, len(long_ids))
         h.run_until(lambda: h.sched.chunked is not None)
-        shorts = {"s1": (32, _prompt(6, 8)), "s2": (33, _prompt(7, 9))}
+        shorts = {"s1": (32, prompt(6, 8)), "s2": (33, prompt(7, 9))}
         receivers = {}
         for rid, (room, ids) in shorts.items():
             h.submit(rid, room, ids)
@@ -301,22 +172,22 @@ def test_shortest_prefill_first_admits_short_requests_beside_the_capped_chunk(mo
         assert set(beside[0]) <= {"long", "s1", "s2"}
         h.run_until(lambda: r_long.poll() is KVPoll.Success and not h.sched.states)
         for rid, (room, ids) in shorts.items():
-            _check_landed(h, *receivers[rid], ids)
-        _check_landed(h, r_long, p_long, long_ids)
+            check_landed(h, *receivers[rid], ids)
+        check_landed(h, r_long, p_long, long_ids)
         h.sched.check_integrity()
     finally:
         h.close()
 
 
 def test_requests_of_different_cache_salts_share_no_cached_page(h):
-    ids = _prompt(33, 21)
+    ids = prompt(33, 21)
 
     def computed(rid, room, salt):
         before = h.sched.processed_tokens
         h.submit(rid, room, ids, cache_salt=salt)
         r, pages = h.receive(room, len(ids))
         h.run_until(lambda: r.poll() is KVPoll.Success and not h.sched.states)
-        _check_landed(h, r, pages, ids)
+        check_landed(h, r, pages, ids)
         return h.sched.processed_tokens - before
 
     assert computed("a1", 41, "tenant-a") == 33
@@ -327,14 +198,14 @@ def test_requests_of_different_cache_salts_share_no_cached_page(h):
 
 
 def test_queued_tokens_count_what_is_left_to_compute_less_the_cached_prefix(h):
-    base = _prompt(32, 21)
+    base = prompt(32, 21)
     h.submit("warm", 31, base + [7])
     r, _ = h.receive(31, 33)
     h.run_until(lambda: r.poll() is KVPoll.Success and not h.sched.states)
     assert h.sched.queued_tokens() == 0
     # Two requests wait in the bootstrap queue (no decode side has asked for them yet):
     # one shares the cached 32 tokens, one shares nothing.
-    hit, miss = base + _prompt(9, 22), _prompt(20, 23)
+    hit, miss = base + prompt(9, 22), prompt(20, 23)
     h.submit("hit", 32, hit)
     h.submit("miss", 33, miss)
     h.run_until(lambda: len(h.sched.states) == 2)
@@ -377,7 +248,7 @@ def test_no_page_is_written_before_the_forward_that_filled_it_completed(model_di
             return write(peer, pairs, notification)
 
         monkeypatch.setattr(h.kv.backend, "write", recording)
-        ids = _prompt(21, 9)  # three chunks: 8, 8, 5 tokens
+        ids = prompt(21, 9)  # three chunks: 8, 8, 5 tokens
         h.submit("fenced", 9, ids)
         receiver, pages = h.receive(9, len(ids))
         h.run_until(lambda: len(markers) == 1)
@@ -390,7 +261,7 @@ def test_no_page_is_written_before_the_forward_that_filled_it_completed(model_di
         for m in markers:
             m.is_done = True
         h.run_until(lambda: receiver.poll() is KVPoll.Success)
-        _check_landed(h, receiver, pages, ids)
+        check_landed(h, receiver, pages, ids)
     finally:
         h.close()
 
@@ -408,7 +279,7 @@ def test_the_first_token_is_sampled_with_a_generator_on_the_logits_device(h, mon
         return real(seed, "cpu" if device is None else device)
 
     monkeypatch.setattr(scheduler_module, "make_generator", spy)
-    ids = _prompt(9, 3)
+    ids = prompt(9, 3)
     h.submit("sampled", 3, ids, sampling={"max_new_tokens": 4, "temperature": 0.8, "seed": 5})
     receiver, _ = h.receive(3, len(ids))
     h.run_until(lambda: receiver.poll() is KVPoll.Success)
@@ -421,14 +292,14 @@ def test_a_full_queue_refuses_new_requests_with_503(model_dir):
     h = Harness(model_dir, max_queued_requests=2)
     try:
         for i in range(3):
-            h.submit(f"q{i}", 40 + i, _prompt(9, 40 + i))
+            h.submit(f"q{i}", 40 + i, prompt(9, 40 + i))
         h.run_until(lambda: any(isinstance(m, msg.ReqFailed) for m in h.replies))
         [refused] = [m for m in h.replies if isinstance(m, msg.ReqFailed)]
         assert refused.rid == "q2" and refused.status == 503 and "queue is full" in refused.error
         assert set(h.sched.states) == {"q0", "q1"}
         receiver, _ = h.receive(40, 9)
         h.run_until(lambda: receiver.poll() is KVPoll.Success and "q0" not in h.sched.states)
-        h.submit("q3", 43, _prompt(9, 43))
+        h.submit("q3", 43, prompt(9, 43))
         h.run_until(lambda: "q3" in h.sched.states)
     finally:
         h.close()
@@ -439,7 +310,7 @@ def test_running_requests_are_capped(model_dir):
     a time; the other waits in the queue, then runs; both land."""
     h = Harness(model_dir, max_running_requests=1)
     try:
-        ids = {r: _prompt(11, 50 + r) for r in (0, 1)}
+        ids = {r: prompt(11, 50 + r) for r in (0, 1)}
         for r in ids:
             h.submit(f"r{r}", 50 + r, ids[r])
         got = {r: h.receive(50 + r, 11) for r in ids}
@@ -453,7 +324,7 @@ def test_running_requests_are_capped(model_dir):
         h.run_until(done)
         assert most <= 1
         for r, (rec, pages) in got.items():
-            _check_landed(h, rec, pages, ids[r])
+            check_landed(h, rec, pages, ids[r])
     finally:
         h.close()
 
@@ -477,9 +348,9 @@ def test_each_request_state_matches_its_queue_after_every_step(model_dir):
     state names; an abort in the waiting queue takes it out of that queue alone."""
     h = Harness(model_dir, max_running_requests=1, chunked_prefill_size=8, max_prefill_tokens=8)
     try:
-        ids = {r: _prompt(21, 60 + r) for r in (0, 1, 2)}
-        for r, prompt in ids.items():
-            h.submit(f"r{r}", 60 + r, prompt)
+        ids = {r: prompt(21, 60 + r) for r in (0, 1, 2)}
+        for r, tokens in ids.items():
+            h.submit(f"r{r}", 60 + r, tokens)
         seen: dict[str, list[PrefillState]] = {}
         _run_checked(h, lambda: len(h.sched.states) == 3, seen)
         assert all(s.state is PrefillState.BOOTSTRAP for s in h.sched.states.values())
@@ -497,7 +368,7 @@ def test_each_request_state_matches_its_queue_after_every_step(model_dir):
         _run_checked(h, lambda: not h.sched.states, seen)
         for r in (0, 2):
             assert got[r][0].poll() is KVPoll.Success
-            _check_landed(h, *got[r], ids[r])
+            check_landed(h, *got[r], ids[r])
         assert got[1][0].poll() is KVPoll.Failed
         # Between steps: waiting (r0 ran as soon as it was bootstrapped), the chunk in
         # progress, the pages in flight.
@@ -513,7 +384,7 @@ def test_each_request_state_matches_its_queue_after_every_step(model_dir):
 def test_the_integrity_check_catches_a_state_that_disagrees_with_its_queue(model_dir):
     h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
     try:
-        ids = _prompt(37, 70)
+        ids = prompt(37, 70)
         h.submit("a", 70, ids)
         h.run_until(lambda: "a" in h.sched.states)
         s = h.sched.states["a"]
@@ -545,7 +416,7 @@ def test_the_integrity_check_catches_a_state_that_disagrees_with_its_queue(model
 
 
 def test_the_integrity_check_catches_a_page_nobody_owns(h):
-    ids = _prompt(23, 71)
+    ids = prompt(23, 71)
     h.submit("a", 71, ids)
     receiver, _ = h.receive(71, len(ids))
     h.run_until(lambda: receiver.poll() is KVPoll.Success and not h.sched.states)

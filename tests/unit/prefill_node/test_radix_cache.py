@@ -8,6 +8,7 @@ import random
 import pytest
 
 from common.kv_pool import PageAllocator
+from prefill_node.dfs_weight import dfs_weight_order
 from prefill_node.prefix_matcher import PrefixMatcher
 from prefill_node.radix_cache import RadixCache, StaleMatchError
 from prefill_node.request import Req
@@ -239,7 +240,7 @@ def test_dfs_weight_order_visits_heavier_subtrees_first():
     root = tree.root
     nodes = [b, a_y, root, a_x, a_y, b, a, b]
     # A's subtree holds 4 requests, B 3: A first; inside A, y (2) before x (1), then A's own.
-    assert tree.dfs_weight_order(nodes) == [1, 4, 3, 6, 0, 5, 7, 2]
+    assert dfs_weight_order(tree.root, nodes) == [1, 4, 3, 6, 0, 5, 7, 2]
 
 
 def test_page_size_one_is_a_token_radix_tree():
