@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from common.kv_pool import KVPool, PageAllocator, page_runs_of
+from common.side_stream import SideStream
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class HostKVStore:
         self._pages: dict[str, list[int]] = {}
         self._pageable: dict[str, torch.Tensor] = {}  # when the host pool was full
         self._page_bytes = pool.layout.bytes_per_page
-        self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self._side = SideStream(self.device)
         self.num_pageable_copies = 0
 
     def offload(self, rid: str, pool: KVPool, pages: Sequence[int]) -> None:
@@ -70,14 +71,14 @@ class HostKVStore:
             return
         host_pages = self.allocator.allocate(len(pages))
         index = torch.tensor(list(pages), dtype=torch.long, device=self.device)
-        with self._side() as compute:
-            self._keep(index)
+        with self._side.after_compute() as compute:
+            self._side.keep(index)
             staged = pool.buffer.index_select(0, index)  # contiguous, in the copy's order
             for run in page_runs_of(host_pages):
                 self.buffer[run.start : run.start + run.length].copy_(
                     staged[run.offset : run.offset + run.length], non_blocking=self.is_cuda
                 )
-            self._done(compute)
+            self._side.done(compute)
         self._pages[rid] = host_pages
 
     def num_pages_of(self, rid: str) -> int:
@@ -95,8 +96,8 @@ class HostKVStore:
             return
         host_pages = self._pages.pop(rid)
         index = torch.tensor(list(pages), dtype=torch.long, device=self.device)
-        with self._side() as compute:
-            self._keep(index)
+        with self._side.after_compute() as compute:
+            self._side.keep(index)
             staged = torch.empty(
                 (len(pages), *pool.layout.page_shape), dtype=pool.buffer.dtype, device=self.device
             )
@@ -105,7 +106,7 @@ class HostKVStore:
                     self.buffer[run.start : run.start + run.length], non_blocking=self.is_cuda
                 )
             pool.buffer.index_copy_(0, index, staged)
-            self._done(compute)
+            self._side.done(compute)
         self.allocator.free(host_pages)
 
     def drop(self, rid: str) -> bool:
@@ -137,43 +138,3 @@ class HostKVStore:
         held = sum(map(len, self._pages.values()))
         if held != self.allocator.num_used_pages:
             raise AssertionError(f"{held} host pages held, {self.allocator.num_used_pages} used")
-
-    def _side(self) -> _SideStream:
-        return _SideStream(self._stream, self.device)
-
-    def _keep(self, t: torch.Tensor) -> None:
-        """A tensor made on the compute stream and read on the side stream: its memory is
-        not reused before the side stream is done with it."""
-        if self._stream is not None:
-            t.record_stream(self._stream)
-
-    def _done(self, compute: torch.cuda.Stream | None) -> None:
-        """The compute stream waits for this copy (on the GPU, not the host)."""
-        if self._stream is not None and compute is not None:
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            compute.wait_event(event)
-
-
-class _SideStream:
-    """On CUDA: run the block on the side stream after the compute stream's work so far;
-    yields the compute stream. Elsewhere: run it as is, yielding None."""
-
-    def __init__(self, stream: torch.cuda.Stream | None, device: torch.device) -> None:
-        self.stream = stream
-        self.device = device
-        self._ctx: object | None = None
-
-    def __enter__(self) -> torch.cuda.Stream | None:
-        if self.stream is None:
-            return None
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        self._ctx = torch.cuda.stream(self.stream)
-        self._ctx.__enter__()  # type: ignore[attr-defined]
-        return compute
-
-    def __exit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)  # type: ignore[attr-defined]
-            self._ctx = None

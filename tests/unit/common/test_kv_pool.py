@@ -148,3 +148,16 @@ def test_host_tier_is_sized_by_gigabytes_or_by_a_ratio_of_the_device_pool():
     assert HostKVPool.num_pages_for(layout, 100, 0.0, 2.5) == 250
     gib = 1 << 30
     assert HostKVPool.num_pages_for(layout, 100, 1.0, 2.5) == gib // layout.bytes_per_page
+
+
+def test_page_runs_cover_the_pairs_in_order_with_the_fewest_copies():
+    from common.host_kv_pool import page_runs
+
+    assert page_runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 8]) == [(4, 0, 3), (9, 3, 2), (2, 8, 1)]
+    assert page_runs([], []) == []
+    rng = random.Random(3)
+    src, dst = rng.sample(range(40), 20), rng.sample(range(40), 20)
+    pairs = [(s + k, d + k) for s, d, n in page_runs(src, dst) for k in range(n)]
+    assert pairs == list(zip(src, dst))
+    with pytest.raises(ValueError):
+        page_runs([1], [])
