@@ -31,13 +31,9 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +41,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from local_cluster import free_port, pct, wait_ready  # noqa: E402
+from local_cluster import (  # noqa: E402
+    LOG_DIR,
+    free_port,
+    metric_sums,
+    pct,
+    start,
+    stop_all,
+    stream,
+    wait_line,
+    wait_ready,
+)
 
 TOKEN = "bench-disagg-token"
-READY = "PDSERVE_READY "
 CHAIN = (
     "receive",
     "tokenize",
@@ -60,85 +65,6 @@ CHAIN = (
     "decode_first_token",
     "first_byte",
 )
-
-
-LOG_DIR = Path(tempfile.gettempdir()) / f"pdserve-disagg-{os.getpid()}"
-
-
-def start(
-    module: str, args: list[str], cpus: set[int], env: dict[str, str]
-) -> subprocess.Popen[str]:
-    """One node process pinned to ``cpus``; its stderr (the log) goes to LOG_DIR/<module>.log."""
-    usable = os.sched_getaffinity(0)
-    pin = cpus & usable or usable
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    with open(LOG_DIR / f"{module}.log", "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            cwd=ROOT,
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            preexec_fn=lambda: os.sched_setaffinity(0, pin),
-        )
-
-
-def wait_line(proc: subprocess.Popen[str], timeout_s: float = 300.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith(READY):
-            threading.Thread(target=lambda: [None for _ in proc.stdout or []], daemon=True).start()
-            return dict(json.loads(line[len(READY) :]))
-        if not line and proc.poll() is not None:
-            raise SystemExit(f"{proc.args} exited with {proc.returncode}")
-    raise SystemExit(f"{proc.args} did not start")
-
-
-def metric_sums(url: str) -> dict[str, float]:
-    """sum of pdserve_request_stage_seconds per stage on the gateway's /metrics."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("pdserve_request_stage_seconds_sum{"):
-            head, value = line.rsplit(" ", 1)
-            stage = head.split('stage="', 1)[1].split('"', 1)[0]
-            out[stage] = out.get(stage, 0.0) + float(value)
-    return out
-
-
-def stream(url: str, body: dict[str, Any]) -> tuple[float, list[float]]:
-    """(TTFT s, gaps between later chunks s) of one streamed completion."""
-    req = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    start = time.perf_counter()
-    ttft, last, gaps = None, 0.0, []
-    try:
-        r = urllib.request.urlopen(req, timeout=600)
-    except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:300]!r}") from None
-    with r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            choices = json.loads(line[6:])["choices"]
-            if not choices or not choices[0].get("text") and not choices[0].get("finish_reason"):
-                continue
-            now = time.perf_counter()
-            if ttft is None:
-                ttft = now - start
-            else:
-                gaps.append(now - last)
-            last = now
-    return ttft or float("nan"), gaps
 
 
 def measure_ttft(
@@ -446,13 +372,7 @@ def run_mode(
         )
         return ttft, rows
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 def main() -> None:

@@ -135,6 +135,10 @@ HOST_CACHE_HIT_TOKENS: Final = _counter(
     "pdserve_host_cache_hit_tokens_total",
     "Prompt tokens loaded back from the host tier (also counted in prefix_cache_hit_tokens).",
 )
+HOST_CACHE_SKIPPED_TOKENS: Final = _counter(
+    "pdserve_host_cache_skipped_tokens_total",
+    "Host-tier hit tokens computed instead, as a page loads slower than it computes here.",
+)
 HOST_CACHE_PAGES: Final = _gauge(
     "pdserve_host_cache_pages", "Host-tier pages holding a copy of cached KV."
 )

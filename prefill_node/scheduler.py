@@ -44,6 +44,7 @@ from prefill_node.cache_aware_orders import usable_prefix_len
 from prefill_node.hiradix_cache import HiRadixCache
 from prefill_node.integrity import check_requests
 from prefill_node.kv_events import KVEventPublisher
+from prefill_node.load_back_cost import LoadBackCost
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
 from prefill_node.queues import BootstrapQueue, GrammarQueue, InflightQueue, poll_grammar
 from prefill_node.radix_cache import RadixCache
@@ -80,6 +81,8 @@ class PrefillScheduler:
         self.page_size = runner.page_size
         self.events = None if config.disable_radix_cache else events
         self.tree = build_tree(config, runner.pool, self.events)
+        self.is_cuda = runner.pool.device.type == "cuda"
+        self.load_cost = LoadBackCost(self.page_size)  # host-tier hits: load or compute
         self.policy = SchedulePolicy.from_config(config, self.tree)
         self.request_socket = request_socket
         self.push = PushPool(zmq.Context.instance())
@@ -292,8 +295,11 @@ class PrefillScheduler:
                 if self._waits_for_batch_mate(req, prefix, adder.can_run_list):
                     continue
                 if match is not None and prefix > match.num_tokens:
-                    match = self._load_back(req, match, prefix)
-                    adder.free_tokens = self.allocator.num_free_pages * self.page_size
+                    if self.load_cost.is_worth_loading():
+                        match = self._load_back(req, match, prefix)
+                        adder.free_tokens = self.allocator.num_free_pages * self.page_size
+                    else:  # computing these tokens is cheaper here than copying them back
+                        self.stats.host_skipped(prefix - match.num_tokens)
                     prefix = min(prefix, match.num_tokens)
                 node = match.last_node if match is not None and prefix > 0 else None
                 result = adder.add_one_req(req, prefix, node)
@@ -329,7 +335,10 @@ class PrefillScheduler:
         finally:
             tree.dec_lock_ref(match.last_node)
         self.allocator.free(unused)
-        self.stats.host_loaded((len(pages) - len(unused)) * self.page_size, seconds)
+        num_loaded = len(pages) - len(unused)
+        self.stats.host_loaded(num_loaded * self.page_size, seconds)
+        if not self.is_cuda:  # on CUDA the copy and the forward only queue work: no timing
+            self.load_cost.observe_load(num_loaded, seconds)
         return loaded
 
     def _is_running_full(self, adder: PrefillAdder) -> bool:
@@ -389,6 +398,7 @@ class PrefillScheduler:
 
     def _run(self, chunks: list[PrefillChunk]) -> None:
         reqs = [self.states[c.req.rid] for c in chunks]
+        start = time.perf_counter()
         try:
             out = self.runner.extend(
                 [
@@ -400,8 +410,11 @@ class PrefillScheduler:
             for s in reqs:
                 self.failures.isolate(s.rid, s.generate.reply_endpoint, "prefilling it", exc)
             return
-        self.processed_tokens += sum(c.extend_len for c in chunks)
-        self.stats.prefill_tokens(sum(c.extend_len for c in chunks))
+        num_tokens = sum(c.extend_len for c in chunks)
+        if not self.is_cuda:
+            self.load_cost.observe_compute(num_tokens, time.perf_counter() - start)
+        self.processed_tokens += num_tokens
+        self.stats.prefill_tokens(num_tokens)
         for i, (c, s) in enumerate(zip(chunks, reqs)):
             try:
                 self._finish_chunk(c, s, out.logits[i : i + 1], out.done)

@@ -96,6 +96,10 @@ class PrefillStats:
         metrics.HOST_CACHE_HIT_TOKENS.labels(role=self.role).inc(num_tokens)
         metrics.HOST_CACHE_LOAD_SECONDS.labels(role=self.role).observe(seconds)
 
+    def host_skipped(self, num_tokens: int) -> None:
+        """A host-tier hit computed instead: loading it costs more here."""
+        metrics.HOST_CACHE_SKIPPED_TOKENS.labels(role=self.role).inc(num_tokens)
+
     def evicted(self, num_pages: int) -> None:
         if num_pages:
             metrics.PREFIX_CACHE_EVICTED_PAGES.labels(role=self.role).inc(num_pages)

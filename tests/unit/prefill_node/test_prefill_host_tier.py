@@ -100,3 +100,37 @@ def test_the_waiting_queue_sorts_on_host_hits_too(model_dir):
         assert [r.rid for r in queue] == ["warm", "cold"]
     finally:
         h.close()
+
+
+def test_a_host_hit_is_computed_when_a_page_loads_slower_than_it_computes(model_dir):
+    h = Harness(model_dir, num_pages=16, enable_hierarchical_cache=True)
+    try:
+        base = prompt(32, 50)
+        _serve(h, "a", 1, base + [5])
+        _serve(h, "x", 2, prompt(40, 51))
+        _serve(h, "y", 3, prompt(40, 52))
+        cost = h.sched.load_cost
+        assert cost.load_s_per_page is None  # nothing loaded yet
+        cost.load_s_per_page, cost.compute_s_per_token = 1.0, 1e-6  # a slow tier
+        second = base + prompt(9, 53)
+        computed, hits = h.sched.processed_tokens, _host_hits()
+        _serve(h, "b", 4, second, check=True)
+        assert h.sched.processed_tokens - computed == len(second)  # all of it computed
+        assert _host_hits() == hits
+    finally:
+        h.close()
+
+
+def test_load_back_cost_loads_until_measured_then_only_while_cheaper():
+    from prefill_node.load_back_cost import LoadBackCost
+
+    cost = LoadBackCost(page_size=16, weight=0.5)
+    assert cost.is_worth_loading()
+    cost.observe_load(4, 4e-4)  # 100 us a page
+    assert cost.is_worth_loading()  # compute not measured yet
+    cost.observe_compute(100, 1e-3)  # 10 us a token: 160 us a page
+    assert cost.is_worth_loading()
+    cost.observe_load(1, 5e-4)  # the average moves to 300 us a page
+    assert cost.load_s_per_page == pytest.approx(3e-4) and not cost.is_worth_loading()
+    cost.observe_load(0, 1.0)  # nothing loaded: ignored
+    assert cost.load_s_per_page == pytest.approx(3e-4)
