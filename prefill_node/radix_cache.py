@@ -26,13 +26,13 @@ import numpy as np
 from common import page_hash
 from common.token_keys import TOKEN_BYTES, token_key
 from prefill_node.radix_integrity import check_tree
+from prefill_node.radix_log import ChangeLog
 from prefill_node.radix_node import (
     EV_ADD,
     EV_EVICT,
     EV_SPLIT,
     EV_TIER,
     CacheEvents,
-    Event,
     MatchResult,
     PageFreer,
     StaleMatchError,
@@ -41,10 +41,8 @@ from prefill_node.radix_node import (
 
 __all__ = ["CacheEvents", "MatchResult", "PageFreer", "RadixCache", "StaleMatchError", "TreeNode"]
 
-_MAX_LOG = 1 << 16  # events kept for revalidating matches
 
-
-class RadixCache:
+class RadixCache(ChangeLog):
     """Page-granular prefix cache. Sizes are in pages; the ``*_size()`` methods in tokens."""
 
     def __init__(
@@ -56,10 +54,7 @@ class RadixCache:
         self._page_bytes = page_size * TOKEN_BYTES
         # A KVPool frees through its allocator; None: values are not real pages (tests, bench).
         self._allocator: PageFreer | None = getattr(allocator, "allocator", allocator)
-        self.version = 0
-        self.generation = 0
-        self._log: list[Event] = []
-        self._log_start = 0  # version of _log[0]
+        self._init_log()
         self._serial = 0
         self._tick = 0
         self._events = events
@@ -418,42 +413,6 @@ class RadixCache:
                 node.last_access = tick
                 node = node.parent  # type: ignore[assignment]
 
-    # --- versioning ------------------------------------------------------------------------
-    def events_since(self, version: int) -> list[Event] | None:
-        """Structural changes after ``version``; None when they are no longer logged."""
-        if version == self.version:
-            return []
-        if version < self._log_start or version > self.version:
-            return None
-        return self._log[version - self._log_start :]
-
-    def is_match_current(self, match: MatchResult) -> bool:
-        """Whether ``match`` is still what match_prefix would return (same pages and node)."""
-        if match.generation != self.generation:
-            return False
-        events = self.events_since(match.version)
-        if events is None:
-            return False
-        filed = (match.last_node, match.first_host, match.end_node)
-        for kind, n, detail in events:
-            if n not in filed:
-                continue
-            if kind == EV_ADD:
-                if n is match.end_node and detail == match.extend_key:
-                    return False
-            elif kind != EV_SPLIT or match.first_host is not None:
-                return False  # evicted, moved between tiers, or split with a host part
-            elif match.is_partial and match.num_tokens <= detail:  # type: ignore[operator]
-                return False
-        return True
-
-    def _log_event(self, kind: int, node: TreeNode, detail: bytes | int | None) -> None:
-        self._log.append((kind, node, detail))
-        self.version += 1
-        if len(self._log) > 2 * _MAX_LOG:
-            del self._log[:_MAX_LOG]
-            self._log_start += _MAX_LOG
-
     def _next_serial(self) -> int:
         self._serial += 1
         return self._serial
@@ -476,10 +435,7 @@ class RadixCache:
         self._init_tree()
         if self._events is not None:
             self._events.cleared()
-        self.generation += 1
-        self.version += 1
-        self._log.clear()
-        self._log_start = self.version
+        self._restart_log()
 
     def _tail_hash(self, node: TreeNode) -> int:
         """The chained hash a child of ``node`` continues from."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import zmq
@@ -30,27 +29,24 @@ from common import messages as msg
 from common import stages
 from common.config import PrefillConfig
 from common.grammar.backend import GrammarBackend, GrammarError, GrammarState
-from common.host_kv_pool import HostKVPool
 from common.ipc import PushPool
-from common.kv_pool import KVPool, pages_needed
+from common.kv_pool import pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
 from common.node.gateway_watch import GatewayWatch
 from common.node.scheduling import RequestFailures
 from common.sampler import Sampler, make_generator, seed_for_position
-from common.sampling_params import SamplingParams
 from common.token_keys import TOKEN_BYTES
 from common.work_done import WorkDone
 from prefill_node.cache_aware_orders import usable_prefix_len
-from prefill_node.hiradix_cache import HiRadixCache
 from prefill_node.integrity import check_requests
 from prefill_node.kv_events import KVEventPublisher
-from prefill_node.load_back_cost import LoadBackCost
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
+from prefill_node.prefill_cache import PrefillCache
 from prefill_node.queues import BootstrapQueue, GrammarQueue, InflightQueue, poll_grammar
 from prefill_node.radix_cache import RadixCache
-from prefill_node.radix_node import MatchResult
 from prefill_node.req_state import PrefillReq, PrefillState
 from prefill_node.request import Req
+from prefill_node.request_check import NodeLimits, Refusal, check_request
 from prefill_node.schedule_policy import SchedulePolicy
 from prefill_node.stats import PrefillStats
 from transfer.kv_manager import KVManager
@@ -80,10 +76,16 @@ class PrefillScheduler:
         self.allocator = runner.pool.allocator
         self.page_size = runner.page_size
         self.events = None if config.disable_radix_cache else events
-        self.tree = build_tree(config, runner.pool, self.events)
-        self.is_cuda = runner.pool.device.type == "cuda"
-        self.load_cost = LoadBackCost(self.page_size)  # host-tier hits: load or compute
+        self.stats = PrefillStats(self)
+        self.cache = PrefillCache(config, runner.pool, self.events, self.stats)
         self.policy = SchedulePolicy.from_config(config, self.tree)
+        self.limits = NodeLimits(
+            runner.context_length,
+            runner.pool.num_pages,
+            self.page_size,
+            runner.spec.vocab_size,
+            grammar is not None,
+        )
         self.request_socket = request_socket
         self.push = PushPool(zmq.Context.instance())
         self.clock = clock
@@ -95,7 +97,6 @@ class PrefillScheduler:
         self.states: dict[str, PrefillReq] = {}  # by rid, every request this node holds
         self.chunked: PrefillReq | None = None  # the one PREFILLING request between rounds
         self.processed_tokens = 0  # HRRN's clock: tokens prefilled so far
-        self.stats = PrefillStats(self)
         self.gateway_watch = GatewayWatch()
         # A prefill abort tells the decode side (through the sender), not the gateway.
         self.failures = RequestFailures(
@@ -154,6 +155,11 @@ class PrefillScheduler:
         s.req.enter_waiting_queue(self.clock(), self.processed_tokens)
         self.waiting_queue.append(s.req)
 
+    @property
+    def tree(self) -> RadixCache | None:
+        """The radix cache (None: --disable-radix-cache)."""
+        return self.cache.tree
+
     def _on_message(self, m: msg.Message) -> None:
         if isinstance(m, msg.KVSnapshotRequest) and self.events is not None:
             self.events.request_snapshot()
@@ -168,64 +174,30 @@ class PrefillScheduler:
             for s in self.states.values():
                 left = s.req.num_input_tokens - s.num_computed
                 if left > 0 and s.num_computed == 0 and not s.pages:
-                    left -= self._cached_prefix(s.req)
+                    left -= self.cache.cached_prefix(s.req)
                 total += max(0, left)
             self._queued, self._queued_at = total, now
         return self._queued
 
-    def _cached_prefix(self, req: Req) -> int:
-        """The prefix of a request not admitted yet that its prefill would start from."""
-        if self.tree is None:
-            return 0
-        match = req.match
-        if match is None or match.version != self.tree.version:
-            match = self.tree.match_prefix(req.key, req.namespace)  # pure: changes nothing
-        usable = (req.num_input_tokens - 1) // self.page_size * self.page_size
-        return min(match.total_tokens, usable)
-
     # ---- ingress -------------------------------------------------------------------------------
 
     def _add_request(self, g: msg.GenerateReq, received: float) -> None:
-        # A migrated request (g.output_ids) prefills its prompt and the output so far.
-        ids = [*g.input_ids, *g.output_ids]
-        n = len(ids)
-        error, status, retryable = None, 400, False
-        if g.rid in self.states:
-            error = f"duplicate request id {g.rid}"
-        elif n == 0 or n >= self.runner.context_length:
-            error = f"prompt of {n} tokens; the context length is {self.runner.context_length}"
-        elif pages_needed(n, self.page_size) > self.runner.pool.num_pages:
-            error = f"prompt of {n} tokens does not fit this node's KV pool"
-        elif self._is_queue_full():
-            error, status = "the prefill node's queue is full; retry later", 503
-            retryable = True  # another node pair may take it
-        elif (
-            g.priority is not None
-            and not self.config.enable_priority_scheduling
-            and self.config.abort_on_priority_when_disabled
-        ):
-            error = (
-                "priority given but priority scheduling is disabled "
-                "(--abort-on-priority-when-disabled)"
+        checked = check_request(
+            g,
+            self.config,
+            self.limits,
+            is_duplicate=g.rid in self.states,
+            is_queue_full=self._is_queue_full(),
+        )
+        if isinstance(checked, Refusal):
+            failed = msg.ReqFailed(
+                rid=g.rid, status=checked.status, error=checked.error, retryable=checked.retryable
             )
-            status = 503  # SGLang's status for it (the seeds)
-        try:
-            sampling = SamplingParams.from_wire(g.sampling)
-            sampling.validate(self.runner.spec.vocab_size)
-            if g.return_logprob and not sampling.logprobs:
-                sampling = replace(sampling, logprobs=True)  # the first token's logprob
-        except ValueError as exc:
-            error = error or str(exc)
-        else:
-            if sampling.grammar is not None and self.grammar is None and error is None:
-                error = "structured output is off on this node (--grammar-backend none)"
-            if g.output_ids and len(g.output_ids) >= sampling.max_new_tokens and error is None:
-                error = f"{len(g.output_ids)} output tokens already: max_new_tokens reached"
-        if error is not None:
-            failed = msg.ReqFailed(rid=g.rid, status=status, error=error, retryable=retryable)
             self.push.send(g.reply_endpoint, failed)
             self.stats.finished("rejected")
             return
+        sampling = checked
+        ids = [*g.input_ids, *g.output_ids]
         # A prefill node computes exactly one token: no decode room to reserve.
         req = Req(
             rid=g.rid,
@@ -241,14 +213,14 @@ class PrefillScheduler:
             req,
             g,
             sampling,
-            self.kv.create_sender(g.room, n),
+            self.kv.create_sender(g.room, len(ids)),
             marks={stages.PREFILL_RECEIVED: received},
         )
         if self.grammar is not None and sampling.grammar is not None:
             s.grammar_ticket = self.grammar.submit(*sampling.grammar)
         self.states[g.rid] = s
         self.bootstrap_queue.add(s)
-        self.stats.prompt_tokens(n)
+        self.stats.prompt_tokens(len(ids))
 
     def _is_queue_full(self) -> bool:
         """--max-queued-requests: requests waiting here (for their decode node's pages, or
@@ -294,12 +266,9 @@ class PrefillScheduler:
                 prefix = usable_prefix_len(req, self.page_size) if match is not None else 0
                 if self._waits_for_batch_mate(req, prefix, adder.can_run_list):
                     continue
-                if match is not None and prefix > match.num_tokens:
-                    if self.load_cost.is_worth_loading():
-                        match = self._load_back(req, match, prefix)
-                        adder.free_tokens = self.allocator.num_free_pages * self.page_size
-                    else:  # computing these tokens is cheaper here than copying them back
-                        self.stats.host_skipped(prefix - match.num_tokens)
+                if match is not None and prefix > match.num_tokens:  # a host-tier part
+                    match = self.cache.load_back(req, match, prefix)
+                    adder.free_tokens = self.allocator.num_free_pages * self.page_size
                     prefix = min(prefix, match.num_tokens)
                 node = match.last_node if match is not None and prefix > 0 else None
                 result = adder.add_one_req(req, prefix, node)
@@ -315,31 +284,6 @@ class PrefillScheduler:
             if adder.new_chunked_req is not None:
                 self.chunked = self.states[adder.new_chunked_req.rid]
         return [c for c in adder.can_run_list if self._allocate(c)]
-
-    def _load_back(self, req: Req, match: MatchResult, prefix: int) -> MatchResult:
-        """Copy the host tier's part of a request's usable prefix into device pages (evicting
-        to make room) and return the match that now holds it on the device. What gets no
-        device pages, or left the host tier meanwhile, is computed instead."""
-        tree = self.tree
-        assert isinstance(tree, HiRadixCache)
-        need = (prefix - match.num_tokens) // self.page_size
-        tree.inc_lock_ref(match.last_node)  # the device part stays while room is made
-        try:
-            short = need - self.allocator.num_free_pages
-            if short > 0:
-                self.stats.evicted(tree.evict(short))
-            pages = self.allocator.allocate(min(need, self.allocator.num_free_pages))
-            start = time.perf_counter()
-            loaded, unused = tree.load_back(req.key, req.namespace, pages)
-            seconds = time.perf_counter() - start
-        finally:
-            tree.dec_lock_ref(match.last_node)
-        self.allocator.free(unused)
-        num_loaded = len(pages) - len(unused)
-        self.stats.host_loaded(num_loaded * self.page_size, seconds)
-        if not self.is_cuda:  # on CUDA the copy and the forward only queue work: no timing
-            self.load_cost.observe_load(num_loaded, seconds)
-        return loaded
 
     def _is_running_full(self, adder: PrefillAdder) -> bool:
         """--max-running-requests: requests being prefilled this round or transferring
@@ -411,8 +355,7 @@ class PrefillScheduler:
                 self.failures.isolate(s.rid, s.generate.reply_endpoint, "prefilling it", exc)
             return
         num_tokens = sum(c.extend_len for c in chunks)
-        if not self.is_cuda:
-            self.load_cost.observe_compute(num_tokens, time.perf_counter() - start)
+        self.cache.observe_compute(num_tokens, time.perf_counter() - start)
         self.processed_tokens += num_tokens
         self.stats.prefill_tokens(num_tokens)
         for i, (c, s) in enumerate(zip(chunks, reqs)):
@@ -428,7 +371,7 @@ class PrefillScheduler:
         `done` marks the end of the forward that wrote the chunk's KV: the sender posts no
         write before it has completed (on CUDA the forward only queued its kernels)."""
         s.num_computed = c.end
-        self._cache_prefix(s)
+        self.cache.cache_prefix(s)
         if not c.is_last:
             s.sender.send(s.pages, c.end, ready=done)
             return
@@ -470,34 +413,6 @@ class PrefillScheduler:
             self.stats.finished("finished")
         for s in failed:
             self._fail(s, 500, f"KV transfer failed: {s.sender.failure_reason}", retryable=True)
-
-    def _cache_prefix(self, s: PrefillReq) -> None:
-        """Put the whole pages computed so far into the radix cache right away (as SGLang's
-        cache_unfinished_req does), so requests scheduled next round share them even while
-        this one is still chunking or transferring; its lock moves to the new node."""
-        if self.tree is None:
-            return
-        ps = self.page_size
-        num_whole = s.num_computed // ps
-        if num_whole <= s.num_prefix_pages:
-            return
-        key = s.req.origin_input_ids[: num_whole * ps]
-        self.tree.insert(key, s.pages[:num_whole], s.req.namespace)
-        match = self.tree.match_prefix(key, s.req.namespace)
-        # Pages another request cached first are duplicates: ours may still be the source
-        # of a write in flight, so they are freed only when the request ends.
-        s.duplicate_pages += [
-            own
-            for own, cached in zip(
-                s.pages[s.num_prefix_pages : num_whole], match.page_ids[s.num_prefix_pages :]
-            )
-            if own != cached
-        ]
-        self.tree.inc_lock_ref(match.last_node)
-        if s.locked_node is not None:
-            self.tree.dec_lock_ref(s.locked_node)
-        s.pages[:num_whole] = match.page_ids
-        s.num_prefix_pages, s.locked_node = num_whole, match.last_node
 
     def _cache_and_release(self, s: PrefillReq) -> None:
         """The transfer is done: unlock the prompt's cached pages (they stay cached)."""
@@ -580,27 +495,3 @@ class PrefillScheduler:
         if self.tree is not None:
             self.tree.check_integrity()
         check_requests(self)
-
-
-def build_tree(
-    config: PrefillConfig, pool: KVPool, events: KVEventPublisher | None
-) -> RadixCache | None:
-    """The prefill node's radix cache: none (--disable-radix-cache), device-only, or with a
-    host tier below it (--enable-hierarchical-cache)."""
-    if config.disable_radix_cache:
-        return None
-    if not config.enable_hierarchical_cache:
-        return RadixCache(pool.page_size, pool.allocator, events=events)
-    num_host = HostKVPool.num_pages_for(
-        pool.layout, pool.num_pages, config.hicache_size, config.hicache_ratio
-    )
-    host = HostKVPool(pool, num_host)
-    logger.info(
-        "host tier: %d pages (%.2f GB), %s",
-        num_host,
-        host.nbytes / 2**30,
-        config.hicache_write_policy,
-    )
-    return HiRadixCache(
-        pool.page_size, pool.allocator, host, config.hicache_write_policy, events=events
-    )

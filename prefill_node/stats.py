@@ -57,9 +57,6 @@ class PrefillStats:
         self._hits = metrics.PREFIX_CACHE_HIT_TOKENS.labels(role=role)
         self.role = role
         self._host_evicted = 0  # the tree's count when last reported
-        if isinstance(scheduler.tree, HiRadixCache):
-            total = scheduler.tree.host.allocator.num_pages
-            metrics.HOST_CACHE_PAGES_TOTAL.labels(role=role).set(total)
 
     def update(self) -> None:
         s = self.s
@@ -72,6 +69,8 @@ class PrefillStats:
         tree = s.tree
         if isinstance(tree, HiRadixCache):
             metrics.HOST_CACHE_PAGES.labels(role=self.role).set(tree.num_host_pages)
+            total = tree.host.allocator.num_pages
+            metrics.HOST_CACHE_PAGES_TOTAL.labels(role=self.role).set(total)
             if tree.num_host_evicted_pages > self._host_evicted:
                 dropped = tree.num_host_evicted_pages - self._host_evicted
                 metrics.HOST_CACHE_EVICTED_PAGES.labels(role=self.role).inc(dropped)

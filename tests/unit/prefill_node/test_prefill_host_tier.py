@@ -109,7 +109,7 @@ def test_a_host_hit_is_computed_when_a_page_loads_slower_than_it_computes(model_
         _serve(h, "a", 1, base + [5])
         _serve(h, "x", 2, prompt(40, 51))
         _serve(h, "y", 3, prompt(40, 52))
-        cost = h.sched.load_cost
+        cost = h.sched.cache.load_cost
         assert cost.load_s_per_page is None  # nothing loaded yet
         cost.load_s_per_page, cost.compute_s_per_token = 1.0, 1e-6  # a slow tier
         second = base + prompt(9, 53)
