@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import zmq
 
 from bootstrap import gateway_metrics as gm
 from bootstrap.kv_index import KVIndex
+from bootstrap.router import HostHits
 from common import messages as msg
 from common import metrics, page_hash
 from common.ipc import PushPool, close_pull, connect_sub, poll_any, recv_messages
@@ -99,6 +100,15 @@ class KVEventSubscriber:
         with self._lock:
             return self.index.overlaps(hashes, node_ids)
 
+    def host_hits(self, hashes: Sequence[int], overlaps: Mapping[str, int]) -> HostHits | None:
+        """Of the pages each node holds (``overlaps``), those on its host tier alone and
+        what loading one costs there; None when no node holds any on a host tier."""
+        with self._lock:
+            pages = self.index.host_pages(hashes, overlaps)
+            if not pages:
+                return None
+            return HostHits(pages, {n: self.index.host_load_cost(n) for n in pages})
+
     def queued_tokens(self) -> dict[str, int]:
         """Prefill tokens waiting on each node: its last report, plus what this gateway sent
         it since (the report does not have those yet); a node missing counts 0. One copy
@@ -163,6 +173,7 @@ class KVEventSubscriber:
                 else:
                     try:
                         stored, removed = page_hash.unpack(m.stored), page_hash.unpack(m.removed)
+                        stored_host = page_hash.unpack(m.stored_host)
                         is_valid = True
                     except ValueError:
                         is_valid = False
@@ -179,6 +190,8 @@ class KVEventSubscriber:
                             is_snapshot=m.is_snapshot,
                             queued_tokens=max(0, m.queued_tokens),
                             max_pages=source.num_pages,
+                            stored_host=stored_host,
+                            host_load_cost=min(max(m.host_load_cost, 0.0), 1.0),
                         )
                         outcome = (
                             "snapshot"

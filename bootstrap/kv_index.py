@@ -89,12 +89,17 @@ class NodeCache:
     # it, and those requests, oldest first.
     expected: dict[int, int] = field(default_factory=dict)
     expectations: deque[Expectation] = field(default_factory=deque)
+    # Of hashes, the pages the node holds on its host tier alone, and what loading one
+    # back costs there as a fraction of computing it (its events say both).
+    host: set[int] = field(default_factory=set)
+    host_load_cost: float = 0.0
 
 
 class KVIndex:
     def __init__(self) -> None:
         self._holders: dict[int, int] = {}  # page hash -> bit mask of node slots
         self._expecting: dict[int, int] = {}  # page hash -> bit mask of nodes expecting it
+        self._host: dict[int, int] = {}  # page hash -> bit mask of nodes holding it on host alone
         self._nodes: dict[str, NodeCache] = {}
         self._slot_owner: list[str | None] = []
         self._free_slots: list[int] = []
@@ -118,8 +123,12 @@ class KVIndex:
         is_snapshot: bool,
         queued_tokens: int,
         max_pages: int,
+        stored_host: HashArray | None = None,
+        host_load_cost: float = 0.0,
     ) -> NodeCache:
-        """One batch of node ``node_id``'s events; returns its state (see needs_snapshot)."""
+        """One batch of node ``node_id``'s events; returns its state (see needs_snapshot).
+        ``stored_host``: pages now held on the node's host tier alone (``stored``: on its
+        device, again)."""
         node = self._nodes.get(node_id)
         if node is not None and node.instance_id != instance_id:
             self.drop_node(node_id)  # a new process: the old one's cache is gone
@@ -127,8 +136,10 @@ class KVIndex:
         if node is None:
             node = self._add_node(node_id, instance_id, max_pages)
         node.max_pages = max_pages
+        node.host_load_cost = host_load_cost
+        on_host = stored_host.tolist() if stored_host is not None else []
         if is_snapshot:
-            self._replace(node, stored)
+            self._replace(node, stored, on_host)
             node.seq, node.needs_snapshot = seq, False
             self._confirm(node)
         elif seq > node.seq:  # else a repeat, or a keepalive that carries the last seq
@@ -141,7 +152,11 @@ class KVIndex:
             self._remove(node, removed.tolist())
             if len(stored):
                 self._store(node, stored.tolist())
+                self._set_host(node, stored.tolist(), False)
                 self._confirm(node)
+            if on_host:
+                self._store(node, on_host)
+                self._set_host(node, on_host, True)
         self.report_load(node_id, queued_tokens)
         return node
 
@@ -233,6 +248,9 @@ class KVIndex:
 
     def _remove(self, node: NodeCache, hashes: Iterable[int]) -> None:
         bit, holders, mine = 1 << node.slot, self._holders, node.hashes
+        hashes = list(hashes)
+        if node.host:
+            self._set_host(node, hashes, False)
         for h in hashes:
             if h not in mine:
                 continue
@@ -243,10 +261,28 @@ class KVIndex:
             else:
                 del holders[h]
 
-    def _replace(self, node: NodeCache, hashes: HashArray) -> None:
+    def _set_host(self, node: NodeCache, hashes: Iterable[int], on_host: bool) -> None:
+        """Mark the node's pages among ``hashes`` as held on its host tier alone, or not."""
+        bit, host, mine = 1 << node.slot, self._host, node.host
+        for h in hashes:
+            if on_host and h in node.hashes and h not in mine:
+                mine.add(h)
+                host[h] = host.get(h, 0) | bit
+            elif not on_host and h in mine:
+                mine.discard(h)
+                mask = host[h] & ~bit
+                if mask:
+                    host[h] = mask
+                else:
+                    del host[h]
+
+    def _replace(self, node: NodeCache, hashes: HashArray, on_host: list[int]) -> None:
         new = set(hashes.tolist())
+        new.update(on_host)
         self._remove(node, list(node.hashes - new))
         self._store(node, new - node.hashes)
+        self._set_host(node, list(node.host.difference(on_host)), False)
+        self._set_host(node, on_host, True)
 
     def _confirm(self, node: NodeCache) -> None:
         """End the expectations whose last page the node's events have now stored."""
@@ -322,6 +358,35 @@ class KVIndex:
                 if node_id is not None and node_id in wanted:
                     out[node_id] = depth
         return out
+
+    def host_pages(self, hashes: Sequence[int], depths: Mapping[str, int]) -> dict[str, int]:
+        """Of the ``depths[n]`` leading pages of ``hashes`` each node holds (overlaps), those
+        on its host tier alone (only nodes with >= 1). A node's device pages come first (its
+        device tier is prefix-closed), so the host part starts where bisection finds it."""
+        host, out = self._host, dict[str, int]()
+        if not host:
+            return out
+        for node_id, depth in depths.items():
+            node = self._nodes.get(node_id)
+            if node is None or not node.host or depth <= 0:
+                continue
+            bit = 1 << node.slot
+            if not host.get(hashes[depth - 1], 0) & bit:
+                continue  # the last page it holds is on its device: all of them are
+            a, b = 0, depth - 1  # the first page on the host alone is in [0, depth - 1]
+            while a < b:
+                mid = (a + b) // 2
+                if host.get(hashes[mid], 0) & bit:
+                    b = mid
+                else:
+                    a = mid + 1
+            out[node_id] = depth - a
+        return out
+
+    def host_load_cost(self, node_id: str) -> float:
+        """What loading a page back costs on the node, as a fraction of computing it."""
+        node = self._nodes.get(node_id)
+        return node.host_load_cost if node is not None else 0.0
 
     @property
     def loads(self) -> Mapping[str, int]:

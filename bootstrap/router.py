@@ -149,6 +149,14 @@ class PrefillLoads:
         return ids if isinstance(ids, AbstractSet) else frozenset(ids)
 
 
+class HostHits(NamedTuple):
+    """Of the prompt pages each node holds, those on its host tier alone, and what loading
+    one back costs there as a fraction of computing it (from the nodes' KV events)."""
+
+    pages: Mapping[str, int]
+    costs: Mapping[str, float]
+
+
 class DecodeCandidate(NamedTuple):
     """A live decode node: requests in flight on it, and its pool as last reported."""
 
@@ -220,6 +228,7 @@ def choose_prefill_by_cache(
     ring: HashRing,
     key: int,
     recompute_weight: float = RECOMPUTE_WEIGHT,
+    host: HostHits | None = None,
 ) -> PrefillChoice | None:
     """The node that would finish this prefill's wait soonest, or None when no candidate
     holds a page of the prompt. ``overlaps``: leading pages held per node id; ties go to
@@ -240,6 +249,11 @@ def choose_prefill_by_cache(
     cached = {h: min(h * page_size, prompt_tokens) for h in set(depths)}
     extra = {h: recompute_weight * max(1, prompt_tokens - c) for h, c in cached.items()}
     costs = list(map(operator.add, map(queued, holders, repeat(0)), map(extra.__getitem__, depths)))
+    if host is not None:  # a page on a host tier costs its load back there
+        for i, n in enumerate(holders):
+            if n in host.pages:
+                loaded = min(host.pages[n] * page_size, cached[held[n]])
+                costs[i] += recompute_weight * loaded * host.costs.get(n, 0.0)
     best_cost = min(costs)
     best = list(compress(holders, map(best_cost.__eq__, costs)))
     if len(best) > 1:  # the longer cached prefix
@@ -308,15 +322,17 @@ class Router:
         cache_salt: str | None = None,
         overlaps: Mapping[str, int] | None = None,
         partners: Mapping[str, str] | None = None,
+        host: HostHits | None = None,
     ) -> RouteDecision:
         """The pair for one request; both candidate lists must be non-empty. ``overlaps``
-        (precise mode): leading prompt pages each node holds, from the KV index.
+        (precise mode): leading prompt pages each node holds, from the KV index; ``host``:
+        of those, the ones on a host tier alone.
         ``partners``: prefill id -> its colocated decode id; such a prefill is paired with
         that decode node only, and other prefills never with a colocated decode node."""
         partners = partners or {}
         key = affinity_key(input_ids, routing_key, self.affinity_tokens, self.page_size, cache_salt)
         prefill, kind = self._choose_prefill(
-            key, len(input_ids), routing_key, prefills, overlaps or {}
+            key, len(input_ids), routing_key, prefills, overlaps or {}, host
         )
         if prefill.node_id in partners:
             decode_id = partners[prefill.node_id]
@@ -343,6 +359,7 @@ class Router:
         routing_key: str | None,
         prefills: PrefillLoads,
         overlaps: Mapping[str, int],
+        host: HostHits | None = None,
     ) -> tuple[PrefillChoice, str]:
         if not prefills.node_ids:
             raise ValueError("no prefill candidate")
@@ -358,7 +375,7 @@ class Router:
             self._ring = HashRing(sorted(prefills.members), self.virtual_nodes)
         if self.mode == "precise" and overlaps and routing_key is None:
             by_cache = choose_prefill_by_cache(
-                overlaps, prefills, prompt_tokens, self.page_size, self._ring, key
+                overlaps, prefills, prompt_tokens, self.page_size, self._ring, key, host=host
             )
             if by_cache is not None:
                 return by_cache, "cache"

@@ -297,12 +297,13 @@ class BootstrapService:
                 code="no_decode_node",
             )
         started = time.perf_counter()
-        overlaps = None
+        overlaps, host = None, None
         ids = [v.node_id for v in prefills]
         queued: dict[str, int] = {}  # read by precise routing only
         if self.kv_events is not None:
             if prepared.page_hashes:
                 overlaps = self.kv_events.overlaps(prepared.page_hashes, ids)
+                host = self.kv_events.host_hits(prepared.page_hashes, overlaps)
             queued = self.kv_events.queued_tokens()
         decision = self.router.route(
             prepared.input_ids,
@@ -320,6 +321,7 @@ class BootstrapService:
             prepared.cache_salt,
             overlaps,
             partners,
+            host,
         )
         gm.ROUTE_SECONDS.labels(**metrics.role_labels()).observe(time.perf_counter() - started)
         prefill = next(v for v in prefills if v.node_id == decision.prefill_id)

@@ -42,6 +42,7 @@ from common.node.process import (
 from common.tokenizer import Tokenizer
 from decode_node.scheduler import DecodeScheduler
 from prefill_node.kv_events import KVEventPublisher
+from prefill_node.prefill_cache import cache_pages
 from prefill_node.scheduler import PrefillScheduler
 from transfer.kv_manager import KVManager
 from transfer.node_setup import build_kv_manager
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         else KVEventPublisher(
             prefill_id,
             node.instance_id,
-            runner.pool.num_pages,
+            cache_pages(pconfig, runner.pool),
             node.endpoint(pconfig.kv_events_port),
         )
     )
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda: {"free_pages": runner.pool.allocator.num_free_pages},
             prefill.gateway_watch,
             kv_events_endpoint=events.endpoint if events is not None else "",
+            num_cache_pages=cache_pages(pconfig, runner.pool),
             colocated_with=decode_id,
         ),
         ServedNode(

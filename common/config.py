@@ -392,6 +392,11 @@ class DecodeConfig:
         """Prefill node id -> its KV control endpoint, from --prefill-endpoint."""
         return dict(item.split("=", 1) for item in self.prefill_endpoints)
 
+    @property
+    def is_priority_preemption_on(self) -> bool:
+        """Whether a waiting request may retract less urgent running ones."""
+        return self.enable_priority_scheduling and not self.disable_priority_preemption
+
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> Self:
         values = field_values(cls, ns)

@@ -33,8 +33,21 @@ class NodeLimits:
     num_pages: int
 
 
-def check_request(g: msg.GenerateReq, limits: NodeLimits) -> SamplingParams | Rejection:
-    """The request's validated sampling params, or why it is refused (400)."""
+def check_request(
+    g: msg.GenerateReq,
+    limits: NodeLimits,
+    *,
+    is_duplicate: bool = False,
+    is_room_in_use: bool = False,
+    has_grammar: bool = True,
+    is_queue_full: bool = False,
+) -> SamplingParams | Rejection:
+    """The request's validated sampling params, or why it is refused (400; 503 when the
+    node's queue is full, which another node pair may not be)."""
+    if is_duplicate:
+        return Rejection(400, f"duplicate request id {g.rid}")
+    if is_room_in_use:
+        return Rejection(400, f"room {g.room} is already in use on this decode node")
     n = len(g.input_ids) + len(g.output_ids)  # a migrated request's output so far is prefilled
     if not g.input_ids or n >= limits.context_length:
         return Rejection(
@@ -57,6 +70,10 @@ def check_request(g: msg.GenerateReq, limits: NodeLimits) -> SamplingParams | Re
             f"this decode node's KV pool of {limits.num_pages * limits.page_size}"
             " tokens; lower max_new_tokens",
         )
+    if sampling.grammar is not None and not has_grammar:
+        return Rejection(400, "structured output is off on this node (--grammar-backend none)")
+    if is_queue_full:
+        return Rejection(503, "the decode node's queue is full; retry later", retryable=True)
     return sampling
 
 

@@ -8,7 +8,7 @@ follows a grammar and has committed tokens has a matcher that took every one of 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from common.kv_pool import PageAllocator, pages_needed
@@ -56,6 +56,20 @@ class DecodeQueues(Protocol):
     def retracted_queue(self) -> RetractedRequests: ...
     @property
     def page_size(self) -> int: ...
+
+
+LATE_WRITE_ERROR = (
+    "KV integrity: a late write from a paused prefill node may have landed in this "
+    "request's pages; retry"
+)
+
+
+def hit_by_late_write(reqs: Iterable[DecodeReq], room: int, pages: list[int]) -> list[DecodeReq]:
+    """The requests other than ``room``'s holding one of ``pages``, where a write into
+    ``room`` that landed after its fence may be: their KV may be wrong, so they fail (500)
+    instead of streaming wrong tokens."""
+    hit = set(pages)
+    return [r for r in reqs if r.room != room and hit.intersection(r.pages)]
 
 
 def check_requests(s: DecodeQueues) -> None:

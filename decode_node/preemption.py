@@ -14,8 +14,9 @@ unless the retractions together make the request fit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 from decode_node.prealloc_queue import BudgetReq, DecodeBudget, admit_preallocated
 from decode_node.retract import RetractCandidate, retraction_order
@@ -71,3 +72,46 @@ def plan_preemption(
         if admit_preallocated([head], after) == [0]:
             return [v.key for v in victims]
     return None
+
+
+class Running(Protocol):
+    """What preemption reads of a running request (a DecodeReq)."""
+
+    @property
+    def num_input_tokens(self) -> int: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def max_new_tokens(self) -> int: ...
+    @property
+    def pages(self) -> list[int]: ...
+    @property
+    def priority(self) -> int | None: ...
+
+
+def choose_victims(
+    head: BudgetReq,
+    head_priority: int,
+    running: Sequence[Running],
+    retracted_priorities: Iterable[int | None],
+    budget: DecodeBudget,
+    threshold: int,
+    low_values_first: bool,
+) -> list[int] | None:
+    """Indices into ``running`` of the requests to retract so that ``head`` is admitted
+    now (plan_preemption), or None: a retracted request at least as urgent comes back
+    first, or no preemptible set makes room."""
+    if not all(
+        is_more_urgent_by(head_priority, p, threshold, low_values_first)
+        for p in retracted_priorities
+    ):
+        return None
+    candidates = [
+        RetractCandidate(
+            i, r.num_input_tokens, r.num_output_tokens, r.max_new_tokens, len(r.pages), r.priority
+        )
+        for i, r in enumerate(running)
+    ]
+    return plan_preemption(
+        head, head_priority, candidates, replace(budget, retracted=()), threshold, low_values_first
+    )

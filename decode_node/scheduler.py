@@ -22,24 +22,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import zmq
 
 from common import messages as msg
 from common import stages
 from common.config import DecodeConfig
-from common.grammar.backend import GrammarBackend, GrammarError, GrammarState
+from common.grammar.backend import GrammarBackend, GrammarError
 from common.ipc import PushPool
 from common.kv_pool import pages_needed
 from common.model.runner import ModelRunner
 from common.node.gateway_watch import GatewayWatch
 from common.node.scheduling import RequestFailures
-from common.sampling_params import SamplingParams
 from common.stop import FinishReason
 from common.tokenizer import Tokenizer
+from decode_node.budget import build_budget, default_max_running_requests
+from decode_node.grammar_gate import failed_grammars, poll_grammar
 from decode_node.ingress import NodeLimits, Rejection, build_request, check_request
-from decode_node.integrity import check_requests
+from decode_node.integrity import LATE_WRITE_ERROR, check_requests, hit_by_late_write
 from decode_node.output import append_token, req_finished, token_chunk
 from decode_node.prealloc_queue import (
     BudgetReq,
@@ -47,9 +47,9 @@ from decode_node.prealloc_queue import (
     DecodePreallocQueue,
     resume_retracted,
 )
-from decode_node.preemption import is_more_urgent_by, plan_preemption
+from decode_node.preemption import choose_victims
 from decode_node.req import DecodeReq, DecodeState
-from decode_node.retract import NewTokenRatio, RetractCandidate
+from decode_node.retract import NewTokenRatio
 from decode_node.retracted_queue import RetractedQueue
 from decode_node.running_batch import RunningBatch
 from decode_node.stats import DecodeStats
@@ -58,17 +58,11 @@ from transfer.kv_manager import KVManager
 
 logger = logging.getLogger(__name__)
 
-MAX_RUNNING_REQUESTS_CAP = 4096
 # The decode node's copy of the node table can lag the gateway's by a heartbeat: a request
 # naming a prefill node not known here yet waits this long in the prealloc queue.
 PREFILL_LOOKUP_TIMEOUT_S = 30.0
 # How often the node table's prefill nodes are checked for a handshake to make.
 PEER_WARM_INTERVAL_S = 1.0
-
-
-def default_max_running_requests(num_pages: int, page_size: int) -> int:
-    """SGLang's default (half the pool's tokens), at most one request per page and 4096."""
-    return max(1, min(num_pages, num_pages * page_size // 2, MAX_RUNNING_REQUESTS_CAP))
 
 
 class DecodeScheduler:
@@ -179,17 +173,21 @@ class DecodeScheduler:
     # ---- ingress -------------------------------------------------------------------------------
 
     def _add_request(self, g: msg.GenerateReq, received: float) -> None:
-        checked = self._check(g)
+        limit = self.config.max_queued_requests
+        checked = check_request(
+            g,
+            self.limits,
+            is_duplicate=g.rid in self.reqs,
+            is_room_in_use=g.room in self.kv.receivers
+            or any(r.room == g.room for r in self.prealloc_queue.queue),
+            has_grammar=self.grammar is not None,
+            is_queue_full=limit is not None and len(self.prealloc_queue) >= limit,
+        )
         if isinstance(checked, Rejection):
-            self.push.send(
-                g.reply_endpoint,
-                msg.ReqFailed(
-                    rid=g.rid,
-                    status=checked.status,
-                    error=checked.error,
-                    retryable=checked.retryable,
-                ),
+            failed = msg.ReqFailed(
+                rid=g.rid, status=checked.status, error=checked.error, retryable=checked.retryable
             )
+            self.push.send(g.reply_endpoint, failed)
             self.stats.finished("rejected")
             return
         req = build_request(
@@ -201,21 +199,6 @@ class DecodeScheduler:
         self.reqs[g.rid] = req
         self.prealloc_queue.add(req)
         self._attach_receiver(req)
-
-    def _check(self, g: msg.GenerateReq) -> SamplingParams | Rejection:
-        if g.rid in self.reqs:
-            return Rejection(400, f"duplicate request id {g.rid}")
-        if g.room in self.kv.receivers or any(r.room == g.room for r in self.prealloc_queue.queue):
-            return Rejection(400, f"room {g.room} is already in use on this decode node")
-        sampling = check_request(g, self.limits)
-        if isinstance(sampling, Rejection):
-            return sampling
-        if sampling.grammar is not None and self.grammar is None:
-            return Rejection(400, "structured output is off on this node (--grammar-backend none)")
-        limit = self.config.max_queued_requests
-        if limit is not None and len(self.prealloc_queue) >= limit:
-            return Rejection(503, "the decode node's queue is full; retry later", retryable=True)
-        return sampling
 
     def _attach_receiver(self, r: DecodeReq) -> None:
         """Give r its KVReceiver once its prefill node's control endpoint is known here."""
@@ -241,33 +224,17 @@ class DecodeScheduler:
     # ---- prealloc and transfer -----------------------------------------------------------------
 
     def _budget(self) -> DecodeBudget:
-        num_held = (
-            len(self.transfer_queue)
-            + len(self.waiting_queue)
-            + len(self.running)
-            + len(self.retracted_queue)
-        )
-        return DecodeBudget(
+        return build_budget(
             page_size=self.page_size,
             num_free_pages=self.allocator.num_free_pages,
             num_reserved_decode_tokens=self.config.num_reserved_decode_tokens,
-            num_active_reqs=len(self.running) + len(self.transfer_queue) + len(self.waiting_queue),
-            running=[_budget_req(r) for r in self.running],
-            retracted=[_budget_req(r) for r in self.retracted_queue],
-            num_free_slots=max(0, self.max_held_requests - num_held),
-            num_prefill_tokens=self._prefill_tokens_in_pool(),
+            running=list(self.running),
+            retracted=list(self.retracted_queue),
+            in_transfer=self.transfer_queue.queue,
+            num_waiting=len(self.waiting_queue),
+            max_held_requests=self.max_held_requests,
             shares_pool_with_prefill=self.shares_pool_with_prefill,
         )
-
-    def _prefill_tokens_in_pool(self) -> int:
-        """Colocated: the pages (in tokens) the prefill half still computes prompts in
-        transfer into, in the pool this node shares with it; 0 for a decode node."""
-        if not self.shares_pool_with_prefill:
-            return 0
-        pages = sum(
-            pages_needed(r.num_input_tokens, self.page_size) for r in self.transfer_queue.queue
-        )
-        return pages * self.page_size
 
     def _process_prealloc(self) -> None:
         for r in [r for r in self.prealloc_queue.queue if r.receiver is None]:
@@ -279,18 +246,13 @@ class DecodeScheduler:
                 r, 500, f"KV bootstrap with the prefill node failed: {reason}", retryable=True
             )
         if self.retracted_queue:
-            self._resume_retracted()
+            resumed = self.retracted_queue.resume(resume_retracted(self._budget()))
+            self.waiting_queue += resumed
         if not self.retracted_queue:  # no new admission while a request waits in host memory
             for r in self.prealloc_queue.pop_preallocated(self._budget()):
                 self._preallocate(r)
-        if self.is_preemption_on:
+        if self.config.is_priority_preemption_on:
             self._preempt_for_priority()
-
-    @property
-    def is_preemption_on(self) -> bool:
-        return (
-            self.config.enable_priority_scheduling and not self.config.disable_priority_preemption
-        )
 
     def _preallocate(self, r: DecodeReq) -> None:
         assert r.receiver is not None
@@ -306,31 +268,15 @@ class DecodeScheduler:
         head = self.prealloc_queue.most_urgent_ready()
         if head is None or head.priority is None:
             return
-        threshold = self.config.priority_scheduling_preemption_threshold
-        low = self.config.schedule_low_priority_values_first
-        if not all(
-            is_more_urgent_by(head.priority, r.priority, threshold, low)
-            for r in self.retracted_queue
-        ):
-            return  # a retracted request at least as urgent comes back first
         running = list(self.running)
-        victims = plan_preemption(
+        victims = choose_victims(
             BudgetReq(head.num_input_tokens, 0, head.max_new_tokens),
             head.priority,
-            [
-                RetractCandidate(
-                    i,
-                    r.num_input_tokens,
-                    r.num_output_tokens,
-                    r.max_new_tokens,
-                    len(r.pages),
-                    r.priority,
-                )
-                for i, r in enumerate(running)
-            ],
-            replace(self._budget(), retracted=()),
-            threshold,
-            low,
+            running,
+            [r.priority for r in self.retracted_queue],
+            self._budget(),
+            self.config.priority_scheduling_preemption_threshold,
+            self.config.schedule_low_priority_values_first,
         )
         if victims is None:
             return
@@ -340,9 +286,6 @@ class DecodeScheduler:
         self.prealloc_queue.remove(head)
         self._preallocate(head)
 
-    def _resume_retracted(self) -> None:
-        self.waiting_queue += self.retracted_queue.resume(resume_retracted(self._budget()))
-
     def _process_transferred(self) -> None:
         done, failed = self.transfer_queue.pop_transferred()
         for r in failed:
@@ -351,7 +294,12 @@ class DecodeScheduler:
                 r, 500, f"KV transfer from the prefill node failed: {reason}", retryable=True
             )
         for r in done:
-            if not self._grammar_ready(r):
+            ready = poll_grammar(self.grammar, r)
+            if isinstance(ready, GrammarError):
+                self._fail(r, ready.status, str(ready))
+                continue
+            if not ready:  # still compiling: back to wait with its KV in place
+                self.transfer_queue.add(r)
                 continue
             assert r.receiver is not None and r.receiver.aux is not None
             aux = r.receiver.aux
@@ -378,36 +326,11 @@ class DecodeScheduler:
             self.waiting_queue.append(r)
 
     def _fail_bad_grammars(self) -> None:
-        """A request whose grammar failed to compile or timed out fails now, before its KV
-        arrives (the prefill node fails it too; either answer reaches the gateway)."""
-        if self.grammar is None:
-            return
-        for r in [*self.prealloc_queue.queue, *self.transfer_queue.queue]:
-            if r.grammar_ticket is not None and r.grammar is None:
-                try:
-                    self.grammar.poll(r.grammar_ticket)
-                except GrammarError as exc:
-                    self._fail(r, exc.status, str(exc))
-
-    def _grammar_ready(self, r: DecodeReq) -> bool:
-        """Whether r (its KV in place) can commit its first token: it has no grammar, or its
-        matcher is built. A grammar still compiling puts r back in the transfer queue; one
-        that failed fails r."""
-        if r.grammar_ticket is None or r.grammar is not None:
-            return True
-        assert self.grammar is not None, "a grammar ticket comes from a backend"
-        try:
-            compiled = self.grammar.poll(r.grammar_ticket)
-            if compiled is None:
-                self.transfer_queue.add(r)
-                return False
-            # Rebuilt from the tokens so far (a migrated request's output before this
-            # pair; none otherwise); _emit feeds the first token the prefill node sampled.
-            r.grammar = GrammarState(compiled, r.all_output_ids)
-        except GrammarError as exc:
+        """A request whose grammar failed fails now, before its KV arrives (the prefill
+        node fails it too; either answer reaches the gateway)."""
+        waiting_for_kv = [*self.prealloc_queue.queue, *self.transfer_queue.queue]
+        for r, exc in failed_grammars(self.grammar, waiting_for_kv):
             self._fail(r, exc.status, str(exc))
-            return False
-        return True
 
     # ---- the running batch ---------------------------------------------------------------------
 
@@ -495,18 +418,10 @@ class DecodeScheduler:
 
     def _on_late_write(self, room: int, pages: list[int]) -> None:
         """A paused prefill node's write into `room` may have landed after its fence: any
-        other request now holding one of those pages has wrong KV, so it fails (500)
-        instead of streaming wrong tokens (transfer/fence.py)."""
-        hit = set(pages)
-        for r in [r for r in self.reqs.values() if r.room != room and hit.intersection(r.pages)]:
+        other request now holding one of those pages fails (transfer/fence.py)."""
+        for r in hit_by_late_write(self.reqs.values(), room, pages):
             logger.error("request %s: its KV pages may hold a late write of room %d", r.rid, room)
-            self._fail(
-                r,
-                500,
-                "KV integrity: a late write from a paused prefill node may have "
-                "landed in this request's pages; retry",
-                retryable=True,
-            )
+            self._fail(r, 500, LATE_WRITE_ERROR, retryable=True)
 
     def fail_all(self, status: int, error: str) -> None:
         """Fail every request this node holds (the drain timeout passed); the gateway hears."""
@@ -570,17 +485,8 @@ class DecodeScheduler:
     # ---- introspection -------------------------------------------------------------------------
 
     def load(self) -> dict[str, int | float]:
-        """What a heartbeat reports (the router reads free_pages for least-load choice)."""
-        return {
-            "free_pages": self.allocator.num_free_pages,
-            "kv_pages_held": self.stats.num_held_pages(),
-            "running": len(self.running),
-            "waiting": len(self.waiting_queue),
-            "prealloc": len(self.prealloc_queue),
-            "transfer": len(self.transfer_queue),
-            "retracted": len(self.retracted_queue),
-            "new_token_ratio": self.new_token_ratio.value,
-        }
+        """What a heartbeat reports (DecodeStats.load)."""
+        return self.stats.load(self.new_token_ratio.value)
 
     def check_integrity(self) -> None:
         """Every page is free or held exactly once; every request sits in its state's queue."""
@@ -588,7 +494,3 @@ class DecodeScheduler:
 
     def close(self) -> None:
         self.push.close()
-
-
-def _budget_req(r: DecodeReq) -> BudgetReq:
-    return BudgetReq(r.num_input_tokens, r.num_output_tokens, r.max_new_tokens)

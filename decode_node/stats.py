@@ -102,6 +102,20 @@ class DecodeStats:
         self._expire(s.clock())
         self._throughput.set(self.tokens_per_s(s.clock()))
 
+    def load(self, new_token_ratio: float) -> dict[str, int | float]:
+        """What a heartbeat reports (the router reads free_pages for least-load choice)."""
+        s = self.s
+        return {
+            "free_pages": s.allocator.num_free_pages,
+            "kv_pages_held": self.num_held_pages(),
+            "running": len(s.running),
+            "waiting": len(s.waiting_queue),
+            "prealloc": len(s.prealloc_queue),
+            "transfer": len(s.transfer_queue),
+            "retracted": len(s.retracted_queue),
+            "new_token_ratio": new_token_ratio,
+        }
+
     def num_held_pages(self) -> int:
         """Device pages held by live requests and by failed rooms not yet safe to free."""
         s = self.s

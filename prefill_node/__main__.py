@@ -17,6 +17,7 @@ from common.node.process import (
     start_node,
 )
 from prefill_node.kv_events import KVEventPublisher
+from prefill_node.prefill_cache import cache_pages
 from prefill_node.scheduler import PrefillScheduler
 from transfer.node_setup import build_kv_manager
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         else KVEventPublisher(
             node.node_id,
             node.instance_id,
-            runner.pool.num_pages,
+            cache_pages(config, runner.pool),
             node.endpoint(config.kv_events_port),
         )
     )
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         load,
         scheduler.gateway_watch,
         kv_events_endpoint=events.endpoint if events is not None else "",
+        num_cache_pages=cache_pages(config, runner.pool),
     )
     process.serve(
         runner,

@@ -33,6 +33,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_INTERVAL_S = 0.02
 DEFAULT_KEEPALIVE_S = 0.5
 PUB_SNDHWM = 1000  # batches queued per subscriber before PUB drops (a gap, then a snapshot)
+# A page's state in a batch: the index of its list (removed, stored, stored_host).
+_REMOVED, _DEVICE, _HOST = 0, 1, 2
+# Loading a page back as a fraction of computing it, until the node has measured it (or
+# where it cannot: on CUDA both only queue work). A host-memory tier is far cheaper than
+# computing on a CPU (0.2% measured: bench/kv_tiers.py).
+DEFAULT_HOST_LOAD_COST = 0.1
 
 
 class KVEventPublisher:
@@ -56,7 +62,10 @@ class KVEventPublisher:
         self.clock = clock
         self.seq = 0
         self.num_batches = self.num_snapshots = 0
-        self._net: dict[int, bool] = {}  # page hash -> stored (True) or removed (False)
+        self._net: dict[int, int] = {}  # page hash -> _REMOVED, _DEVICE or _HOST
+        # What loading a page back from the host tier costs here, as a fraction of
+        # computing it (the loop keeps it current; prefill_node/load_back_cost.py).
+        self.host_load_cost = DEFAULT_HOST_LOAD_COST
         self._is_snapshot_due = False
         self._last_batch = self._last_sent = -float("inf")
         self._sock, self.endpoint = bind_pull(ctx or zmq.Context.instance(), endpoint, zmq.PUB)
@@ -65,14 +74,21 @@ class KVEventPublisher:
     # ---- the cache's events --------------------------------------------------------------
 
     def stored(self, hashes: HashArray) -> None:
-        net = self._net
-        for h in hashes.tolist():
-            net[h] = True
+        self._mark(hashes, _DEVICE)
 
     def removed(self, hashes: HashArray) -> None:
+        self._mark(hashes, _REMOVED)
+
+    def offloaded(self, hashes: HashArray) -> None:
+        self._mark(hashes, _HOST)
+
+    def loaded(self, hashes: HashArray) -> None:
+        self._mark(hashes, _DEVICE)
+
+    def _mark(self, hashes: HashArray, state: int) -> None:
         net = self._net
         for h in hashes.tolist():
-            net[h] = False
+            net[h] = state
 
     def cleared(self) -> None:
         self._net.clear()
@@ -86,35 +102,45 @@ class KVEventPublisher:
     def flush(
         self,
         queued_tokens: Callable[[], int],
-        snapshot: Callable[[], HashArray],
+        snapshot: Callable[..., HashArray],
         *,
         force: bool = False,
     ) -> msg.KVEvents | None:
         """Send what is due now (``force``: any change now, whatever the interval);
-        returns the message sent (None: nothing was due)."""
+        returns the message sent (None: nothing was due). ``snapshot()`` is every page on
+        the device, ``snapshot(host=True)`` every page on the host tier alone."""
         now = self.clock()
         if self._is_snapshot_due:
             self._is_snapshot_due = False
             self._net.clear()  # the snapshot reads the cache as it is: these are in it
             self.seq += 1
             self.num_snapshots += 1
-            return self._send(now, page_hash.pack(snapshot()), b"", True, queued_tokens())
+            device, host = snapshot(), snapshot(host=True)
+            return self._send(
+                now, page_hash.pack(device), b"", True, queued_tokens(), page_hash.pack(host)
+            )
         if self._net and (force or now - self._last_batch >= self.interval_s):
-            stored = [h for h, is_stored in self._net.items() if is_stored]
-            removed = [h for h, is_stored in self._net.items() if not is_stored]
+            by_state: tuple[list[int], list[int], list[int]] = ([], [], [])
+            for h, state in self._net.items():
+                by_state[state].append(h)
+            gone, on_device, on_host = map(page_hash.pack, by_state)
             self._net.clear()
             self.seq += 1
             self.num_batches += 1
             self._last_batch = now
-            return self._send(
-                now, page_hash.pack(stored), page_hash.pack(removed), False, queued_tokens()
-            )
+            return self._send(now, on_device, gone, False, queued_tokens(), on_host)
         if now - self._last_sent >= self.keepalive_s:
             return self._send(now, b"", b"", False, queued_tokens())
         return None
 
     def _send(
-        self, now: float, stored: bytes, removed: bytes, is_snapshot: bool, queued_tokens: int
+        self,
+        now: float,
+        stored: bytes,
+        removed: bytes,
+        is_snapshot: bool,
+        queued_tokens: int,
+        stored_host: bytes = b"",
     ) -> msg.KVEvents:
         count_refused(self._sock, "kv_events")  # here, not on every loop step
         event = msg.KVEvents(
@@ -126,6 +152,8 @@ class KVEventPublisher:
             is_snapshot=is_snapshot,
             queued_tokens=queued_tokens,
             num_pages=self.num_pages,
+            stored_host=stored_host,
+            host_load_cost=self.host_load_cost,
         )
         try:
             self._sock.send(msg.encode(event), zmq.NOBLOCK)

@@ -25,10 +25,16 @@ class LoadBackCost:
         if num_tokens > 0:
             self.compute_s_per_token = self._mix(self.compute_s_per_token, seconds / num_tokens)
 
+    @property
+    def ratio(self) -> float | None:
+        """Loading a page as a fraction of computing it (None: not both measured yet)."""
+        if self.load_s_per_page is None or not self.compute_s_per_token:
+            return None
+        return self.load_s_per_page / (self.compute_s_per_token * self.page_size)
+
     def is_worth_loading(self) -> bool:
-        if self.load_s_per_page is None or self.compute_s_per_token is None:
-            return True
-        return self.load_s_per_page <= self.compute_s_per_token * self.page_size
+        ratio = self.ratio
+        return ratio is None or ratio <= 1.0
 
     def _mix(self, average: float | None, value: float) -> float:
         return value if average is None else average + self.weight * (value - average)

@@ -42,6 +42,7 @@ class PrefillCache:
         stats: CacheStats,
     ) -> None:
         self.tree = build_tree(config, pool, events)
+        self.events = events
         self.allocator = pool.allocator
         self.page_size = pool.page_size
         self.stats = stats
@@ -53,6 +54,7 @@ class PrefillCache:
         """A prefill of num_tokens took seconds (what a load is weighed against)."""
         if self.is_timed:
             self.load_cost.observe_compute(num_tokens, seconds)
+            self._publish_cost()
 
     def load_back(self, req: Req, match: MatchResult, prefix: int) -> MatchResult:
         """The match to admit ``req`` with, its usable ``prefix`` going past the device
@@ -81,7 +83,14 @@ class PrefillCache:
         self.stats.host_loaded(num_loaded * self.page_size, seconds)
         if self.is_timed:
             self.load_cost.observe_load(num_loaded, seconds)
+            self._publish_cost()
         return loaded
+
+    def _publish_cost(self) -> None:
+        """The gateways price a host hit with what it costs here (the KV events carry it)."""
+        ratio = self.load_cost.ratio
+        if self.events is not None and ratio is not None:
+            self.events.host_load_cost = ratio
 
     def cache_prefix(self, s: PrefillReq) -> None:
         """Put the whole pages computed so far into the radix cache right away (as SGLang's
@@ -121,6 +130,16 @@ class PrefillCache:
             match = self.tree.match_prefix(req.key, req.namespace)  # pure: changes nothing
         usable = (req.num_input_tokens - 1) // self.page_size * self.page_size
         return min(match.total_tokens, usable)
+
+
+def cache_pages(config: PrefillConfig, pool: KVPool) -> int:
+    """Pages the node's cache can hold: the pool's, plus the host tier's."""
+    if config.disable_radix_cache or not config.enable_hierarchical_cache:
+        return pool.num_pages
+    host = HostKVPool.num_pages_for(
+        pool.layout, pool.num_pages, config.hicache_size, config.hicache_ratio
+    )
+    return pool.num_pages + host
 
 
 def build_tree(

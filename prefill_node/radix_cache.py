@@ -12,8 +12,9 @@ by looking at the changes since its version (``is_match_current``, ``PrefixMatch
 
 KV events (given ``events``): every page gets its chained hash (common/page_hash.py) when
 it enters the tree, and ``events`` hears each page stored and evicted and each reset; a
-split moves hashes, it neither stores nor removes a page. ``page_hashes()`` is the whole
-set, for a snapshot.
+split moves hashes, it neither stores nor removes a page; with a host tier, ``events`` also
+hears each page kept on the host alone and each page loaded back. ``page_hashes()`` is the
+whole set of a tier, for a snapshot.
 """
 
 from __future__ import annotations
@@ -258,6 +259,8 @@ class RadixCache(ChangeLog):
         self.num_evictable_pages += len(pages)
         if not any(c.value for c in node.children.values()):
             self._evictable_leaves.add(node)
+        if self._events is not None and node.hashes is not None and len(node.hashes):
+            self._events.loaded(node.hashes)
         self._log_event(EV_TIER, node, None)
 
     # Hooks of the host tier (HiRadixCache); without one, nothing is copied or kept.
@@ -347,6 +350,8 @@ class RadixCache(ChangeLog):
                 node.value = []
                 if not node.children:
                     self._host_leaves.add(node)
+                if self._events is not None and node.hashes is not None and len(node.hashes):
+                    self._events.offloaded(node.hashes)
                 self._log_event(EV_TIER, node, None)
             else:
                 self._remove(node)
@@ -443,9 +448,10 @@ class RadixCache(ChangeLog):
             return int(node.hashes[-1])
         return page_hash.root_hash(self._namespace_of.get(node))
 
-    def page_hashes(self) -> page_hash.HashArray:
-        """The hash of every cached page (empty unless the cache publishes events)."""
-        parts = [n.hashes for n in self._nodes() if n.hashes is not None]
+    def page_hashes(self, *, host: bool = False) -> page_hash.HashArray:
+        """The hash of every page cached on the device (``host``: on the host tier alone);
+        empty unless the cache publishes events."""
+        parts = [n.hashes for n in self._nodes() if n.hashes is not None and n.is_host_only == host]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
 
     def _nodes(self) -> list[TreeNode]:

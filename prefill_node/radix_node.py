@@ -29,6 +29,10 @@ class CacheEvents(Protocol):
 
     def removed(self, hashes: HashArray) -> None: ...
 
+    def offloaded(self, hashes: HashArray) -> None: ...  # kept on the host tier alone
+
+    def loaded(self, hashes: HashArray) -> None: ...  # back on the device from the host tier
+
     def cleared(self) -> None: ...
 
 

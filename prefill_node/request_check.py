@@ -12,7 +12,7 @@ from common.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class Refusal:
+class Rejection:
     status: int
     error: str
     retryable: bool = False  # the nodes' side: another node pair may take it
@@ -26,7 +26,6 @@ class NodeLimits:
     pool_pages: int
     page_size: int
     vocab_size: int
-    has_grammar: bool  # structured output on (--grammar-backend other than none)
 
 
 def check_request(
@@ -36,27 +35,28 @@ def check_request(
     *,
     is_duplicate: bool,
     is_queue_full: bool,
-) -> SamplingParams | Refusal:
+    has_grammar: bool,
+) -> SamplingParams | Rejection:
     """The first reason to refuse ``g`` (400 unless said), else its sampling parameters. A
     migrated request (``g.output_ids``) prefills its prompt and the output so far."""
     n = len(g.input_ids) + len(g.output_ids)
     refusal = None
     if is_duplicate:
-        refusal = Refusal(400, f"duplicate request id {g.rid}")
+        refusal = Rejection(400, f"duplicate request id {g.rid}")
     elif n == 0 or n >= limits.context_length:
-        refusal = Refusal(
+        refusal = Rejection(
             400, f"prompt of {n} tokens; the context length is {limits.context_length}"
         )
     elif pages_needed(n, limits.page_size) > limits.pool_pages:
-        refusal = Refusal(400, f"prompt of {n} tokens does not fit this node's KV pool")
+        refusal = Rejection(400, f"prompt of {n} tokens does not fit this node's KV pool")
     elif is_queue_full:
-        refusal = Refusal(503, "the prefill node's queue is full; retry later", retryable=True)
+        refusal = Rejection(503, "the prefill node's queue is full; retry later", retryable=True)
     elif (
         g.priority is not None
         and not config.enable_priority_scheduling
         and config.abort_on_priority_when_disabled
     ):
-        refusal = Refusal(  # SGLang's status for it (the seeds)
+        refusal = Rejection(  # SGLang's status for it (the seeds)
             503,
             "priority given but priority scheduling is disabled "
             "(--abort-on-priority-when-disabled)",
@@ -65,13 +65,13 @@ def check_request(
         sampling = SamplingParams.from_wire(g.sampling)
         sampling.validate(limits.vocab_size)
     except ValueError as exc:
-        return refusal or Refusal(400, str(exc))
+        return refusal or Rejection(400, str(exc))
     if refusal is not None:
         return refusal
-    if sampling.grammar is not None and not limits.has_grammar:
-        return Refusal(400, "structured output is off on this node (--grammar-backend none)")
+    if sampling.grammar is not None and not has_grammar:
+        return Rejection(400, "structured output is off on this node (--grammar-backend none)")
     if g.output_ids and len(g.output_ids) >= sampling.max_new_tokens:
-        return Refusal(400, f"{len(g.output_ids)} output tokens already: max_new_tokens reached")
+        return Rejection(400, f"{len(g.output_ids)} output tokens already: max_new_tokens reached")
     if g.return_logprob and not sampling.logprobs:
         sampling = replace(sampling, logprobs=True)  # the first token's logprob
     return sampling

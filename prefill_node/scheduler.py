@@ -46,7 +46,7 @@ from prefill_node.queues import BootstrapQueue, GrammarQueue, InflightQueue, pol
 from prefill_node.radix_cache import RadixCache
 from prefill_node.req_state import PrefillReq, PrefillState
 from prefill_node.request import Req
-from prefill_node.request_check import NodeLimits, Refusal, check_request
+from prefill_node.request_check import NodeLimits, Rejection, check_request
 from prefill_node.schedule_policy import SchedulePolicy
 from prefill_node.stats import PrefillStats
 from transfer.kv_manager import KVManager
@@ -84,7 +84,6 @@ class PrefillScheduler:
             runner.pool.num_pages,
             self.page_size,
             runner.spec.vocab_size,
-            grammar is not None,
         )
         self.request_socket = request_socket
         self.push = PushPool(zmq.Context.instance())
@@ -188,8 +187,9 @@ class PrefillScheduler:
             self.limits,
             is_duplicate=g.rid in self.states,
             is_queue_full=self._is_queue_full(),
+            has_grammar=self.grammar is not None,
         )
-        if isinstance(checked, Refusal):
+        if isinstance(checked, Rejection):
             failed = msg.ReqFailed(
                 rid=g.rid, status=checked.status, error=checked.error, retryable=checked.retryable
             )

@@ -15,7 +15,11 @@ class KVEvents(Message):
     per batch that changes something; a keepalive repeats the last one. A snapshot
     (``is_snapshot``) lists every page the cache holds in ``stored`` and replaces what the
     subscriber had for this node. ``queued_tokens``: prompt tokens waiting to be
-    prefilled on the node (the router's load)."""
+    prefilled on the node (the router's load). With a host tier under the node's cache,
+    ``stored_host`` lists the pages now held on the host alone (a snapshot: every such
+    page), ``stored`` those on the device (again, when loaded back), and
+    ``host_load_cost`` what loading a page back costs there as a fraction of computing it
+    (measured on the node)."""
 
     TAG: ClassVar[str] = "kv_events"
     node_id: str
@@ -26,6 +30,8 @@ class KVEvents(Message):
     is_snapshot: bool
     queued_tokens: int
     num_pages: int
+    stored_host: bytes = b""
+    host_load_cost: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,6 +104,9 @@ class ServedNode:
     gateway_watch: GatewayWatch  # its requests are aborted when their gateway is gone
     kv_events_endpoint: str = ""
     colocated_with: str = ""
+    # Pages its KV cache can hold, when more than its pool (a prefill node's host tier):
+    # what the gateway's KV index allows it. 0: the pool's.
+    num_cache_pages: int = 0
 
 
 def build_runner(model: ModelConfig, progress: bool = True, *, decodes: bool = True) -> ModelRunner:
@@ -195,7 +198,7 @@ class NodeProcess:
             backend=backend,
             backend_metadata=b"",
             kv_layout=runner.layout.to_dict(),
-            num_pages=runner.pool.num_pages,
+            num_pages=served.num_cache_pages or runner.pool.num_pages,
             max_running_requests=served.max_running_requests,
             protocol_version=msg.PROTOCOL_VERSION,
             auth_token=auth_token,

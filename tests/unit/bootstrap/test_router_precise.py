@@ -14,6 +14,7 @@ from bootstrap.kv_events import KVEventSubscriber, PrefillSource
 from bootstrap.router import (
     DecodeCandidate,
     HashRing,
+    HostHits,
     PrefillLoads,
     Router,
     choose_prefill,
@@ -55,6 +56,27 @@ def test_no_cached_page_means_no_cache_choice_and_ties_follow_the_ring():
     for key in (1, 2**40, 2**63):
         choice = choose_prefill_by_cache(every, cands(), 640, 16, ring, key)
         assert choice is not None and choice.node_id == next(ring.walk(key))
+
+
+def test_a_prefix_on_a_host_tier_costs_its_load_back_there():
+    ring = HashRing(NODES)
+    # p1 and p2 hold 30 pages each, p2's last 20 on its host tier alone.
+    host = HostHits({"p2": 20}, {"p2": 0.5})
+    held = {"p1": 30, "p2": 30}
+    choice = choose_prefill_by_cache(held, cands(), 640, 16, ring, 7, host=host)
+    assert choice is not None and choice.node_id == "p1"
+    # Loading is free there (or p1's queue costs more than the load): p2 is as good, or better.
+    queued = cands({"p1": 161})  # 2 * 161 > 2 * 320 * 0.25 = 160 tokens of load
+    cheap = HostHits({"p2": 20}, {"p2": 0.25})
+    choice = choose_prefill_by_cache(held, queued, 640, 16, ring, 7, host=cheap)
+    assert choice is not None and choice.node_id == "p2"
+    # A deeper host hit beats a shallower device one when loading is cheap enough.
+    deeper = {"p1": 10, "p2": 30}
+    choice = choose_prefill_by_cache(deeper, cands(), 640, 16, ring, 7, host=cheap)
+    assert choice is not None and choice.node_id == "p2"
+    dear = HostHits({"p2": 30}, {"p2": 0.9})  # 480 * 0.9 = 432 > 320 more to compute on p1
+    choice = choose_prefill_by_cache(deeper, cands(), 640, 16, ring, 7, host=dear)
+    assert choice is not None and choice.node_id == "p1"
 
 
 def test_a_fully_cached_prompt_still_costs_its_last_token():

@@ -154,3 +154,64 @@ def test_queued_tokens_are_the_last_report_plus_what_was_sent_since():
     finally:
         sub.close()
         node.close()
+
+
+class _Host:
+    """Host pages without KV: the tier's bookkeeping is what the events follow."""
+
+    def __init__(self, num_pages: int) -> None:
+        from common.kv_pool import PageAllocator
+
+        self.allocator = PageAllocator(num_pages)
+
+    def backup(self, device_pages: list[int], host_pages: list[int]) -> None:
+        pass
+
+    def load(self, host_pages: list[int], device_pages: list[int]) -> None:
+        pass
+
+
+def test_the_index_knows_which_pages_a_node_holds_on_its_host_tier_alone():
+    from common.kv_pool import PageAllocator
+    from prefill_node.hiradix_cache import HiRadixCache
+
+    node = Node("p0")
+    alloc = PageAllocator(64)
+    node.cache = HiRadixCache(PS, alloc, _Host(64), "write_through", events=node.events)
+    node.events.host_load_cost = 0.25
+    sub = KVEventSubscriber("gw", snapshot_retry_s=0.2)
+    try:
+        sub.start()
+        sub.sync([node.source()])
+        a, b = _prompt(1), _prompt(1)[:64] + _prompt(2)[:32]
+        ha, hb = page_hash.prompt_hashes(a, PS).tolist(), page_hash.prompt_hashes(b, PS).tolist()
+        node.cache.insert(a, alloc.allocate(6))
+        node.cache.insert(b, alloc.allocate(6))  # shares 4 pages with a
+        _wait(lambda: sub.overlaps(ha, ["p0"]) == {"p0": 6}, tick=node.step)
+        assert sub.host_hits(ha, {"p0": 6}) is None  # all on the device
+        node.cache.touch(b)
+        assert node.cache.evict(2) == 2  # a's last two pages: to the host
+        _wait(lambda: sub.host_hits(ha, {"p0": 6}) is not None, tick=node.step)
+        hits = sub.host_hits(ha, {"p0": 6})
+        assert hits is not None and hits.pages == {"p0": 2} and hits.costs == {"p0": 0.25}
+        assert sub.overlaps(ha, ["p0"]) == {"p0": 6}  # still held: a hit, on the host
+        assert sub.host_hits(hb, {"p0": 6}) is None
+        node.cache.evict(100)  # everything: the shared part too
+        _wait(lambda: sub.host_hits(ha, {"p0": 6}).pages == {"p0": 6}, tick=node.step)
+        assert sub.host_hits(hb, {"p0": 6}).pages == {"p0": 6}
+        # A snapshot says the same (a gateway that joins later).
+        late = KVEventSubscriber("gw2", snapshot_retry_s=0.2)
+        try:
+            late.start()
+            late.sync([node.source()])
+            _wait(lambda: late.host_hits(ha, {"p0": 6}) is not None, tick=node.step)
+            assert late.host_hits(ha, {"p0": 6}).pages == {"p0": 6}
+        finally:
+            late.close()
+        # Loaded back: on the device again.
+        node.cache.load_back(a, None, alloc.allocate(6))
+        _wait(lambda: sub.host_hits(ha, {"p0": 6}) is None, tick=node.step)
+        assert sub.host_hits(hb, {"p0": 6}).pages == {"p0": 2}
+    finally:
+        sub.close()
+        node.close()
