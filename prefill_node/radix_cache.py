@@ -167,7 +167,8 @@ class RadixCache(ChangeLog):
         namespace: bytes | None = None,
     ) -> int:
         """Cache the whole pages of ``token_ids`` whose KV is in ``page_ids`` (one id per page,
-        extra ids ignored); return how many leading tokens were cached already.
+        extra ids ignored); return how many leading tokens were cached already on the device
+        (host-only nodes the key passes get the caller's pages from there on: ``_revive``).
 
         Who frees what, with ``n = len(token_ids) // page_size`` and ``p = returned // page_size``:
         ``page_ids[p:n]`` now belong to the tree (freed by evict). ``page_ids[:p]`` stay the
