@@ -494,7 +494,8 @@ def print_scales(runs: Sequence[Run]) -> None:
             return float(np.mean(hits)) if hits else float("nan")
 
         def p90(router: str, mine: list[Run] = mine) -> float:
-            return float(np.median([r.rows[router]["ttft_p90_s"] for r in mine]))
+            p90s = [r.rows[router]["ttft_p90_s"] for r in mine if router in r.rows]
+            return float(np.median(p90s)) if p90s else float("nan")
 
         p90s = "/".join(f"{p90(x):.1f}" for x in ("oracle", "precise", "affinity"))
         print(

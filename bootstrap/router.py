@@ -46,7 +46,7 @@ import operator
 import random
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -108,6 +108,9 @@ class HashRing:
         self.node_ids = frozenset(node_ids)
         self._hashes = [h for h, _ in points]
         self._owners = [node_id for _, node_id in points]
+        self._positions: dict[str, list[int]] = {}  # node -> its indices in _hashes, ascending
+        for i, node_id in enumerate(self._owners):
+            self._positions.setdefault(node_id, []).append(i)
 
     def walk(self, key: int) -> Iterator[str]:
         """Each node once, clockwise from ``key``: the key's home first."""
@@ -122,6 +125,22 @@ class HashRing:
                 yield node_id
                 if len(seen) == len(self.node_ids):
                     return
+
+    def first_of(self, key: int, wanted: Iterable[str]) -> str | None:
+        """The first of ``wanted`` that ``walk(key)`` meets (None: none is on the ring),
+        found by a bisection per wanted node instead of walking past the others."""
+        size = len(self._hashes)
+        start = bisect.bisect_left(self._hashes, key)
+        best, best_step = None, size
+        for node_id in wanted:
+            positions = self._positions.get(node_id)
+            if not positions:
+                continue
+            i = bisect.bisect_left(positions, start)
+            step = positions[i] - start if i < len(positions) else positions[0] + size - start
+            if step < best_step:
+                best, best_step = node_id, step
+        return best
 
 
 def bounded_load_capacity(total_load: int, num_nodes: int, epsilon: float) -> int:
@@ -239,7 +258,9 @@ def choose_prefill_by_cache(
     of those only the least queued can win. Both in C-level passes over the node ids (no
     object per node: hundreds of nodes a request)."""
     members = loads.members
-    held = {n: h for n, h in overlaps.items() if h > 0 and n in members}
+    held: Mapping[str, int] = overlaps
+    if 0 in overlaps.values() or not members >= overlaps.keys():  # else as the index gives
+        held = {n: h for n, h in overlaps.items() if h > 0 and n in members}
     if not held:
         return None  # no candidate holds a page of it
     queued = loads.queued.get
@@ -266,12 +287,10 @@ def choose_prefill_by_cache(
         # A holder ties a non-holder of equal cost with a longer cached prefix: it wins.
         if least + recompute_weight * max(1, prompt_tokens) < best_cost:
             best = list(compress(rest, map(least.__eq__, rest_loads)))
-    walk = ring.walk(key)
-    home = next(walk, best[0])
+    home = next(ring.walk(key), best[0])
     chosen = best[0]
     if len(best) > 1:
-        wanted = set(best)
-        chosen = home if home in wanted else next((n for n in walk if n in wanted), min(wanted))
+        chosen = ring.first_of(key, best) or min(best)
     return PrefillChoice(chosen, home, is_spilled=False, cached_pages=held.get(chosen, 0))
 
 

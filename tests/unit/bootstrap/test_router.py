@@ -175,3 +175,19 @@ def test_a_cache_salt_is_part_of_the_affinity_key():
     keys = {affinity_key(ids, None, cache_salt=s) for s in (None, "a", "b")}
     keys |= {affinity_key(ids, "rk", cache_salt=s) for s in (None, "a", "b")}
     assert len(keys) == 6
+
+
+def test_first_of_is_the_first_wanted_node_the_walk_meets():
+    import random
+
+    from bootstrap.router import HashRing
+
+    nodes = [f"n{i}" for i in range(40)]
+    ring = HashRing(nodes, virtual_nodes=8)
+    rng = random.Random(5)
+    for _ in range(500):
+        key = rng.getrandbits(64)
+        wanted = set(rng.sample(nodes, rng.randrange(1, 6)))
+        assert ring.first_of(key, wanted) == next(n for n in ring.walk(key) if n in wanted)
+    assert ring.first_of(7, {"not-a-node"}) is None
+    assert ring.first_of(2**64 - 1, {"n3"}) == "n3"  # past the last point: wraps around
