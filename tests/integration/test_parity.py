@@ -182,3 +182,25 @@ def test_colocated_outputs_equal_the_reference(colocated, prompts, refs) -> None
     assert metric(url, "pdserve_prefix_cache_hit_tokens_total") > 0, "no cache hit"
     assert metric(url, "pdserve_retractions_total") > 0, "no retraction"
     _wait_no_pages([url])
+
+
+@pytest.fixture(scope="module")
+def pd_host_tier():
+    # The pair with a host tier under the prefill node's radix cache and a pool of a fifth
+    # of the prompts' tokens: what it evicts is loaded back from host memory instead of
+    # computed again.
+    args = [*PREFILL_ARGS, "--max-total-tokens", "256", "--enable-hierarchical-cache"]
+    with pd_pair(args, DECODE_ARGS) as cluster:
+        yield cluster
+
+
+def test_pd_outputs_with_the_host_tier_equal_the_reference(pd_host_tier, prompts, refs) -> None:
+    api = pd_host_tier["api"]
+    served = parity.serve_all(api, prompts, MAX_NEW_TOKENS, CONCURRENCY)
+    served += parity.serve_all(api, prompts, MAX_NEW_TOKENS, CONCURRENCY)  # again: host hits
+    _check(parity.compare(served, refs + refs))
+    prefill = pd_host_tier["prefill"].ready["http_url"]
+    decode = pd_host_tier["decode"].ready["http_url"]
+    assert metric(prefill, "pdserve_host_cache_hit_tokens_total") > 0, "nothing loaded back"
+    assert metric(prefill, "pdserve_prefix_cache_evicted_pages_total") > 0, "no eviction"
+    _wait_no_pages([prefill, decode])
