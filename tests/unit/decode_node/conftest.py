@@ -31,3 +31,13 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ref(model_dir):
     return ModelRunner.from_path(str(model_dir), progress=False, page_size=PAGE, num_pages=64)
+
+
+@pytest.fixture
+def pd(model_dir):
+    """A prefill and a decode loop in this process (tests/support/decode_harness.py)."""
+    from tests.support.decode_harness import PD
+
+    h = PD(model_dir)
+    yield h
+    h.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from common import messages as msg
-from tests.unit.decode_node.test_decode_scheduler import (
+from tests.support.decode_harness import (
     PAGE,
     PD,
     greedy,

@@ -16,12 +16,12 @@ from common.sampler import Sampler
 from common.sampling_params import SamplingParams
 from decode_node.req import DecodeState
 from prefill_node.req_state import PrefillState
-from tests.unit.decode_node.test_decode_scheduler import (
+from tests.support.decode_harness import (
     PD,
     SMALL_CHUNKS,
     FakeTokenizer,
-    _assert_all_free,
-    _UnsafeReceiver,
+    UnsafeReceiver,
+    assert_all_free,
     greedy,
     prompt,
 )
@@ -94,7 +94,7 @@ def test_grammar_outputs_equal_the_reference_across_chunks_and_retractions(model
         # under the grammar) runs, pages of a failed room take the rest of the pool, so its
         # next page retracts a request; they come back once one is retracted.
         h.run_until(lambda: h.state("r1") is DecodeState.RUNNING, timeout=60)
-        held = _UnsafeReceiver()
+        held = UnsafeReceiver()
         h.decode.release_queue.add(
             held, h.decode.allocator.allocate(h.decode.allocator.num_free_pages)
         )
@@ -113,7 +113,7 @@ def test_grammar_outputs_equal_the_reference_across_chunks_and_retractions(model
                 assert xgr.testing._is_grammar_accept_string(  # type: ignore[attr-defined]
                     xgr.Grammar.from_regex(REGEX), text_of(tokens)
                 )
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()
         backend.close()
@@ -139,7 +139,7 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(model_dir, ref)
         # release queue until the prefill side acks.
         h.prefill.abort("bad", None, "failed on the decode node")
         h.run_until(lambda: h.decode.is_idle() and not h.prefill.states)
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()
         backend.close()
@@ -172,7 +172,7 @@ def test_requests_wait_for_a_slow_compile_then_time_out_alone(model_dir):
         assert "--grammar-compile-timeout" in end.error
         release.set()
         h.run_until(lambda: h.decode.is_idle() and not h.prefill.states)
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         release.set()
         h.close()
@@ -187,7 +187,7 @@ def test_a_node_without_a_grammar_backend_refuses_grammars(model_dir):
         end = h.result("g")
         assert isinstance(end, msg.ReqFailed) and end.status == 400
         assert "--grammar-backend none" in end.error
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()
 
@@ -212,7 +212,7 @@ def test_stop_strings_max_tokens_and_ignore_eos_under_a_grammar(model_dir, ref):
         eos = h.result("eos")  # a complete grammar ends the request even under ignore_eos
         assert isinstance(eos, msg.ReqFinished) and eos.finish_reason == "stop"
         assert h.tokens("eos") == full and eos.matched_stop == EOS
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()
         backend.close()

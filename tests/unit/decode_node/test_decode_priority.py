@@ -8,7 +8,7 @@ import pytest
 
 from common import messages as msg
 from decode_node.req import DecodeState
-from tests.unit.decode_node.test_decode_scheduler import PD, _assert_all_free, greedy, prompt
+from tests.support.decode_harness import PD, assert_all_free, greedy, prompt
 from transfer.kv_poll import KVPoll
 
 
@@ -64,7 +64,7 @@ def test_a_high_priority_request_preempts_low_ones_and_they_resume_unchanged(mod
         for rid, ids in lows.items():  # back from host memory, output as if never preempted
             assert h.tokens(rid) == greedy(ref, ids, 12), rid
             assert isinstance(h.result(rid), msg.ReqFinished)
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()
 
@@ -86,6 +86,6 @@ def test_no_preemption_when_disabled_or_below_the_threshold(model_dir, ref, extr
         h.submit("high", 310, prompt(17, 63), priority=100, max_new_tokens=8)
         h.run_until(lambda: h.done("high", *lows))
         assert h.decode.stats.num_preemptions == 0
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()

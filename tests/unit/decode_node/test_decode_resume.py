@@ -6,6 +6,14 @@ from __future__ import annotations
 
 from common import messages as msg
 from common.grammar.backend import GrammarState
+from tests.support.decode_harness import (
+    PD,
+    SMALL_CHUNKS,
+    FakeTokenizer,
+    assert_all_free,
+    greedy,
+    prompt,
+)
 from tests.unit.decode_node.test_decode_grammar import (
     EOS,
     REGEX,
@@ -14,15 +22,6 @@ from tests.unit.decode_node.test_decode_grammar import (
     tiny_backend,
     with_grammar,
 )
-from tests.unit.decode_node.test_decode_scheduler import (
-    PD,
-    SMALL_CHUNKS,
-    FakeTokenizer,
-    _assert_all_free,
-    greedy,
-    prompt,
-)
-from tests.unit.decode_node.test_decode_scheduler import pd as pd  # the fixture
 
 
 def test_greedy_output_goes_on_from_any_point_across_chunks_and_retractions(model_dir, ref):
@@ -41,7 +40,7 @@ def test_greedy_output_goes_on_from_any_point_across_chunks_and_retractions(mode
             assert isinstance(end, msg.ReqFinished) and end.finish_reason == "length"
             # usage counts the tokens before the migration as output, the prompt once
             assert (end.num_prompt_tokens, end.num_output_tokens) == (17, 16)
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()
 
@@ -72,7 +71,7 @@ def test_a_grammar_goes_on_from_the_tokens_so_far(model_dir, ref):
         h.submit("moved", 1, ids, max_new_tokens=16, regex=REGEX, output_ids=full[:3])
         h.run_until(lambda: h.done("moved"), timeout=60)
         assert h.tokens("moved") == full[3:]
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()
         backend.close()

@@ -1,207 +1,22 @@
-"""The decode loop in one process: the real prefill loop, loopback KV transfer, tiny Llama."""
+"""The decode loop in one process: the real prefill loop, loopback KV transfer, tiny Llama
+(the harness: tests/support/decode_harness.py)."""
 
 from __future__ import annotations
 
-import itertools
 import math
-import time
-from collections import defaultdict
-
-import pytest
-import torch
-import zmq
 
 from common import messages as msg
-from common.config import DecodeConfig, ModelConfig, PrefillConfig
-from common.ipc import bind_pull, recv_messages
-from common.model.runner import ModelRunner
 from decode_node.req import DecodeState
-from decode_node.scheduler import DecodeScheduler
-from prefill_node.scheduler import PrefillScheduler
-from tests.unit.common.model.test_default_model import _greedy
-from transfer.kv_manager import KVManager
-from transfer.loopback_backend import LoopbackBackend
-
-PAGE = 4
-LEASE_S = 5.0
-SMALL_CHUNKS = {"chunked_prefill_size": 8, "max_prefill_tokens": 8}
-_ids = itertools.count()
-
-
-class FakeTokenizer:
-    """Stands in for the tiny model's tokenizer: token i reads as one letter, chr(97 + i % 26)."""
-
-    def __init__(self, eos=()):
-        self.eos_token_ids = frozenset(eos)
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i % 26) for i in ids)
-
-
-class ManualClock:
-    def __init__(self):
-        self.offset = 0.0
-
-    def __call__(self):
-        return time.monotonic() + self.offset
-
-
-def greedy(runner, prompt, n):
-    """Single-request reference: one extend, then a decode loop (no transfer, no batching)."""
-    return _greedy(runner, prompt, n)
-
-
-def prompt(n, seed):
-    return torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-class PD:
-    """A prefill loop and a decode loop wired by the loopback backend, plus a gateway socket."""
-
-    def __init__(
-        self, model_dir, decode_pages=64, prefill_pages=128, tokenizer=None, prefill_cfg=None, **cfg
-    ):
-        n = next(_ids)
-        cfg.setdefault("num_reserved_decode_tokens", 8)
-        self.config = DecodeConfig(model=ModelConfig(page_size=PAGE), **cfg)
-        self.prefill_runner = ModelRunner.from_path(
-            str(model_dir), progress=False, page_size=PAGE, num_pages=prefill_pages
-        )
-        self.runner = ModelRunner.from_path(
-            str(model_dir), progress=False, page_size=PAGE, num_pages=decode_pages
-        )
-        ctx = zmq.Context.instance()
-        self.kv_clock = ManualClock()
-        self.pkv = KVManager(
-            f"pd-p{n}",
-            "prefill",
-            LoopbackBackend(f"pd-p{n}"),
-            self.prefill_runner.pool,
-            backend_kind="loopback",
-            lease_s=LEASE_S,
-        )
-        self.dkv = KVManager(
-            f"pd-d{n}",
-            "decode",
-            LoopbackBackend(f"pd-d{n}"),
-            self.runner.pool,
-            backend_kind="loopback",
-            lease_s=LEASE_S,
-            clock=self.kv_clock,
-        )
-        p_sock, p_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
-        d_sock, d_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
-        self.reply_sock, self.reply_endpoint = bind_pull(ctx, "tcp://127.0.0.1:0")
-        prefill_cfg = {"chunked_prefill_size": 64, "max_prefill_tokens": 256, **(prefill_cfg or {})}
-        self.prefill = PrefillScheduler(
-            PrefillConfig(model=ModelConfig(page_size=PAGE), **prefill_cfg),
-            self.prefill_runner,
-            self.pkv,
-            p_sock,
-        )
-        self.known_prefill_nodes = {"p"}
-        self.decode = DecodeScheduler(
-            self.config,
-            self.runner,
-            self.dkv,
-            d_sock,
-            tokenizer or FakeTokenizer(),
-            lambda node: self.pkv.control_endpoint if node in self.known_prefill_nodes else None,
-            prefill_lookup_timeout_s=1.0,
-        )
-        self.to_prefill, self.to_decode = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
-        self.to_prefill.connect(p_endpoint)
-        self.to_decode.connect(d_endpoint)
-        self.replies: dict[str, list] = defaultdict(list)
-        self.is_prefill_paused = False
-        self.max_batch = 0
-
-    def submit(
-        self,
-        rid,
-        room,
-        ids,
-        *,
-        to_prefill=True,
-        prefill_node="p",
-        priority=None,
-        return_logprob=False,
-        gateway_id="",
-        output_ids=(),
-        **sampling,
-    ):
-        g = msg.GenerateReq(
-            rid=rid,
-            room=room,
-            input_ids=ids,
-            sampling={"max_new_tokens": 8, "temperature": 0.0, **sampling},
-            priority=priority,
-            routing_key=None,
-            prefill_node_id=prefill_node,
-            decode_node_id="d",
-            reply_endpoint=self.reply_endpoint,
-            arrival_time=time.time(),
-            return_logprob=return_logprob,
-            gateway_id=gateway_id,
-            output_ids=list(output_ids),
-        )
-        if to_prefill:
-            self.to_prefill.send(msg.encode(g))
-        self.to_decode.send(msg.encode(g))
-
-    def step(self):
-        if not self.is_prefill_paused:
-            self.prefill.step()
-        self.decode.step()
-        self.max_batch = max(self.max_batch, len(self.decode.running))
-        for m in recv_messages(self.reply_sock):
-            self.replies[m.rid].append(m)
-        self.decode.check_integrity()
-
-    def run_until(self, cond, timeout=30.0):
-        deadline = time.monotonic() + timeout
-        while not cond():
-            self.step()
-            assert time.monotonic() < deadline, "condition not reached"
-
-    def tokens(self, rid):
-        return [t for m in self.replies[rid] if isinstance(m, msg.TokenChunk) for t in m.token_ids]
-
-    def result(self, rid):
-        ends = [m for m in self.replies[rid] if isinstance(m, (msg.ReqFinished, msg.ReqFailed))]
-        return ends[-1] if ends else None
-
-    def first_result(self, rid):
-        ends = [m for m in self.replies[rid] if isinstance(m, (msg.ReqFinished, msg.ReqFailed))]
-        return ends[0] if ends else None
-
-    def done(self, *rids):
-        return all(self.result(r) is not None for r in rids)
-
-    def state(self, rid):
-        r = self.decode.reqs.get(rid)
-        return r.state if r is not None else None
-
-    def close(self):
-        self.to_prefill.close(0)
-        self.to_decode.close(0)
-        self.decode.close()
-        self.pkv.close()
-        self.dkv.close()
-
-
-@pytest.fixture
-def pd(model_dir):
-    h = PD(model_dir)
-    yield h
-    h.close()
-
-
-def _assert_all_free(h):
-    h.decode.check_integrity()
-    assert h.decode.is_idle() and h.decode.stats.num_held_pages() == 0
-    assert h.runner.pool.allocator.num_used_pages == 0
-    assert h.prefill.stats.num_held_pages() == 0
+from tests.support.decode_harness import (
+    LEASE_S,
+    PD,
+    SMALL_CHUNKS,
+    FakeTokenizer,
+    UnsafeReceiver,
+    assert_all_free,
+    greedy,
+    prompt,
+)
 
 
 def test_one_request_streams_the_prefill_token_then_decodes_greedily(pd, ref):
@@ -213,7 +28,7 @@ def test_one_request_streams_the_prefill_token_then_decodes_greedily(pd, ref):
     assert isinstance(end, msg.ReqFinished) and end.finish_reason == "length"
     assert (end.num_prompt_tokens, end.num_output_tokens, end.matched_stop) == (13, 10, None)
     assert all(len(m.token_ids) == 1 for m in pd.replies["a"] if isinstance(m, msg.TokenChunk))
-    _assert_all_free(pd)
+    assert_all_free(pd)
 
 
 def test_retracted_requests_resume_from_host_memory_with_identical_output(model_dir, ref):
@@ -229,7 +44,7 @@ def test_retracted_requests_resume_from_host_memory_with_identical_output(model_
             assert h.tokens(rid) == greedy(ref, ids, 24), rid
             assert isinstance(h.result(rid), msg.ReqFinished)
         assert h.max_batch >= 2
-        _assert_all_free(h)
+        assert_all_free(h)
         assert len(h.decode.retracted_queue.host) == 0
     finally:
         h.close()
@@ -281,7 +96,7 @@ def test_abort_in_every_queue_gives_every_page_back(model_dir):
             assert isinstance(end, msg.ReqFailed) and end.status == 499, rid
             assert "aborted" in end.error
         assert h.runner.pool.allocator.num_free_pages == free_at_start
-        _assert_all_free(h)
+        assert_all_free(h)
         assert not h.dkv.receivers and len(h.decode.retracted_queue.host) == 0
     finally:
         h.close()
@@ -300,7 +115,7 @@ def test_abort_mid_transfer_waits_for_the_prefill_ack(model_dir):
             lambda: h.decode.stats.num_held_pages() == 0 and not h.prefill.states, timeout=LEASE_S
         )
         assert any(isinstance(m, msg.ReqFailed) and m.status == 499 for m in h.replies["a"])
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()
 
@@ -317,7 +132,7 @@ def test_prefill_failure_ends_the_request_with_a_clear_error(model_dir):
         assert (
             "KV transfer from the prefill node failed" in end.error and "shutting down" in end.error
         )
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()
 
@@ -337,7 +152,7 @@ def test_bad_requests_are_refused_with_a_status(model_dir):
         assert ends["temp"].status == 400 and "temperature" in ends["temp"].error
         assert ends["who"].status == 503 and "nobody" in ends["who"].error
         assert ends["pool"].status == 400 and "KV pool" in ends["pool"].error
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()
 
@@ -351,7 +166,7 @@ def test_output_is_clipped_to_the_context_and_duplicates_are_refused(pd):
     pd.run_until(lambda: isinstance(pd.result("huge"), msg.ReqFinished), timeout=60)
     assert len(pd.tokens("huge")) == 256 - 100
     assert pd.result("huge").finish_reason == "length"
-    _assert_all_free(pd)
+    assert_all_free(pd)
 
 
 def test_queue_limit_answers_503(model_dir):
@@ -395,7 +210,7 @@ def test_stop_conditions(model_dir, ref):
         assert h.tokens("stop_str") == expect[: at + 2]
         assert h.tokens("first") == expect[:1] and h.result("first").num_output_tokens == 1
         assert h.tokens("zero") == [] and h.result("zero").num_output_tokens == 0
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()
 
@@ -437,20 +252,6 @@ def test_seeded_sampling_does_not_depend_on_retraction(model_dir):
     assert alone == tight
 
 
-class _UnsafeReceiver:
-    """A failed room whose writer may still be writing: its pages stay held until released."""
-
-    def __init__(self):
-        self.is_safe = False
-        self.is_cleared = False
-
-    def is_release_safe(self):
-        return self.is_safe
-
-    def clear(self):
-        self.is_cleared = True
-
-
 def test_lone_request_waits_in_host_memory_while_others_hold_the_pool(model_dir, ref):
     h = PD(model_dir, decode_pages=16, num_reserved_decode_tokens=4)
     try:
@@ -458,7 +259,7 @@ def test_lone_request_waits_in_host_memory_while_others_hold_the_pool(model_dir,
         h.submit("a", 1, ids, max_new_tokens=20)
         h.run_until(lambda: h.state("a") is DecodeState.RUNNING)
         # Pages of a failed room that cannot be freed yet take the rest of the pool.
-        held = _UnsafeReceiver()
+        held = UnsafeReceiver()
         h.decode.release_queue.add(
             held, h.decode.allocator.allocate(h.decode.allocator.num_free_pages)
         )
@@ -471,7 +272,7 @@ def test_lone_request_waits_in_host_memory_while_others_hold_the_pool(model_dir,
         h.run_until(lambda: h.done("a"))
         assert held.is_cleared and h.tokens("a") == greedy(ref, ids, 20)
         assert h.decode.stats.num_retractions == 1
-        _assert_all_free(h)
+        assert_all_free(h)
     finally:
         h.close()
 
@@ -506,4 +307,4 @@ def test_prefill_node_learned_late_from_the_registry_is_waited_for(pd, ref):
     pd.known_prefill_nodes.add("p")
     pd.run_until(lambda: pd.done("late"))
     assert pd.tokens("late") == greedy(ref, ids, 4)
-    _assert_all_free(pd)
+    assert_all_free(pd)

@@ -9,7 +9,7 @@ import pytest
 
 from common import messages as msg
 from decode_node.req import DecodeState
-from tests.unit.decode_node.test_decode_scheduler import PD, _assert_all_free, prompt
+from tests.support.decode_harness import PD, assert_all_free, prompt
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_requests_of_a_gateway_that_is_gone_are_aborted_on_both_nodes(h):
     assert isinstance(h.result("kept"), msg.ReqFinished)
     assert len(h.tokens("orphan")) < 200
     h.run_until(lambda: h.decode.is_idle() and not h.prefill.states)
-    _assert_all_free(h)
+    assert_all_free(h)
 
 
 def test_a_request_naming_a_lost_prefill_node_fails_fast_and_holds_nothing(h):
@@ -83,7 +83,7 @@ def test_the_drain_timeout_fails_what_is_left_with_a_clean_error(h):
     h.run_until(lambda: h.done("a", "b") and h.decode.is_idle())
     for rid in ("a", "b"):
         assert isinstance(h.result(rid), msg.ReqFailed) and h.result(rid).status == 503
-    _assert_all_free(h)
+    assert_all_free(h)
 
 
 def test_an_exception_in_one_request_fails_it_and_the_nodes_serve_on(h, monkeypatch):
@@ -120,4 +120,4 @@ def test_an_exception_in_one_request_fails_it_and_the_nodes_serve_on(h, monkeypa
     h.decode.abort("bad-prefill", None, "failed elsewhere")
     h.prefill.abort("bad-decode", None, "failed elsewhere")
     h.run_until(lambda: h.decode.is_idle() and not h.prefill.states)
-    _assert_all_free(h)
+    assert_all_free(h)
