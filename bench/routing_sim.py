@@ -65,8 +65,7 @@ import os
 import runpy
 import sys
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -77,9 +76,10 @@ sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.append(_HERE)  # after the repo: its siblings, never over the packages
 
 import numpy as np
+from routing_nodes import Job, SimNode
+from routing_report import Run, pct, print_scales, print_worst, verdict, worst_cases
 from routing_workloads import (
     Cost,
-    CostCase,
     Request,
     Scale,
     Workload,
@@ -93,147 +93,12 @@ from routing_workloads import (
 
 from bootstrap import router as rt
 from bootstrap.kv_index import KVIndex
-from common.page_hash import HashArray, prompt_hashes
-from prefill_node.radix_cache import RadixCache, TreeNode
+from common.page_hash import prompt_hashes
 
 ROUTERS = ("oracle", "precise", "affinity", "round-robin", "random")
 DECODES = [rt.DecodeCandidate("d0", 0)]
 SMALL_RUN_WARMUP = 5.0  # warm-up misses at 1000 nodes (a short run)
 LARGE = 128  # from this many nodes the sweep runs --seeds-large (its runs are long)
-
-
-class FreeList:
-    """A node's page pool (the radix cache frees evicted pages into it)."""
-
-    def __init__(self, num_pages: int) -> None:
-        self.num_pages, self.free_pages = num_pages, set(range(num_pages))
-
-    def allocate(self, num: int) -> list[int]:
-        return [self.free_pages.pop() for _ in range(num)]  # KeyError: out of pages
-
-    def free(self, pages: Iterable[int]) -> None:
-        for p in pages:
-            if p in self.free_pages:
-                raise RuntimeError(f"page {p} freed twice")
-            self.free_pages.add(p)
-
-
-class EventSink:
-    """The cache's CacheEvents: the net change since the last batch, as the publisher keeps it."""
-
-    def __init__(self) -> None:
-        self.net: dict[int, bool] = {}  # page hash -> stored (True) or removed (False)
-
-    def stored(self, hashes: HashArray) -> None:
-        self.net.update(dict.fromkeys(hashes.tolist(), True))
-
-    def removed(self, hashes: HashArray) -> None:
-        self.net.update(dict.fromkeys(hashes.tolist(), False))
-
-    def cleared(self) -> None:
-        raise RuntimeError("the simulation never resets a cache")
-
-    def take(self) -> tuple[HashArray, HashArray]:
-        """The batch: (stored, removed), and a fresh start."""
-        net, self.net = self.net, {}
-        return tuple(
-            np.array([h for h, s in net.items() if s is is_stored], dtype=np.uint64)
-            for is_stored in (True, False)
-        )  # type: ignore[return-value]
-
-
-@dataclass
-class Job:
-    index: int
-    request: Request
-    num_tokens: int
-    uncached_at_route: int  # what the gateway counts as pending (and the oracle as queued)
-    tokens: bytes = b""
-    pages: list[int] = field(default_factory=list)
-    locked: TreeNode | None = None
-    cached: int = 0
-    start: float = 0.0
-    end: float = 0.0
-
-
-class SimNode:
-    def __init__(self, node_id: str, pool_pages: int, page_size: int, cost: Cost) -> None:
-        self.node_id, self.page_size, self.cost = node_id, page_size, cost
-        self.allocator = FreeList(pool_pages)
-        self.sink = EventSink()
-        self.cache = RadixCache(page_size, self.allocator, events=self.sink)
-        self.waiting: deque[Job] = deque()
-        self.running: Job | None = None
-        self.seq = 0
-        self.busy_s = 0.0
-        self.num_waiting_tokens = self.num_waiting_uncached = self.max_cached_pages = 0
-
-    def enqueue(self, job: Job) -> None:
-        self.waiting.append(job)
-        self.num_waiting_tokens += job.num_tokens
-        self.num_waiting_uncached += job.uncached_at_route
-
-    def start_next(self, now: float) -> float | None:
-        """When idle, admit the head of the queue (match, lock, allocate); returns its end."""
-        if self.running is not None or not self.waiting:
-            return None
-        job = self.running = self.waiting.popleft()
-        self.num_waiting_tokens -= job.num_tokens
-        self.num_waiting_uncached -= job.uncached_at_route
-        ps, n = self.page_size, job.num_tokens
-        job.tokens = np.concatenate(job.request.parts).tobytes()
-        match = self.cache.match_prefix(job.tokens)
-        num_cached = min(len(match.page_ids), (n - 1) // ps)  # the last token is computed
-        if num_cached:
-            self.cache.inc_lock_ref(match.last_node)  # before evicting: the prefix stays
-            job.locked = match.last_node
-        need = _pages(n, ps) - num_cached
-        if need > len(self.allocator.free_pages):
-            self.cache.evict(need - len(self.allocator.free_pages))
-        job.pages = match.page_ids[:num_cached] + self.allocator.allocate(need)
-        job.cached, job.start = num_cached * ps, now
-        service = self.cost.service_s(job.cached, n - job.cached)
-        job.end, self.busy_s = now + service, self.busy_s + service
-        return job.end
-
-    def finish(self) -> Job:
-        """The prefill is done: cache the prompt's pages, free duplicates and the partial page."""
-        job, ps = self.running, self.page_size
-        assert job is not None
-        self.running = None
-        already = self.cache.insert(job.tokens, job.pages) // ps
-        self.allocator.free(
-            job.pages[job.cached // ps : already] + job.pages[job.num_tokens // ps :]
-        )
-        if job.locked is not None:
-            self.cache.dec_lock_ref(job.locked)
-        self.max_cached_pages = max(self.max_cached_pages, self.cache.num_pages)
-        job.tokens, job.pages, job.locked = b"", [], None
-        return job
-
-    def reported_tokens(self, node_load: str) -> int:
-        """PrefillScheduler.queued_tokens: the one under way, and the waiting prompts less
-        what the cache holds now ("prompt": whole, as before that was fixed)."""
-        if node_load == "prompt":
-            return self.num_waiting_tokens
-        ps, job = self.page_size, self.running  # the one under way: all of it left
-        running = job.num_tokens - job.cached if job is not None else 0
-        return running + sum(
-            j.num_tokens
-            - ps
-            * min(
-                (j.num_tokens - 1) // ps,
-                len(self.cache.match_prefix(np.concatenate(j.request.parts).tobytes()).page_ids),
-            )
-            for j in self.waiting
-        )
-
-    def exact_tokens(self, now: float) -> int:
-        """The oracle's queue: the running prefill's remaining tokens, the waiting ones'."""
-        left = 0.0
-        if (job := self.running) is not None and job.end > job.start:
-            left = (job.num_tokens - job.cached) * (job.end - now) / (job.end - job.start)
-        return int(left) + self.num_waiting_uncached
 
 
 @dataclass
@@ -380,10 +245,6 @@ def simulate(
     return res
 
 
-def _pct(values: Sequence[float], q: float, scale: float = 1.0, digits: int = 4) -> float:
-    return round(float(np.percentile(values, q)) * scale, digits) if values else float("nan")
-
-
 def summarize(w: Workload, num_nodes: int, router_name: str, r: SimResult) -> dict[str, Any]:
     counted = [i for i, q in enumerate(w.requests) if q.arrival >= w.warmup_s]
     cached, prompt = sum(r.cached[i] for i in counted), sum(r.prompt[i] for i in counted)
@@ -396,144 +257,15 @@ def summarize(w: Workload, num_nodes: int, router_name: str, r: SimResult) -> di
         "router": router_name,
         "hit_rate": round(cached / prompt, 4),
         "computed_tokens": prompt - cached,
-        "ttft_p50_s": _pct(ttft, 50),
-        "ttft_p90_s": _pct(ttft, 90),
-        "ttft_p99_s": _pct(ttft, 99),
-        "route_us_p99": _pct(r.route_s, 99, 1e6, 1),
-        "route_us_p50": _pct(r.route_s, 50, 1e6, 1),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p90_s": pct(ttft, 90),
+        "ttft_p99_s": pct(ttft, 99),
+        "route_us_p99": pct(r.route_s, 99, 1e6, 1),
+        "route_us_p50": pct(r.route_s, 50, 1e6, 1),
         "index_mb": round(r.index_mb, 3),
         "load": round(float(r.busy_s / num_nodes / span), 3),
         "requests": len(counted),
     }
-
-
-@dataclass
-class Run:
-    """The routers' rows over one workload, one node count and one cost model."""
-
-    nodes: int
-    workload: str
-    case: CostCase
-    rows: dict[str, dict[str, Any]]  # by router
-
-    def share(self) -> float | None:
-        """precise's hit rate / the oracle's."""
-        p, o = self.rows.get("precise"), self.rows.get("oracle")
-        return p["hit_rate"] / o["hit_rate"] if p and o and o["hit_rate"] else None
-
-    def margin(self) -> float | None:
-        """precise's hit rate - affinity's."""
-        p, a = self.rows.get("precise"), self.rows.get("affinity")
-        return p["hit_rate"] - a["hit_rate"] if p and a else None
-
-    def p90_gain(self) -> float | None:
-        """affinity's p90 TTFT / precise's (workloads a and c)."""
-        p, a = self.rows.get("precise"), self.rows.get("affinity")
-        return a["ttft_p90_s"] / p["ttft_p90_s"] if p and a and self.workload != "b" else None
-
-
-def _worst(runs: Sequence[Run], measure: Callable[[Run], float | None]) -> tuple[float, Run]:
-    scored = [(v, r) for r in runs if (v := measure(r)) is not None]
-    return min(scored, key=lambda x: x[0]) if scored else (float("nan"), runs[0])
-
-
-def worst_cases(runs: Sequence[Run], route_s: dict[int, list[float]]) -> list[dict[str, Any]]:
-    """Per node count, the worst run of the sweep by each measure (one JSON line each)."""
-    out = []
-    for n in sorted({r.nodes for r in runs}):
-        mine = [r for r in runs if r.nodes == n]
-        row: dict[str, Any] = {"bench": "routing_sim_worst", "nodes": n, "runs": len(mine)}
-        for name, measure in (
-            ("share", Run.share),
-            ("margin", Run.margin),
-            ("p90_gain", Run.p90_gain),
-        ):
-            value, run = _worst(mine, measure)
-            row[name] = round(value, 4)
-            row[f"{name}_run"] = f"{run.workload} {run.case.label} ({run.case.cost.short()})"
-        row["route_us_p99"] = _pct(route_s.get(n, []), 99, 1e6, 1)
-        out.append(row)
-    return out
-
-
-def print_worst(worst: list[dict[str, Any]]) -> None:
-    print(
-        "\nworst case per node count over the sweep (share = precise's hit rate / the "
-        "oracle's; margin = precise's - affinity's; p90 gain = affinity's p90 TTFT / "
-        "precise's, a and c; routing p99 over every precise decision)"
-    )
-    print(f"{'nodes':>5} {'runs':>4}  {'share':>6}  {'margin':>7}  {'p90 gain':>8}  {'p99 us':>6}")
-    for w in worst:
-        print(
-            f"{w['nodes']:5d} {w['runs']:4d}  {w['share']:6.1%}  {w['margin']:+7.1%}  "
-            f"{w['p90_gain']:8.2f}  {w['route_us_p99']:6.0f}"
-        )
-        for name in ("share", "margin", "p90_gain"):
-            print(f"{'':12}{name} worst at: {w[f'{name}_run']}")
-
-
-def print_scales(runs: Sequence[Run]) -> None:
-    """Per node count, workload and scale of the fitted model (unperturbed, every seed):
-    mean hit rates, the worst share and margin, median p90 TTFTs."""
-    print(
-        "\nacross cost-model scales (the fitted model times k, unperturbed; hit rates are "
-        "means over seeds, share and margin the worst seed, p90 TTFT the median seed)"
-    )
-    print(
-        f"{'nodes':>5} {'wl':>2} {'k':>4} {'seeds':>5}  {'oracle':>6} {'precise':>7} "
-        f"{'affin':>6}  {'share':>6} {'margin':>7}  {'p90 s orc/prec/aff':>22}"
-    )
-    groups: dict[tuple[int, str, float], list[Run]] = {}
-    for r in runs:
-        if not r.case.perturbation:
-            groups.setdefault((r.nodes, r.workload, r.case.scale), []).append(r)
-    for (n, wl, k), mine in sorted(groups.items()):
-
-        def mean_hit(router: str, mine: list[Run] = mine) -> float:
-            hits = [r.rows[router]["hit_rate"] for r in mine if router in r.rows]
-            return float(np.mean(hits)) if hits else float("nan")
-
-        def p90(router: str, mine: list[Run] = mine) -> float:
-            p90s = [r.rows[router]["ttft_p90_s"] for r in mine if router in r.rows]
-            return float(np.median(p90s)) if p90s else float("nan")
-
-        p90s = "/".join(f"{p90(x):.1f}" for x in ("oracle", "precise", "affinity"))
-        print(
-            f"{n:5d} {wl:>2} {k:4g} {len(mine):5d}  {mean_hit('oracle'):6.1%} "
-            f"{mean_hit('precise'):7.1%} {mean_hit('affinity'):6.1%}  "
-            f"{_worst(mine, Run.share)[0]:6.1%} {_worst(mine, Run.margin)[0]:+7.1%}  "
-            f"{p90s:>22}"
-        )
-
-
-def verdict(worst: list[dict[str, Any]]) -> None:
-    checks: list[tuple[bool, str]] = []
-    for w in worst:
-        n = w["nodes"]
-        checks.append(
-            (w["share"] >= 0.95, f"hit rate @{n}: worst precise/oracle {w['share']:.1%} (>= 95%)")
-        )
-        checks.append(
-            (w["margin"] >= 0, f"vs affinity @{n}: worst precise - affinity {w['margin']:+.1%}")
-        )
-        checks.append(
-            (
-                w["p90_gain"] >= 5,
-                f"p90 TTFT @{n}: worst affinity/precise {w['p90_gain']:.2f}x (>= 5x)",
-            )
-        )
-        if n == 128:
-            checks.append(
-                (
-                    w["route_us_p99"] < 200,
-                    f"routing p99 @128: {w['route_us_p99']:.0f} us (< 200 us)",
-                )
-            )
-    print(
-        f"targets (worst case over the sweep): {sum(ok for ok, _ in checks)} of {len(checks)} met"
-    )
-    for ok, text in checks:
-        print(f"  {'MET ' if ok else 'MISS'} {text}")
 
 
 def build_workloads(
