@@ -82,8 +82,8 @@ def wait_line(proc: subprocess.Popen[str], timeout_s: float = 300.0) -> dict[str
             threading.Thread(target=lambda: [None for _ in proc.stdout or []], daemon=True).start()
             return info
         if not line and proc.poll() is not None:
-            raise SystemExit(f"{proc.args} exited with {proc.returncode}")
-    raise SystemExit(f"{proc.args} did not start")
+            raise SystemExit(f"{proc.args!r} exited with {proc.returncode}")
+    raise SystemExit(f"{proc.args!r} did not start")
 
 
 def metric_total(url: str, name: str) -> float:

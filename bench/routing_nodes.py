@@ -42,6 +42,11 @@ class EventSink:
     def removed(self, hashes: HashArray) -> None:
         self.net.update(dict.fromkeys(hashes.tolist(), False))
 
+    def offloaded(self, hashes: HashArray) -> None:
+        raise RuntimeError("the simulated nodes have no host tier")
+
+    loaded = offloaded
+
     def cleared(self) -> None:
         raise RuntimeError("the simulation never resets a cache")
 
