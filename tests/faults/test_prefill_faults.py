@@ -154,3 +154,41 @@ def test_kill9_prefill_spares_requests_already_streaming(cluster: Cluster) -> No
     assert_no_pages_held(cluster)
     cluster.restart(VICTIM)
     assert_fresh_request_succeeds(cluster, key, VICTIM)
+
+
+def test_kill9_prefill_right_after_a_host_tier_load_back_migrates_and_frees_every_page(
+    cluster: Cluster,
+) -> None:
+    """A prefill node with a host tier (--enable-hierarchical-cache) and a pool its
+    prompts overflow: a prompt whose prefix was evicted to the host loads it back, and
+    the node is killed while it computes the rest. The stream moves to prefill-1 and
+    completes; decode-0's pages for the dead room are freed; the node comes back plain."""
+    key = key_for(VICTIM)
+    host_tier = ["--enable-hierarchical-cache", "--max-total-tokens", "4096"]
+    cluster.restart(VICTIM, host_tier)
+    try:
+        shared = long_prompt("host tier", 1000)
+        for tag in ("first", "other 1", "other 2", "other 3"):  # the last three evict it
+            prompt = shared if tag == "first" else long_prompt(tag, 1500)
+            done = Stream(cluster.api, prompt, max_tokens=4, routing_key=key).start()
+            [outcome] = wait_all([done])
+            assert outcome.is_completed, outcome
+        loaded = metric_or_zero(cluster, VICTIM, "pdserve_host_cache_hit_tokens_total")
+        longer = shared + " more" * 1500
+        stream = Stream(cluster.api, longer, max_tokens=16, routing_key=key).start()
+        wait_metric(
+            cluster,
+            VICTIM,
+            "pdserve_host_cache_hit_tokens_total",
+            lambda v: v - loaded >= CHUNK,
+            "the shared prefix loaded back from the host tier",
+        )
+        assert not stream.is_done, stream.outcome
+        fault = cluster.kill9(VICTIM)
+        [outcome] = wait_all([stream])
+        assert_ended_well(outcome, fault)
+        assert outcome.is_completed and outcome.finish_reason == "length", outcome
+        assert_no_pages_held(cluster)
+    finally:
+        cluster.restart(VICTIM)  # without the host tier, as the other cases expect it
+    assert_fresh_request_succeeds(cluster, key, VICTIM)
