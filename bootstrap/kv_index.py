@@ -255,11 +255,7 @@ class KVIndex:
             if h not in mine:
                 continue
             mine.discard(h)
-            mask = holders[h] & ~bit
-            if mask:
-                holders[h] = mask
-            else:
-                del holders[h]
+            _clear_bit(holders, h, bit)
 
     def _set_host(self, node: NodeCache, hashes: Iterable[int], on_host: bool) -> None:
         """Mark the node's pages among ``hashes`` as held on its host tier alone, or not."""
@@ -270,11 +266,7 @@ class KVIndex:
                 host[h] = host.get(h, 0) | bit
             elif not on_host and h in mine:
                 mine.discard(h)
-                mask = host[h] & ~bit
-                if mask:
-                    host[h] = mask
-                else:
-                    del host[h]
+                _clear_bit(host, h, bit)
 
     def _replace(self, node: NodeCache, hashes: HashArray, on_host: list[int]) -> None:
         new = set(hashes.tolist())
@@ -306,11 +298,7 @@ class KVIndex:
                 expected[h] = count
                 continue
             del expected[h]
-            mask = expecting[h] & ~bit
-            if mask:
-                expecting[h] = mask
-            else:
-                del expecting[h]
+            _clear_bit(expecting, h, bit)
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -437,6 +425,15 @@ def _depth(hashes: Sequence[int], holds: Callable[[int], bool], lo: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def _clear_bit(masks: dict[int, int], h: int, bit: int) -> None:
+    """Take ``bit`` out of page ``h``'s mask (the page leaves the dict with its last bit)."""
+    mask = masks[h] & ~bit
+    if mask:
+        masks[h] = mask
+    else:
+        del masks[h]
 
 
 def _bits(mask: int) -> list[int]:

@@ -10,23 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from common.grammar.backend import GrammarBackend, GrammarError, GrammarState
+from common.grammar.backend import GrammarBackend, GrammarError, GrammarState, poll_pending
 from decode_node.req import DecodeReq
 
 
 def poll_grammar(backend: GrammarBackend | None, r: DecodeReq) -> bool | GrammarError:
     """True: r has no grammar, or its matcher is built now (``r.grammar``); False: still
     compiling; a GrammarError: it failed."""
-    if r.grammar_ticket is None or r.grammar is not None:
+    if r.grammar is not None:
         return True
-    assert backend is not None, "a grammar ticket comes from a backend"
-    try:
-        compiled = backend.poll(r.grammar_ticket)
-    except GrammarError as exc:
-        return exc
-    if compiled is None:
-        return False
-    r.grammar = GrammarState(compiled, r.all_output_ids)
+    polled = poll_pending(backend, r.grammar_ticket)
+    if isinstance(polled, (bool, GrammarError)):
+        return polled
+    r.grammar = GrammarState(polled, r.all_output_ids)
     return True
 
 

@@ -10,7 +10,7 @@ GenerateReq ─▶ bootstrap_queue ─▶ waiting_queue ─▶ (chunked) prefill
 
 from __future__ import annotations
 
-from common.grammar.backend import GrammarBackend, GrammarError
+from common.grammar.backend import GrammarBackend, GrammarError, poll_pending
 from prefill_node.req_state import PrefillReq
 from transfer.kv_poll import KVPoll
 
@@ -98,14 +98,10 @@ class GrammarQueue(_Queue):
 
 def poll_grammar(r: PrefillReq, backend: GrammarBackend | None) -> bool | GrammarError:
     """Whether r's grammar is ready (True when it has none), or why it cannot be."""
-    if r.grammar_ticket is None or r.grammar is not None:
+    if r.grammar is not None:
         return True
-    assert backend is not None, "a grammar ticket comes from a backend"
-    try:
-        compiled = backend.poll(r.grammar_ticket)
-    except GrammarError as exc:
-        return exc
-    if compiled is None:
-        return False
-    r.grammar = compiled
+    polled = poll_pending(backend, r.grammar_ticket)
+    if isinstance(polled, (bool, GrammarError)):
+        return polled
+    r.grammar = polled
     return True

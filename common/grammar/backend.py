@@ -143,6 +143,22 @@ class GrammarBackend:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def poll_pending(
+    backend: GrammarBackend | None, ticket: GrammarTicket | None
+) -> xgr.CompiledGrammar | bool | GrammarError:
+    """A request's grammar ticket polled from a node's loop: True when there is none to
+    wait for, False while it compiles, the compiled grammar once ready, or the error it
+    failed with (a request fails with it alone)."""
+    if ticket is None:
+        return True
+    assert backend is not None, "a grammar ticket comes from a backend"
+    try:
+        compiled = backend.poll(ticket)
+    except GrammarError as exc:
+        return exc
+    return False if compiled is None else compiled
+
+
 class GrammarState:
     """One request's position in its grammar: the xgrammar matcher and the tokens it took."""
 
