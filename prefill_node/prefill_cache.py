@@ -80,6 +80,8 @@ class PrefillCache:
             tree.dec_lock_ref(match.last_node)
         self.allocator.free(unused)
         num_loaded = len(pages) - len(unused)
+        if not num_loaded:  # no device page to load into, or the host part left meanwhile
+            return loaded
         self.stats.host_loaded(num_loaded * self.page_size, seconds)
         if self.is_timed:
             self.load_cost.observe_load(num_loaded, seconds)
