@@ -30,6 +30,10 @@ and counted, and the node is asked for a snapshot, so the index stays within the
 of the nodes' pools even when a node misreports; its expected pages are capped the
 same way. A lost node is dropped at once.
 
+Tiers: a node with a host tier under its cache says which of its pages are on the host
+alone (``stored_host``); they count as held, and ``host_pages`` says how many of a node's
+leading pages they are, for the router to price their load back.
+
 Scoring (``overlaps``): the number of leading prompt pages each node holds or expects. A
 radix cache holds a page's whole prefix whenever it holds the page, so the nodes holding
 page i+1 are among those holding page i: the masks shrink along the prompt, and each
