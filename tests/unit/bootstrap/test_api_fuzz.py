@@ -4,7 +4,7 @@ The gateway is real (HTTP, router, zmq); the nodes are fakes that stream a reply
 examples are cheap and the test measures what the schema is for: bodies drawn from it
 must reach generation (a GenerateReq at the decode node), never a 5xx, and every error
 must be a documented status with an OpenAI-shaped body. The real cluster is fuzzed with
-hostile bodies in tests/integration/test_cluster.py.
+hostile bodies in tests/integration/cluster/test_hardening.py.
 """
 
 from __future__ import annotations

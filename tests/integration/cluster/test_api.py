@@ -1,0 +1,188 @@
+"""The gateway's API end to end: the official client, greedy parity, TTFT stages, usage, load."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from common import stages
+from tests.integration.cluster.common import SYSTEM, client, metric_or_0
+from tests.support.cluster import metric
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("nixl._api", reason="NIXL is not installed")
+pytest.importorskip("openai")
+
+
+def test_chat_and_completions_streaming_and_not_with_the_official_client(cluster):
+    cl = client(cluster)
+    chat = cl.chat.completions.create(
+        model="default",
+        max_tokens=12,
+        temperature=0,
+        messages=[{"role": "user", "content": "Say hello."}],
+    )
+    assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
+    pieces = [
+        ch.choices[0].delta.content or ""
+        for ch in cl.chat.completions.create(
+            model="default",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            messages=[{"role": "user", "content": "Say hello."}],
+        )
+        if ch.choices
+    ]
+    assert "".join(pieces) == chat.choices[0].message.content
+    comp = cl.completions.create(
+        model="default", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in cl.completions.create(
+            model="default",
+            prompt="The capital of France is",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+        )
+        if ch.choices
+    )
+    assert comp.choices[0].text and streamed == comp.choices[0].text
+
+
+def test_greedy_output_equals_the_single_process_runner(cluster):
+    from common.launch.offline import OfflineResult, generate_stream
+    from common.model.default_model import default_model_dir
+    from common.model.runner import ModelRunner
+    from common.sampling_params import SamplingParams
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(default_model_dir())
+    runner = ModelRunner.from_path(None, progress=False, max_total_tokens=1024)
+    messages = [{"role": "user", "content": "List three kinds of boats."}]
+    ids = tok.apply_chat_template(messages)
+    offline = [
+        x
+        for x in generate_stream(runner, tok, ids, SamplingParams(max_new_tokens=24, temperature=0))
+    ][-1]
+    assert isinstance(offline, OfflineResult)
+    chat = client(cluster).chat.completions.create(
+        model="default", max_tokens=24, temperature=0, messages=messages
+    )
+    assert chat.choices[0].message.content == offline.text
+
+
+def _stage_totals(url: str, stage_names: list[str]) -> dict[str, tuple[float, float]]:
+    """(count, sum) of pdserve_request_stage_seconds per stage on one process."""
+    return {
+        name: (
+            metric_or_0(url, "pdserve_request_stage_seconds_count", stage=name),
+            metric_or_0(url, "pdserve_request_stage_seconds_sum", stage=name),
+        )
+        for name in stage_names
+    }
+
+
+def test_ttft_stages_are_recorded_and_add_up_to_the_ttft_the_client_saw(cluster):
+    chain = [name for name, _, _ in stages.CHAIN]
+    every = list(stages.STAGES)
+    nodes = cluster["nodes"].values()
+    before = _stage_totals(cluster["api"], every)
+    ttft_before = metric_or_0(cluster["api"], "pdserve_time_to_first_token_seconds_sum")
+    node_before = [_stage_totals(p.ready["http_url"], every) for p in nodes]
+    cl = client(cluster)
+    start = time.perf_counter()
+    stream = cl.completions.create(
+        model="default",
+        prompt="Tell me about tides. " * 40,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+    )
+    first = next(iter(stream))
+    client_ttft = time.perf_counter() - start
+    assert first.choices
+    for _ in stream:
+        pass
+    after = _stage_totals(cluster["api"], every)
+    seconds = {n: after[n][1] - before[n][1] for n in every}
+    # The gateway saw the whole path once: every stage, none negative.
+    assert {n: after[n][0] - before[n][0] for n in every} == dict.fromkeys(every, 1.0)
+    assert all(v >= 0 for v in seconds.values()), seconds
+    assert seconds["prefill_compute"] > 0 and seconds["kv_transfer"] > 0
+    # The chain runs inside the client's own span and leaves little of it out: the
+    # client's connection, request writing and response parsing (a few ms on loopback).
+    total = sum(seconds[n] for n in chain)
+    assert total <= client_ttft + 0.002, (total, client_ttft, seconds)
+    assert total >= client_ttft - max(0.05, 0.15 * client_ttft), (total, client_ttft, seconds)
+    # The gateway's TTFT is the same span the stages cut up.
+    ttft = metric(cluster["api"], "pdserve_time_to_first_token_seconds_sum") - ttft_before
+    assert abs(ttft - total) <= 1e-3, (ttft, total)
+    # Each node recorded its own view of its stages, on the same metric.
+    grown = {
+        n: sum(
+            _stage_totals(p.ready["http_url"], every)[n][0] - b[n][0]
+            for p, b in zip(nodes, node_before)
+        )
+        for n in every
+    }
+    for name, _, _ in stages.PREFILL_STAGES + stages.DECODE_STAGES:
+        assert grown[name] == 1.0, (name, grown)
+
+
+def test_usage_reports_the_prompt_tokens_served_from_the_prefill_cache(cluster):
+    cl = client(cluster)
+    messages = [
+        {"role": "system", "content": SYSTEM + " Cache check " + str(time.time())},
+        {"role": "user", "content": "Name one bird."},
+    ]
+    usages = [
+        cl.chat.completions.create(
+            model="default",
+            max_tokens=2,
+            temperature=0,
+            messages=messages,
+            extra_headers={"x-routing-key": "cache-usage"},
+        ).usage
+        for _ in range(2)
+    ]
+    first, second = usages
+    assert first.prompt_tokens == second.prompt_tokens
+    assert first.prompt_tokens_details.cached_tokens == 0
+    # The second found the whole pages of the first's prompt (less its last token) cached.
+    page = 16
+    assert second.prompt_tokens_details.cached_tokens == (first.prompt_tokens - 1) // page * page
+
+
+def test_64_concurrent_streams_all_complete(cluster):
+    cl = client(cluster)
+    results: list[str | Exception] = []
+
+    def one(i: int) -> None:
+        try:
+            text = "".join(
+                ch.choices[0].text
+                for ch in cl.completions.create(
+                    model="default",
+                    prompt=f"Number {i} is",
+                    max_tokens=6,
+                    temperature=0,
+                    stream=True,
+                )
+                if ch.choices
+            )
+            results.append(text)
+        except Exception as exc:  # noqa: BLE001 - collected and reported below
+            results.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert len(results) == 64 and not errors, errors[:3]
