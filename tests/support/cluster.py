@@ -153,6 +153,35 @@ def metric(http_url: str, name: str, **labels: str) -> float:
     return total
 
 
+def start_bootstrap(api: int, registry: int, *args: str) -> Proc:
+    """A bootstrap serving the API on port ``api`` and the registry on ``registry``."""
+    return start(
+        "bootstrap",
+        "bootstrap",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(api),
+        "--disaggregation-bootstrap-port",
+        str(registry),
+        *args,
+    )
+
+
+def wait_healthy(
+    api_url: str, num_nodes: int, token: str | None = None, timeout: float = 120.0
+) -> None:
+    """Until the gateway's /nodes lists ``num_nodes`` healthy nodes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = http("GET", api_url + "/nodes", token=token)
+        nodes = body.get("nodes", []) if status == 200 and isinstance(body, dict) else []
+        if sum(1 for n in nodes if n.get("healthy")) == num_nodes:
+            return
+        assert time.monotonic() < deadline, f"nodes never registered: {body}"
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def pd_pair(
     prefill_args: list[str],
@@ -167,17 +196,7 @@ def pd_pair(
 
     api, registry = free_port(), free_port()
     url = f"http://127.0.0.1:{registry}"
-    boot = start(
-        "bootstrap",
-        "bootstrap",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(api),
-        "--disaggregation-bootstrap-port",
-        str(registry),
-        *bootstrap_args,
-    )
+    boot = start_bootstrap(api, registry, *bootstrap_args)
     node_args = ["--host", "127.0.0.1", "--port", "0", "--bootstrap-url", url]
     prefill = start("prefill", "prefill_node", *node_args, "--node-id", "prefill-0", *prefill_args)
     decodes = [
@@ -187,14 +206,7 @@ def pd_pair(
     procs = [boot, prefill, *decodes]
     try:
         wait_ready(procs)
-        deadline = time.monotonic() + 120
-        while True:
-            status, body = http("GET", f"http://127.0.0.1:{api}/nodes")
-            num_healthy = sum(1 for n in body["nodes"] if n.get("healthy"))
-            if status == 200 and num_healthy == 1 + num_decode:
-                break
-            assert time.monotonic() < deadline, body
-            time.sleep(0.2)
+        wait_healthy(f"http://127.0.0.1:{api}", 1 + num_decode)
         yield {
             "api": f"http://127.0.0.1:{api}",
             "prefill": prefill,
@@ -215,17 +227,7 @@ def colocated(
     from tests.support.ports import free_port
 
     api, registry = free_port(), free_port()
-    boot = start(
-        "bootstrap",
-        "bootstrap",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(api),
-        "--disaggregation-bootstrap-port",
-        str(registry),
-        *bootstrap_args,
-    )
+    boot = start_bootstrap(api, registry, *bootstrap_args)
     node = start(
         "colocated-0",
         "colocated_node",

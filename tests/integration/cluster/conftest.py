@@ -4,12 +4,10 @@ node)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.integration.cluster.common import API_KEY, TOKEN
-from tests.support.cluster import http, start, wait_ready
+from tests.support.cluster import start, start_bootstrap, wait_healthy, wait_ready
 from tests.support.ports import free_port
 
 
@@ -18,21 +16,8 @@ def cluster():
     pytest.importorskip("nixl._api", reason="NIXL is not installed")
     api, registry, reply = free_port(), free_port(), free_port()
     common = ["--auth-token", TOKEN, "--max-total-tokens", "6144", "--lease-timeout", "3"]
-    boot = start(
-        "bootstrap",
-        "bootstrap",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(api),
-        "--disaggregation-bootstrap-port",
-        str(registry),
-        "--auth-token",
-        TOKEN,
-        "--api-key",
-        API_KEY,
-        "--reply-port",
-        str(reply),
+    boot = start_bootstrap(
+        api, registry, "--auth-token", TOKEN, "--api-key", API_KEY, "--reply-port", str(reply)
     )
     url = f"http://127.0.0.1:{registry}"
     nodes = [
@@ -55,14 +40,7 @@ def cluster():
     procs = [boot, *nodes]
     try:
         wait_ready(procs)
-        deadline = time.monotonic() + 120
-        while True:
-            status, body = http("GET", f"http://127.0.0.1:{api}/nodes", token=API_KEY)
-            healthy = [n for n in body.get("nodes", [])] if status == 200 else []
-            if sum(1 for n in healthy if n.get("healthy")) == 4:
-                break
-            assert time.monotonic() < deadline, f"nodes never registered: {body}"
-            time.sleep(0.2)
+        wait_healthy(f"http://127.0.0.1:{api}", 4, token=API_KEY)
         yield {
             "api": f"http://127.0.0.1:{api}",
             "registry": url,
