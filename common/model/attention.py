@@ -361,9 +361,10 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(spec, dtype, device)
-        from common.model import triton_attention
+        from common.model import triton_attention, triton_extend
 
         self._kernels = triton_attention
+        self._extend = triton_extend
 
     def prepare(self, pool: KVPool, batch: AttentionBatch) -> None:
         batch.meta = {}
@@ -414,7 +415,7 @@ class TritonAttention(AttentionBackend):
         assert meta is not None
         max_new = meta["max_new"]
         assert isinstance(max_new, int)
-        return self._kernels.paged_extend_attention(
+        return self._extend.paged_extend_attention(
             pool.rows,
             meta["table"],
             meta["q_starts"],

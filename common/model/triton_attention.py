@@ -1,4 +1,5 @@
-"""Paged attention in Triton for CUDA: decode and extend read K/V where the pages lie.
+"""Paged attention in Triton for CUDA: decode reads K/V where the pages lie; what the
+decode and extend kernels (common/model/triton_extend.py) share.
 
 Both kernels look each key up through the page table (KVPool.rows: per page and layer a K
 row then a V row of page_size * kv_heads * head_dim elements), so no layer gathers its pages
@@ -33,7 +34,6 @@ except ImportError:  # the CPU image has no Triton: the module imports, nothing 
 
 
 DECODE_BLOCK_N = 64  # keys per step of a decode program
-EXTEND_BLOCK_M, EXTEND_BLOCK_N = 64, 64  # query rows and keys per step of an extend program
 MIN_KEYS_PER_SPLIT = 256  # a decode split gets at least this many keys of the longest sequence
 MAX_SPLITS = 32
 MIN_DOT = 16  # tl.dot's smallest block side
@@ -96,7 +96,7 @@ def _require_triton() -> None:
         raise RuntimeError("Triton is not installed")
 
 
-def _dot_settings(q: torch.Tensor) -> tuple[str, bool]:
+def dot_settings(q: torch.Tensor) -> tuple[str, bool]:
     """tl.dot's input precision (IEEE in float32: TF32 would cost about three digits) and
     whether to work around the interpreter in 16 bits: it multiplies bfloat16 as raw
     integers, so the dot's operands (exact in float32) are widened first, and its float32 to
@@ -118,7 +118,7 @@ def round_to(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton_jit
-def _attend_block(
+def attend_block(
     acc,
     m_i,
     l_i,
@@ -229,7 +229,7 @@ def _decode_kernel(
     table_row_ptr = table_ptr + b.to(tl.int64) * table_stride
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _attend_block(
+        acc, m_i, l_i = attend_block(
             acc,
             m_i,
             l_i,
@@ -298,7 +298,7 @@ def _merge_splits_kernel(
     tl.store(out_ptr + b.to(tl.int64) * out_sb + h * HEAD_DIM + offs_d, out, mask=offs_d < HEAD_DIM)
 
 
-def _checked_out(
+def checked_out(
     out: torch.Tensor | None, rows: int, width: int, like: torch.Tensor
 ) -> torch.Tensor:
     """`out`, or a new [rows, width] tensor in like's dtype and device when it is None."""
@@ -312,7 +312,7 @@ def _checked_out(
     return out
 
 
-def _checked_groups(
+def checked_groups(
     pool_rows: torch.Tensor, q: torch.Tensor, page_size: int, num_kv_heads: int
 ) -> int:
     """Query heads per KV head, after checking that Triton runs here and that the pool's
@@ -326,7 +326,7 @@ def _checked_groups(
     return groups
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
+def unit_last(t: torch.Tensor) -> torch.Tensor:
     """t with a unit last stride (a copy only if it has none: a shape decision, capturable)."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -352,14 +352,14 @@ def paged_decode_attention(
     q's dtype (into `out` if given: that shape, unit column stride). `num_splits` overrides
     the split rule (decode_splits). No host synchronisation: capturable in a CUDA graph."""
     bsz, heads, head_dim = q.shape
-    groups = _checked_groups(pool_rows, q, page_size, num_kv_heads)
-    q = _unit_last(q)
-    out = _checked_out(out, bsz, heads * head_dim, q)  # read_rows: any strides
+    groups = checked_groups(pool_rows, q, page_size, num_kv_heads)
+    q = unit_last(q)
+    out = checked_out(out, bsz, heads * head_dim, q)  # read_rows: any strides
     if bsz == 0:
         return out
     width = read_rows.shape[1]
     splits = num_splits or decode_splits(bsz, num_kv_heads, width, page_size, _num_sms(q.device))
-    prec, upcast = _dot_settings(q)
+    prec, upcast = dot_settings(q)
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
     block_g = max(MIN_DOT, triton.next_power_of_2(groups))  # query heads as a dot's rows
     part_o = part_lse = out  # with one split the kernel writes `out` and nothing else
@@ -410,180 +410,4 @@ def paged_decode_attention(
             EMULATE=upcast,
             num_warps=1,
         )
-    return out
-
-
-@triton_jit
-def _extend_kernel(
-    pool_ptr,
-    row_stride,
-    table_ptr,
-    table_stride,
-    starts_ptr,
-    starts_stride,
-    num_new_ptr,
-    num_new_stride,
-    prefixes_ptr,
-    prefixes_stride,
-    q_ptr,
-    q_st,
-    q_sh,
-    out_ptr,
-    out_st,
-    layer,
-    scale_log2,
-    GROUPS: tl.constexpr,
-    KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    span = tl.program_id(0)
-    block_m = tl.program_id(1)
-    head = tl.program_id(2)
-    num_new = tl.load(num_new_ptr + span * num_new_stride).to(tl.int32)
-    if block_m * BLOCK_M >= num_new:  # the grid covers the longest span
-        return
-    q_start = tl.load(starts_ptr + span * starts_stride).to(tl.int64)
-    prefix = tl.load(prefixes_ptr + span * prefixes_stride).to(tl.int32)
-    kv_head = head // GROUPS
-
-    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    qo_mask = (offs_m < num_new)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    tok = q_start + offs_m
-    q = tl.load(
-        q_ptr + tok[:, None] * q_st + head * q_sh + offs_d[None, :], mask=qo_mask, other=0.0
-    )
-    q_pos = prefix + offs_m
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table_row_ptr = table_ptr + span.to(tl.int64) * table_stride
-    # keys before the block's first position are seen by every row: no mask; then the
-    # blocks the causal diagonal crosses, up to the block's last query position
-    first_pos = prefix + block_m * BLOCK_M
-    full_end = (first_pos // BLOCK_N) * BLOCK_N
-    end = prefix + tl.minimum(num_new, (block_m + 1) * BLOCK_M)
-    for n0 in range(0, full_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _attend_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            q_pos,
-            pool_ptr,
-            table_row_ptr,
-            1,
-            row_stride,
-            layer,
-            pos,
-            pos < full_end,
-            kv_head,
-            scale_log2,
-            KV_HEADS,
-            HEAD_DIM,
-            PAGE,
-            BLOCK_D,
-            False,
-            PREC,
-            UPCAST,
-        )
-    for n0 in range(full_end, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _attend_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            q_pos,
-            pool_ptr,
-            table_row_ptr,
-            1,
-            row_stride,
-            layer,
-            pos,
-            pos < end,
-            kv_head,
-            scale_log2,
-            KV_HEADS,
-            HEAD_DIM,
-            PAGE,
-            BLOCK_D,
-            True,
-            PREC,
-            UPCAST,
-        )
-    out = round_to(acc / l_i[:, None], out_ptr.dtype.element_ty, UPCAST)
-    tl.store(out_ptr + tok[:, None] * out_st + head * HEAD_DIM + offs_d[None, :], out, mask=qo_mask)
-
-
-def paged_extend_attention(
-    pool_rows: torch.Tensor,
-    read_rows: torch.Tensor,
-    q_starts: torch.Tensor,
-    num_new: torch.Tensor,
-    prefixes: torch.Tensor,
-    max_new: int,
-    layer: int,
-    q: torch.Tensor,
-    page_size: int,
-    scale: float,
-    num_kv_heads: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of a batch of extend spans over their pages, one launch.
-
-    Span s's new tokens are rows q_starts[s] .. q_starts[s] + num_new[s] - 1 of q [T, heads,
-    head_dim] (rows of any stride), at positions prefixes[s] .. prefixes[s] + num_new[s] - 1;
-    its keys, positions 0 .. prefixes[s] + num_new[s] - 1, are all read from its pages
-    read_rows[s] ([S, W] int, padded; the new tokens' K and V are in the pages already).
-    q_starts, num_new, prefixes: [S] int (any stride); max_new: the largest num_new, known
-    to the host. Returns [T, heads * head_dim] in q's dtype (into `out` if given); rows of
-    q that belong to no span are left unwritten."""
-    tokens, heads, head_dim = q.shape
-    groups = _checked_groups(pool_rows, q, page_size, num_kv_heads)
-    q = _unit_last(q)
-    read_rows = _unit_last(read_rows)
-    out = _checked_out(out, tokens, heads * head_dim, q)
-    num_spans = num_new.shape[0]
-    if num_spans == 0 or max_new <= 0:
-        return out
-    prec, upcast = _dot_settings(q)
-    grid = (num_spans, triton.cdiv(max_new, EXTEND_BLOCK_M), heads)
-    _extend_kernel[grid](
-        pool_rows,
-        pool_rows.stride(0),
-        read_rows,
-        read_rows.stride(0),
-        q_starts,
-        q_starts.stride(0),
-        num_new,
-        num_new.stride(0),
-        prefixes,
-        prefixes.stride(0),
-        q,
-        q.stride(0),
-        q.stride(1),
-        out,
-        out.stride(0),
-        layer,
-        scale * LOG2_E,
-        GROUPS=groups,
-        KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        PAGE=page_size,
-        BLOCK_M=EXTEND_BLOCK_M,
-        BLOCK_N=EXTEND_BLOCK_N,
-        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        PREC=prec,
-        UPCAST=upcast,
-        num_warps=4,
-        num_stages=2,
-    )
     return out

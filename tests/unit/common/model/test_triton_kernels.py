@@ -20,9 +20,9 @@ from common.model.llama import apply_rope, rms_norm
 from common.model.triton_attention import (
     decode_splits,
     paged_decode_attention,
-    paged_extend_attention,
     triton_available,
 )
+from common.model.triton_extend import paged_extend_attention
 from common.model.triton_fused import TritonFusedOps, triton_fused_ops
 from tests.unit.common.model.test_fused_ops import (  # the C kernels' tests' yardsticks
     _close,
@@ -396,7 +396,7 @@ def test_fused_ops_offered_on_cuda_only_unless_forced():
 _COMPILE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
-from common.model import triton_attention as ta, triton_fused as tf
+from common.model import triton_attention as ta, triton_extend as te, triton_fused as tf
 
 def build(fn, types, consts, **options):
     sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
@@ -411,7 +411,7 @@ for dt, prec, d, ps in (("bf16", "tf32", 128, 16), ("fp32", "ieee", 64, 64)):
     shape = dict(KV_HEADS=2, HEAD_DIM=d, PAGE=ps, BLOCK_N=64, BLOCK_D=d, PREC=prec, UPCAST=False)
     build(ta._decode_kernel, ptrs, dict(GROUPS=4, SPLITS=3, BLOCK_G=16, **shape), num_warps=4,
           num_stages=2)
-    build(ta._extend_kernel, ptrs, dict(GROUPS=4, BLOCK_M=64, **shape), num_warps=4,
+    build(te._extend_kernel, ptrs, dict(GROUPS=4, BLOCK_M=64, **shape), num_warps=4,
           num_stages=2)
     fused = {n: "*" + dt for n in ("x_ptr", "y_ptr", "w_ptr", "h_ptr", "qkv_ptr", "cos_ptr",
                                    "sin_ptr", "qk_ptr", "pool_ptr", "gu_ptr", "out_ptr")}
