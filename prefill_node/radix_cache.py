@@ -258,10 +258,9 @@ class RadixCache(ChangeLog):
         self._host_leaves.discard(node)
         self._evictable_leaves.discard(parent)
         self.num_evictable_pages += len(pages)
-        if not any(c.value for c in node.children.values()):
+        if self._is_device_leaf(node):
             self._evictable_leaves.add(node)
-        if self._events is not None and node.hashes is not None and len(node.hashes):
-            self._events.loaded(node.hashes)
+        self._tell("loaded", node)
         self._log_event(EV_TIER, node, None)
 
     # Hooks of the host tier (HiRadixCache); without one, nothing is copied or kept.
@@ -351,8 +350,7 @@ class RadixCache(ChangeLog):
                 node.value = []
                 if not node.children:
                     self._host_leaves.add(node)
-                if self._events is not None and node.hashes is not None and len(node.hashes):
-                    self._events.offloaded(node.hashes)
+                self._tell("offloaded", node)
                 self._log_event(EV_TIER, node, None)
             else:
                 self._remove(node)
@@ -387,9 +385,13 @@ class RadixCache(ChangeLog):
             self._host_leaves.discard(n)
             self._drop_host_copy(n)
             n.is_evicted = True
-            if self._events is not None and n.hashes is not None and len(n.hashes):
-                self._events.removed(n.hashes)
+            self._tell("removed", n)
             self._log_event(EV_EVICT, n, None)
+
+    def _tell(self, event: str, node: TreeNode) -> None:
+        """Tell the events sink (``removed``, ``offloaded``, ``loaded``) node's pages."""
+        if self._events is not None and node.hashes is not None and len(node.hashes):
+            getattr(self._events, event)(node.hashes)
 
     def _drop_host_copy(self, node: TreeNode) -> None:
         """Free node's host pages (a host tier's; a plain tree has none)."""
