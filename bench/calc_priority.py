@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from common.kv_pool import PageAllocator
-from prefill_node.radix_cache import RadixCache
+from common.radix_cache import RadixCache
 from prefill_node.request import Req
 from prefill_node.schedule_policy import SchedulePolicy
 

@@ -63,7 +63,7 @@ from common import messages as msg
 from common.config import ModelConfig, PrefillConfig
 from common.ipc import bind_pull, close_pull, recv_messages
 from common.kv_pool import KVLayout, KVPool, pages_needed
-from prefill_node.radix_cache import RadixCache
+from common.radix_cache import RadixCache
 from prefill_node.scheduler import PrefillScheduler
 from transfer.kv_manager import KVManager
 from transfer.kv_poll import KVPoll

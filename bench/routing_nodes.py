@@ -11,7 +11,7 @@ import numpy as np
 from routing_workloads import Cost, Request, _pages
 
 from common.page_hash import HashArray
-from prefill_node.radix_cache import RadixCache, TreeNode
+from common.radix_cache import RadixCache, TreeNode
 
 
 class FreeList:

@@ -365,6 +365,9 @@ class DecodeConfig:
     # admit a waiting one (decode_node/preemption.py).
     priority_scheduling_preemption_threshold: int = 10
     disable_priority_preemption: bool = False
+    # Keep finished requests' KV in a prefix cache; a prompt that starts with a cached
+    # prefix receives only the pages after it (decode_node/prefix_cache.py).
+    disaggregation_decode_enable_radix_cache: bool = False
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--port")

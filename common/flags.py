@@ -245,6 +245,12 @@ def add_decode_args(parser: Parser) -> None:
     _add_node_args(parser)
     _add_decode_only_args(parser)
     parser.add_argument(
+        "--disaggregation-decode-enable-radix-cache",
+        action="store_true",
+        help="keep finished requests' KV; a prompt that starts with it (a chat's next turn) "
+        "receives only the pages after it (not on a colocated node: its halves share a pool)",
+    )
+    parser.add_argument(
         "--prefill-endpoint",
         dest="prefill_endpoints",
         action="append",

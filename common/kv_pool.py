@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
@@ -56,6 +56,22 @@ class KVLayout:
 
 class OutOfPages(RuntimeError):
     """Raised by `allocate` when fewer pages are free than asked for."""
+
+
+class PageSource(Protocol):
+    """What a loop needs of an allocator: a PageAllocator, or on a decode node with a prefix
+    cache one that hands out cached pages nobody uses (decode_node/prefix_cache.py)."""
+
+    @property
+    def num_pages(self) -> int: ...
+    @property
+    def num_free_pages(self) -> int: ...
+    @property
+    def num_used_pages(self) -> int: ...
+    def can_allocate(self, num: int) -> bool: ...
+    def allocate(self, num: int) -> list[int]: ...
+    def free(self, pages: Iterable[int]) -> None: ...
+    def check_integrity(self) -> None: ...
 
 
 class PageAllocator:

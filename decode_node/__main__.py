@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.max_running_requests,
         load,
         scheduler.gateway_watch,
+        caches_prefixes=config.disaggregation_decode_enable_radix_cache,
     )
     process.serve(
         runner,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
-from common.kv_pool import PageAllocator, pages_needed
+from common.kv_pool import PageSource, pages_needed
+from decode_node.prefix_cache import DecodePrefixCache
 from decode_node.req import DecodeReq, DecodeState
 
 
@@ -41,7 +42,7 @@ class DecodeQueues(Protocol):
     @property
     def reqs(self) -> Mapping[str, DecodeReq]: ...
     @property
-    def allocator(self) -> PageAllocator: ...
+    def allocator(self) -> PageSource: ...
     @property
     def release_queue(self) -> ReleasesPages: ...
     @property
@@ -56,6 +57,8 @@ class DecodeQueues(Protocol):
     def retracted_queue(self) -> RetractedRequests: ...
     @property
     def page_size(self) -> int: ...
+    @property
+    def prefix_cache(self) -> DecodePrefixCache | None: ...
 
 
 LATE_WRITE_ERROR = (
@@ -75,11 +78,17 @@ def hit_by_late_write(reqs: Iterable[DecodeReq], room: int, pages: list[int]) ->
 def check_requests(s: DecodeQueues) -> None:
     """Raise AssertionError where pages, queues and request states disagree."""
     s.allocator.check_integrity()
-    held = [p for r in s.reqs.values() for p in r.pages] + s.release_queue.all_pages()
-    if len(set(held)) != len(held):
+    cache = s.prefix_cache
+    held = [p for r in s.reqs.values() for p in r.own_pages] + s.release_queue.all_pages()
+    cached = cache.cached_pages() if cache is not None else []
+    if len(set(held + cached)) != len(held) + len(cached):
         raise AssertionError("a page is held twice")
-    if len(held) != s.allocator.num_used_pages:
-        raise AssertionError(f"{len(held)} pages held but {s.allocator.num_used_pages} used")
+    used = cache.raw.num_used_pages if cache is not None else s.allocator.num_used_pages
+    if len(held) + len(cached) != used:
+        raise AssertionError(f"{len(held)} pages held, {len(cached)} cached but {used} used")
+    if cache is not None:
+        cache.check_integrity()
+    _check_prefixes(s.reqs.values(), set(cached))
     queues = {
         DecodeState.PREALLOC: s.prealloc_queue.queue,
         DecodeState.TRANSFER: s.transfer_queue.queue,
@@ -100,6 +109,20 @@ def check_requests(s: DecodeQueues) -> None:
     s.retracted_queue.check_integrity()
     if len(s.running.reqs) > s.running.max_running_requests:
         raise AssertionError(f"{len(s.running.reqs)} running > {s.running.max_running_requests}")
+
+
+def _check_prefixes(reqs: Iterable[DecodeReq], cached: set[int]) -> None:
+    """A request's prefix pages are cached pages, kept by its lock."""
+    for r in reqs:
+        if not r.num_prefix_pages:
+            if r.prefix_node is not None:
+                raise AssertionError(f"request {r.rid} locks a prefix it does not read")
+            continue
+        node = r.prefix_node
+        if node is None or node.is_evicted or node.lock_ref <= 0:
+            raise AssertionError(f"request {r.rid} reads a cached prefix it has not locked")
+        if not cached.issuperset(r.pages[: r.num_prefix_pages]):
+            raise AssertionError(f"request {r.rid} reads prefix pages the cache does not hold")
 
 
 def _check_pages(r: DecodeReq, state: DecodeState, page_size: int) -> None:

@@ -24,6 +24,7 @@ import torch
 from common import messages as msg
 from common.grammar.backend import GrammarState, GrammarTicket
 from common.node.scheduling import check_transition
+from common.radix_node import TreeNode
 from common.sampling_params import SamplingParams
 from common.stop import StopChecker
 from common.tokenizer import IncrementalDetokenizer
@@ -80,8 +81,11 @@ class DecodeReq:
     marks: dict[str, float] = field(default_factory=dict)
     num_cached_tokens: int = 0  # prompt tokens the prefill node served from its radix cache
     state: DecodeState = DecodeState.PREALLOC
-    # Device pages in order; they hold KV for the first kv_len tokens.
+    # Device pages in order; they hold KV for the first kv_len tokens. With a prefix cache
+    # the first num_prefix_pages are the cache's (locked at prefix_node), the rest are own.
     pages: list[int] = field(default_factory=list)
+    num_prefix_pages: int = 0
+    prefix_node: TreeNode | None = None
     output_ids: list[int] = field(default_factory=list)
     last_token_at: float | None = None
     num_retractions: int = 0
@@ -126,6 +130,11 @@ class DecodeReq:
     def all_output_ids(self) -> list[int]:
         """Every output token of the request, from before a migration on."""
         return [*self.generate.output_ids, *self.output_ids]
+
+    @property
+    def own_pages(self) -> list[int]:
+        """The pages this request alone holds (after its cached prefix)."""
+        return self.pages[self.num_prefix_pages :]
 
     @property
     def priority(self) -> int | None:

@@ -7,21 +7,32 @@ retracted_queue ──remove()──▶ gone (abort: the host copy is dropped)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from common.kv_pool import KVPool, pages_needed
+from common.kv_pool import KVPool, PageSource, pages_needed
 from common.model.memory import device_memory
 from decode_node.host_pool import HostKVStore, default_host_pages
 from decode_node.req import DecodeReq, DecodeState
 
 
 class RetractedQueue:
-    def __init__(self, pool: KVPool, *, host_pages: int | None = None) -> None:
-        """`host_pages`: the host pool's size (default_host_pages's rule when None)."""
+    def __init__(
+        self,
+        pool: KVPool,
+        allocator: PageSource | None = None,
+        release: Callable[[DecodeReq], None] | None = None,
+        *,
+        host_pages: int | None = None,
+    ) -> None:
+        """`allocator`: where pages come from (the pool's when None); `release`: frees what
+        a retracted request holds (with a prefix cache its prefix goes back to the cache;
+        None: its pages are freed); `host_pages`: the host pool's size (default_host_pages's
+        rule when None)."""
         self.pool = pool
-        self.allocator = pool.allocator
+        self.allocator: PageSource = allocator if allocator is not None else pool.allocator
+        self._release = release
         if host_pages is None:
             host_pages = default_host_pages(pool, device_memory(torch.device("cpu")).total)
         self.host = HostKVStore(pool, host_pages)
@@ -34,7 +45,10 @@ class RetractedQueue:
         """
         kv_pages = r.pages[: pages_needed(r.kv_len, self.pool.page_size)]
         self.host.offload(r.rid, self.pool, kv_pages)
-        self.allocator.free(r.pages)
+        if self._release is not None:
+            self._release(r)
+        else:
+            self.allocator.free(r.pages)
         r.pages = []
         r.advance(DecodeState.RETRACTED)
         r.num_retractions += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from common.kv_pool import PageAllocator, pages_needed
+from common.kv_pool import PageSource, pages_needed
 from common.model.runner import ModelRunner
 from common.sampler import SampleOutput, Sampler, seed_for_position
 from decode_node.prealloc_queue import priority_order_key
@@ -67,7 +67,7 @@ class RunningBatch:
         )
         return [self.reqs[k] for k in plan.victims], plan
 
-    def step(self, allocator: PageAllocator) -> tuple[list[DecodeReq], SampleOutput]:
+    def step(self, allocator: PageSource) -> tuple[list[DecodeReq], SampleOutput]:
         """Give each request a page for its next token if it needs one, decode, sample.
 
         Each request feeds its last output token at position seq_len - 1; the caller made

@@ -30,7 +30,7 @@ from common import stages
 from common.config import DecodeConfig
 from common.grammar.backend import GrammarBackend, GrammarError
 from common.ipc import PushPool
-from common.kv_pool import pages_needed
+from common.kv_pool import PageSource
 from common.model.runner import ModelRunner
 from common.node.gateway_watch import GatewayWatch
 from common.node.scheduling import RequestFailures
@@ -48,6 +48,7 @@ from decode_node.prealloc_queue import (
     resume_retracted,
 )
 from decode_node.preemption import choose_victims
+from decode_node.prefix_cache import CacheYieldingAllocator, DecodePrefixCache, own_pages_needed
 from decode_node.req import DecodeReq, DecodeState
 from decode_node.retract import NewTokenRatio
 from decode_node.retracted_queue import RetractedQueue
@@ -96,8 +97,12 @@ class DecodeScheduler:
         self.prefill_endpoints = prefill_endpoints
         self._peers_warmed_at = -float("inf")
         self.pool = runner.pool
-        self.allocator = runner.pool.allocator
         self.page_size = runner.page_size
+        self.prefix_cache: DecodePrefixCache | None = None
+        self.allocator: PageSource = runner.pool.allocator
+        if config.disaggregation_decode_enable_radix_cache:
+            self.prefix_cache = DecodePrefixCache(runner.pool.allocator, self.page_size)
+            self.allocator = CacheYieldingAllocator(runner.pool.allocator, self.prefix_cache)
         self.limits = NodeLimits(
             runner.context_length, runner.spec.vocab_size, self.page_size, self.allocator.num_pages
         )
@@ -120,7 +125,7 @@ class DecodeScheduler:
             enable_priority=config.enable_priority_scheduling,
             low_priority_values_first=config.schedule_low_priority_values_first,
         )
-        self.retracted_queue = RetractedQueue(self.pool)
+        self.retracted_queue = RetractedQueue(self.pool, self.allocator, self._release_pages)
         self.release_queue = ReleaseQueue(self.allocator)
         self.reqs: dict[str, DecodeReq] = {}  # by rid, every live request this node holds
         self.new_token_ratio = NewTokenRatio(config.schedule_conservativeness)
@@ -256,9 +261,12 @@ class DecodeScheduler:
 
     def _preallocate(self, r: DecodeReq) -> None:
         assert r.receiver is not None
-        r.pages = self.allocator.allocate(pages_needed(r.num_input_tokens, self.page_size))
+        if self.prefix_cache is not None:
+            self.prefix_cache.match(r)  # locks the prefix before allocating may evict
+        own = self.allocator.allocate(own_pages_needed(r, self.page_size))
+        r.pages += own
         r.advance(DecodeState.TRANSFER)
-        r.receiver.send_metadata(r.pages, aux_slot=0)
+        r.receiver.send_metadata(own, aux_slot=0, num_held_pages=r.num_prefix_pages)
         r.marks[stages.DECODE_PREALLOCATED] = time.time()
         self.transfer_queue.add(r)
 
@@ -375,12 +383,20 @@ class DecodeScheduler:
         if not plan.can_run:
             # One request left and no page for its next token.
             (last,) = self.running
-            if self.stats.num_held_pages() > len(last.pages):
+            if self.stats.num_held_pages() > len(last.own_pages):
                 self._retract(last)  # others hold pages and will free them: wait in host memory
             else:
                 logger.warning("request %s fills the KV pool alone; ending it", last.rid)
                 self.running.remove(last)
                 self._finish(last, FinishReason.length())
+
+    def _release_pages(self, r: DecodeReq) -> None:
+        """Free what r holds: its own pages; its cached prefix goes back to the cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.unlock(r)
+        if r.pages:
+            self.allocator.free(r.pages)
+        r.pages = []
 
     def _retract(self, r: DecodeReq) -> None:
         self.running.remove(r)
@@ -405,11 +421,12 @@ class DecodeScheduler:
         return finish
 
     def _finish(self, r: DecodeReq, finish: FinishReason) -> None:
-        """r is out of every queue: it ends normally; free its pages and report it."""
+        """r is out of every queue: it ends normally; free (or cache) its pages, report it."""
         r.advance(DecodeState.FINISHED)
-        if r.pages:
-            self.allocator.free(r.pages)
-        r.pages = []
+        if self.prefix_cache is not None:
+            self.prefix_cache.cache_finished(r)
+        else:
+            self._release_pages(r)
         self.reqs.pop(r.rid, None)
         self.push.send(r.generate.reply_endpoint, req_finished(r, finish))
         self.stats.finished("finished")
@@ -418,10 +435,20 @@ class DecodeScheduler:
 
     def _on_late_write(self, room: int, pages: list[int]) -> None:
         """A paused prefill node's write into `room` may have landed after its fence: any
-        other request now holding one of those pages fails (transfer/fence.py)."""
-        for r in hit_by_late_write(self.reqs.values(), room, pages):
+        other request now holding one of those pages fails (transfer/fence.py). If the
+        prefix cache holds one, every request reading a cached prefix fails too (retryable)
+        and the cache is dropped: a rare event, and no later prompt may read that page."""
+        hit = hit_by_late_write(self.reqs.values(), room, pages)
+        cache = self.prefix_cache
+        is_cache_hit = cache is not None and cache.holds_any(pages)
+        if is_cache_hit:
+            hit += [r for r in self.reqs.values() if r.prefix_node is not None and r not in hit]
+        for r in hit:
             logger.error("request %s: its KV pages may hold a late write of room %d", r.rid, room)
             self._fail(r, 500, LATE_WRITE_ERROR, retryable=True)
+        if is_cache_hit:
+            assert cache is not None
+            cache.reset()
 
     def fail_all(self, status: int, error: str) -> None:
         """Fail every request this node holds (the drain timeout passed); the gateway hears."""
@@ -469,12 +496,13 @@ class DecodeScheduler:
             self.retracted_queue.remove(r)
         if r.receiver is not None:
             r.receiver.abort(error)
-            # Pages a prefill node may still be writing wait until that cannot happen.
+            # Pages a prefill node may still be writing wait until that cannot happen (its
+            # cached prefix is never written: it goes back to the cache at once).
+            if self.prefix_cache is not None:
+                self.prefix_cache.unlock(r)
             self.release_queue.add(r.receiver, r.pages)
-            r.receiver = None
-        elif r.pages:
-            self.allocator.free(r.pages)
-        r.pages = []
+            r.receiver, r.pages = None, []
+        self._release_pages(r)
         r.advance(DecodeState.FAILED)
         self.reqs.pop(r.rid, None)
         if notify:

@@ -9,7 +9,7 @@ from typing import Final, Protocol
 from prometheus_client import Counter, Gauge
 
 from common import metrics
-from common.kv_pool import PageAllocator
+from common.kv_pool import PageSource
 from decode_node.transfer_queue import ReleaseQueue
 
 ROLE: Final = "decode"
@@ -34,7 +34,7 @@ QUEUES: Final = ("prealloc", "transfer", "waiting", "running", "retracted")
 
 class HasPages(Protocol):
     @property
-    def pages(self) -> Sized: ...
+    def own_pages(self) -> Sized: ...
 
 
 class DecodeView(Protocol):
@@ -56,7 +56,7 @@ class DecodeView(Protocol):
     def retracted_queue(self) -> Sized: ...
 
     @property
-    def allocator(self) -> PageAllocator: ...
+    def allocator(self) -> PageSource: ...
 
     @property
     def reqs(self) -> Mapping[str, HasPages]: ...
@@ -119,7 +119,7 @@ class DecodeStats:
     def num_held_pages(self) -> int:
         """Device pages held by live requests and by failed rooms not yet safe to free."""
         s = self.s
-        return sum(len(r.pages) for r in s.reqs.values()) + s.release_queue.num_pages
+        return sum(len(r.own_pages) for r in s.reqs.values()) + s.release_queue.num_pages
 
     def retracted(self, num: int) -> None:
         self.num_retractions += num

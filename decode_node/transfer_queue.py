@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.kv_pool import PageAllocator
+from common.kv_pool import PageSource
 from decode_node.req import DecodeReq
 from transfer.kv_poll import KVPoll
 from transfer.kv_receiver import KVReceiver
@@ -62,7 +62,7 @@ class PendingRelease:
 class ReleaseQueue:
     """Pages of failed rooms waiting until their receiver says no write can still land."""
 
-    def __init__(self, allocator: PageAllocator) -> None:
+    def __init__(self, allocator: PageSource) -> None:
         self.allocator = allocator
         self.queue: list[PendingRelease] = []
 

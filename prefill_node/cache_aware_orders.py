@@ -25,10 +25,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from common.radix_cache import RadixCache
+from common.radix_node import TreeNode
 from common.token_keys import TOKEN_BYTES
 from prefill_node.dfs_weight import dfs_node_ranks
-from prefill_node.radix_cache import RadixCache
-from prefill_node.radix_node import TreeNode
 from prefill_node.request import Req
 
 _RID = attrgetter("rid")

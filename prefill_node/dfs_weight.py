@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from prefill_node.radix_node import TreeNode
+from common.radix_node import TreeNode
 
 
 def dfs_weight_order(root: TreeNode, last_nodes: Sequence[TreeNode]) -> list[int]:

@@ -21,9 +21,9 @@ import heapq
 from collections.abc import Sequence
 from enum import Enum
 
+from common.radix_cache import RadixCache
+from common.radix_node import CacheEvents, HostPages, MatchResult, PageFreer, TreeNode
 from common.token_keys import TOKEN_BYTES
-from prefill_node.radix_cache import RadixCache
-from prefill_node.radix_node import CacheEvents, HostPages, MatchResult, PageFreer, TreeNode
 
 
 class WritePolicy(str, Enum):

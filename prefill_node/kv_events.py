@@ -42,7 +42,7 @@ DEFAULT_HOST_LOAD_COST = 0.1
 
 
 class KVEventPublisher:
-    """The cache's event sink (prefill_node.radix_node.CacheEvents) and the PUB socket."""
+    """The cache's event sink (common.radix_node.CacheEvents) and the PUB socket."""
 
     def __init__(
         self,

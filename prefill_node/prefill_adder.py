@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from prefill_node.radix_node import TreeNode
+from common.radix_node import TreeNode
 from prefill_node.request import Req
 
 CLIP_MAX_NEW_TOKENS = 4096

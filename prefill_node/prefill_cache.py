@@ -16,11 +16,11 @@ from typing import Protocol
 from common.config import PrefillConfig
 from common.host_kv_pool import HostKVPool
 from common.kv_pool import KVPool
+from common.radix_cache import RadixCache
+from common.radix_node import MatchResult
 from prefill_node.hiradix_cache import HiRadixCache
 from prefill_node.kv_events import KVEventPublisher
 from prefill_node.load_back_cost import LoadBackCost
-from prefill_node.radix_cache import RadixCache
-from prefill_node.radix_node import MatchResult
 from prefill_node.req_state import PrefillReq
 from prefill_node.request import Req
 

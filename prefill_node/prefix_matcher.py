@@ -32,8 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import filterfalse
 
-from prefill_node.radix_cache import RadixCache
-from prefill_node.radix_node import EV_ADD, EV_SPLIT, MatchResult, TreeNode
+from common.radix_cache import RadixCache
+from common.radix_node import EV_ADD, EV_SPLIT, MatchResult, TreeNode
 from prefill_node.request import Req
 
 

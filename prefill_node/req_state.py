@@ -27,8 +27,8 @@ import xgrammar as xgr
 from common import messages as msg
 from common.grammar.backend import GrammarTicket
 from common.node.scheduling import check_transition
+from common.radix_node import TreeNode
 from common.sampling_params import SamplingParams
-from prefill_node.radix_node import TreeNode
 from prefill_node.request import Req
 from transfer.kv_sender import KVSender
 

@@ -15,7 +15,7 @@ from common.token_keys import TOKEN_BYTES, salt_key, token_key
 
 
 class PrefixMatch(Protocol):
-    """What a request keeps of its radix-cache match (``prefill_node.radix_cache.MatchResult``)."""
+    """What a request keeps of its radix-cache match (``common.radix_cache.MatchResult``)."""
 
     @property
     def page_ids(self) -> list[int]: ...
@@ -24,7 +24,7 @@ class PrefixMatch(Protocol):
     @property
     def total_tokens(self) -> int: ...  # with the host tier's
     @property
-    def last_node(self) -> Any: ...  # a prefill_node.radix_cache.TreeNode
+    def last_node(self) -> Any: ...  # a common.radix_cache.TreeNode
     @property
     def end_node(self) -> Any: ...  # the deepest node, on either tier
     @property

@@ -34,6 +34,7 @@ from typing import Any
 
 from common import metrics
 from common.config import PrefillConfig
+from common.radix_cache import MatchResult, RadixCache
 from prefill_node.cache_aware_orders import (
     CacheAwareOrder,
     DfsWeightOrder,
@@ -43,7 +44,6 @@ from prefill_node.cache_aware_orders import (
 )
 from prefill_node.in_batch_dedup import InBatchDedup
 from prefill_node.prefix_matcher import PrefixMatcher, RefreshResult
-from prefill_node.radix_cache import MatchResult, RadixCache
 from prefill_node.request import Req
 
 WAITING_PREFIX_REFRESH_INTERVAL = 32  # rounds between waiting-prefix touches

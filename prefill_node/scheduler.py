@@ -34,6 +34,7 @@ from common.kv_pool import pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
 from common.node.gateway_watch import GatewayWatch
 from common.node.scheduling import RequestFailures
+from common.radix_cache import RadixCache
 from common.sampler import Sampler, make_generator, seed_for_position
 from common.token_keys import TOKEN_BYTES
 from common.work_done import WorkDone
@@ -43,7 +44,6 @@ from prefill_node.kv_events import KVEventPublisher
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
 from prefill_node.prefill_cache import PrefillCache
 from prefill_node.queues import BootstrapQueue, GrammarQueue, InflightQueue, poll_grammar
-from prefill_node.radix_cache import RadixCache
 from prefill_node.req_state import PrefillReq, PrefillState
 from prefill_node.request import Req
 from prefill_node.request_check import NodeLimits, Rejection, check_request

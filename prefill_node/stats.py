@@ -7,8 +7,8 @@ from typing import Protocol
 
 from common import metrics
 from common.kv_pool import PageAllocator
+from common.radix_cache import RadixCache
 from prefill_node.hiradix_cache import HiRadixCache
-from prefill_node.radix_cache import RadixCache
 
 
 class HasPages(Protocol):

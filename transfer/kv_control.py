@@ -190,7 +190,9 @@ class ControlDispatcher:
         self.attach_request(sender, req, now)
 
     def attach_request(self, sender: KVSender, req: msg.TransferRequest, now: float) -> None:
-        sender.on_transfer_request(req.node_id, list(req.dst_pages), req.aux_slot, now)
+        sender.on_transfer_request(
+            req.node_id, list(req.dst_pages), req.aux_slot, now, req.num_held_pages
+        )
         if sender.status.state is KVPoll.Failed:
             self.m.stop_when_drained(sender)
         elif sender.status.state is KVPoll.WaitingForInput:

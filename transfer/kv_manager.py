@@ -170,6 +170,7 @@ class KVManager:
                 lease_s=self.lease_s,
                 instance_id=self.instance_id,
                 control_endpoint=self.control_endpoint,
+                num_held_pages=receiver.num_held_pages,
             ),
         )
 

@@ -52,6 +52,7 @@ class KVReceiver:
         self.peer_endpoint = peer_endpoint
         self.status = RoomState(KVPoll.Bootstrapping, since=now, created=now)
         self.dst_pages: list[int] = []
+        self.num_held_pages = 0
         self.aux_slot = 0
         self.aux: AuxData | None = None
         self.lease_deadline = float("inf")  # the writer is presumed dead past this
@@ -74,12 +75,17 @@ class KVReceiver:
         self.status.advance(KVPoll.WaitingForInput, now)
         self.manager.observe_bootstrap(self)
 
-    def send_metadata(self, dst_pages: list[int], aux_slot: int = 0) -> None:
-        """Hand the prefill node our destination pages; the transfer starts on its side."""
+    def send_metadata(
+        self, dst_pages: list[int], aux_slot: int = 0, num_held_pages: int = 0
+    ) -> None:
+        """Hand the prefill node our destination pages; the transfer starts on its side.
+        ``num_held_pages``: leading pages of the room's KV we hold already (a prefix
+        cache); ``dst_pages`` are for the pages after them."""
         if self.status.state is not KVPoll.WaitingForInput:
             raise RuntimeError(f"room {self.room}: send_metadata in state {self.status.state.name}")
         now = self.manager.clock()
         self.dst_pages, self.aux_slot = list(dst_pages), aux_slot
+        self.num_held_pages = num_held_pages
         self.metadata_sent_at = now
         self.lease_deadline = now + self.manager.lease_s
         self.status.advance(KVPoll.Transferring, now)

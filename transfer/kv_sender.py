@@ -74,6 +74,7 @@ class KVSender:
         self.is_fence_held = False  # writes wait: the fence closed (counted once per closing)
         self.renew_asked_at = -float("inf")
         self.num_sent_pages = 0
+        self.num_held_pages = 0  # leading pages the decode side holds: never sent
         self.pending_pairs: list[tuple[int, int]] = []  # computed, not posted yet
         # Per pending pair, the device work that fills its page (common.work_done), and the
         # last chunk's: nothing is posted before the work that computed it has completed.
@@ -97,20 +98,40 @@ class KVSender:
         return self.status.failure_reason
 
     def on_transfer_request(
-        self, peer_node: str, dst_pages: list[int], aux_slot: int, now: float
+        self,
+        peer_node: str,
+        dst_pages: list[int],
+        aux_slot: int,
+        now: float,
+        num_held_pages: int = 0,
     ) -> None:
-        """The decode side is ready: it sent destination pages for this room."""
+        """The decode side is ready: it sent destination pages for this room, for the pages
+        after the first ``num_held_pages`` (which it holds already: its prefix cache)."""
         if self.status.state is not KVPoll.Bootstrapping:
             return
-        needed = pages_needed(self.num_tokens, self.manager.page_size)
+        total = pages_needed(self.num_tokens, self.manager.page_size)
+        # At least the page of the last token moves: a held page is a whole page of prompt.
+        max_held = (self.num_tokens - 1) // self.manager.page_size
+        if not 0 <= num_held_pages <= max_held:
+            self.fail(
+                FailureReason.BAD_REQUEST,
+                f"decode holds {num_held_pages} pages of {self.num_tokens} tokens "
+                f"(at most {max_held})",
+                now,
+            )
+            return
+        needed = total - num_held_pages
         if len(dst_pages) != needed:
             self.fail(
                 FailureReason.BAD_REQUEST,
-                f"decode sent {len(dst_pages)} pages for {self.num_tokens} tokens ({needed} pages)",
+                f"decode sent {len(dst_pages)} pages for {self.num_tokens} tokens "
+                f"({needed} pages after {num_held_pages} held)",
                 now,
             )
             return
         self.peer_node, self.dst_pages, self.aux_slot = peer_node, list(dst_pages), aux_slot
+        self.num_held_pages = num_held_pages
+        self.num_sent_pages = num_held_pages  # the held pages count as sent: they never move
         self.attached_at = now
         self.status.advance(KVPoll.WaitingForInput, now)
         self.manager.observe_bootstrap(self)
@@ -142,7 +163,8 @@ class KVSender:
             )
         ps = self.manager.page_size
         end = pages_needed(num_computed_tokens, ps) if is_last else num_computed_tokens // ps
-        pairs = [(page_ids[i], self.dst_pages[i]) for i in range(self.num_sent_pages, end)]
+        held = self.num_held_pages
+        pairs = [(page_ids[i], self.dst_pages[i - held]) for i in range(self.num_sent_pages, end)]
         now = self.manager.clock()
         if self.first_send_at is None:
             self.first_send_at = now

@@ -31,6 +31,9 @@ class RegisterNode(Message):
     # A colocated process registers a prefill and a decode node, each naming the other
     # here: the router pairs them with each other only (their KV hand-over is in memory).
     colocated_with: str = ""
+    # Decode: it keeps finished requests' KV in a prefix cache; the gateway keeps a
+    # conversation on the node that served its last turn (session affinity).
+    caches_prefixes: bool = False
 
 
 @dataclass(frozen=True, slots=True)

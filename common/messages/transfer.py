@@ -49,6 +49,9 @@ class TransferRequest(Message):
     instance_id: str = ""
     # Where to answer when the prefill node does not know us (PeerReset).
     control_endpoint: str = ""
+    # Leading pages of the room's KV the decode node holds already (its prefix cache):
+    # ``dst_pages`` are for the pages after them, and only those move.
+    num_held_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)

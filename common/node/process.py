@@ -107,6 +107,7 @@ class ServedNode:
     # Pages its KV cache can hold, when more than its pool (a prefill node's host tier):
     # what the gateway's KV index allows it. 0: the pool's.
     num_cache_pages: int = 0
+    caches_prefixes: bool = False  # a decode node with a prefix cache (session affinity)
 
 
 def build_runner(model: ModelConfig, progress: bool = True, *, decodes: bool = True) -> ModelRunner:
@@ -205,6 +206,7 @@ class NodeProcess:
             instance_id=self.node.instance_id,
             kv_events_endpoint=advertised(kv_events, self.node) if kv_events else "",
             colocated_with=served.colocated_with,
+            caches_prefixes=served.caches_prefixes,
         )
 
     def serve(

@@ -126,6 +126,7 @@ class PD:
         return_logprob=False,
         gateway_id="",
         output_ids=(),
+        cache_salt=None,
         **sampling,
     ):
         g = msg.GenerateReq(
@@ -142,6 +143,7 @@ class PD:
             return_logprob=return_logprob,
             gateway_id=gateway_id,
             output_ids=list(output_ids),
+            cache_salt=cache_salt,
         )
         if to_prefill:
             self.to_prefill.send(msg.encode(g))

@@ -14,8 +14,8 @@ import pytest
 
 from bootstrap.kv_index import KVIndex
 from common import page_hash
+from common.radix_cache import RadixCache
 from common.token_keys import salt_key
-from prefill_node.radix_cache import RadixCache
 
 PS = 4
 

@@ -16,8 +16,8 @@ from bootstrap.kv_events import KVEventSubscriber, PrefillSource
 from common import messages as msg
 from common import page_hash
 from common.ipc import bind_pull, close_pull, recv_messages
+from common.radix_cache import RadixCache
 from prefill_node.kv_events import KVEventPublisher
-from prefill_node.radix_cache import RadixCache
 
 PS = 16
 

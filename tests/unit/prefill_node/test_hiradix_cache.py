@@ -12,10 +12,10 @@ import random
 import pytest
 
 from common.kv_pool import PageAllocator
+from common.radix_node import TreeNode
 from common.token_keys import TOKEN_BYTES, token_key
 from prefill_node.hiradix_cache import WRITE_POLICIES, HiRadixCache, WritePolicy
 from prefill_node.prefix_matcher import PrefixMatcher
-from prefill_node.radix_node import TreeNode
 from prefill_node.request import Req
 
 PAGE = 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from common.config import PrefillConfig
 from common.kv_pool import PageAllocator
-from prefill_node.radix_cache import RadixCache
+from common.radix_cache import RadixCache
 from prefill_node.request import Req
 from prefill_node.schedule_policy import SchedulePolicy
 from tests.unit.prefill_node.test_schedule_policy import PAGE, make_tree, req, rids

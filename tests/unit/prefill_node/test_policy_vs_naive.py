@@ -9,9 +9,9 @@ from os.path import commonprefix
 
 import pytest
 
+from common.radix_cache import RadixCache
 from common.token_keys import token_key
 from prefill_node.cache_aware_orders import HrrnOrder
-from prefill_node.radix_cache import RadixCache
 from prefill_node.request import Req
 from prefill_node.schedule_policy import SchedulePolicy, prefill_work
 from tests.unit.prefill_node.test_schedule_policy import (

@@ -8,9 +8,9 @@ import random
 import pytest
 
 from common.kv_pool import PageAllocator
+from common.radix_cache import RadixCache, StaleMatchError
 from prefill_node.dfs_weight import dfs_weight_order
 from prefill_node.prefix_matcher import PrefixMatcher
-from prefill_node.radix_cache import RadixCache, StaleMatchError
 from prefill_node.request import Req
 
 PAGE = 2

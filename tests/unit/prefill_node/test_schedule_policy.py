@@ -8,7 +8,7 @@ import pytest
 from common import metrics
 from common.config import PrefillConfig
 from common.kv_pool import PageAllocator
-from prefill_node.radix_cache import RadixCache
+from common.radix_cache import RadixCache
 from prefill_node.request import Req
 from prefill_node.schedule_policy import (
     CacheAgnosticPolicy,

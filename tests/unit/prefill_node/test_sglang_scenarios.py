@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 
 from common.kv_pool import PageAllocator
+from common.radix_cache import RadixCache
 from decode_node.prealloc_queue import BudgetReq, DecodeBudget
 from decode_node.preemption import is_more_urgent_by, plan_preemption
 from decode_node.retract import RetractCandidate
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder
-from prefill_node.radix_cache import RadixCache
 from prefill_node.request import Req
 from prefill_node.schedule_policy import CacheAgnosticPolicy, CacheAwarePolicy, SchedulePolicy
 

@@ -305,3 +305,40 @@ def test_write_error_fails_the_room_and_the_peer_recovers_after_backoff(pair):
     sender2, receiver2 = _ready_room(prefill, decode, 32)
     sender2.send([1, 2], 8, AuxData(first_token_id=3, room_echo=32))
     drive([prefill, decode], lambda: receiver2.poll() is KVPoll.Success)
+
+
+def test_a_partial_transfer_writes_only_the_pages_after_the_held_ones(pair):
+    """The decode side holds the first 3 pages (its prefix cache): only pages 3.. move, into
+    its destination pages in order, and nothing lands in any other page."""
+    prefill, decode = pair
+    room, tokens = 201, 21  # 6 pages, the last partial
+    src = [10, 11, 12, 13, 14, 15]
+    dst = [4, 9, 2]  # for source pages 13, 14, 15
+    sender = prefill.create_sender(room, tokens)
+    receiver = decode.create_receiver(room, prefill.control_endpoint)
+    drive([prefill, decode], lambda: receiver.poll() is KVPoll.WaitingForInput)
+    receiver.send_metadata(dst, num_held_pages=3)
+    drive([prefill, decode], lambda: sender.poll() is KVPoll.WaitingForInput)
+    assert sender.num_held_pages == 3
+    for end in (6, 13, 17):  # chunks inside the held pages send nothing
+        sender.send(src, end)
+    sender.send(src, tokens, AuxData(first_token_id=5, room_echo=room))
+    drive([prefill, decode], lambda: receiver.poll() is KVPoll.Success)
+    assert torch.equal(decode.pool.buffer[dst], prefill.pool.buffer[src[3:]])
+    untouched = sorted(set(range(32)) - set(dst))
+    assert torch.count_nonzero(decode.pool.buffer[untouched]) == 0
+    assert sender.num_bytes == 3 * LAYOUT.bytes_per_page
+
+
+@pytest.mark.parametrize(
+    ("held", "num_dst"),
+    [(6, 0), (5, 0), (-1, 7), (2, 3)],  # 21 tokens: at most 5 held, and 6 - held destinations
+)
+def test_a_transfer_request_with_impossible_held_pages_fails_the_room(pair, held, num_dst):
+    prefill, decode = pair
+    sender = prefill.create_sender(202, 21)
+    receiver = decode.create_receiver(202, prefill.control_endpoint)
+    drive([prefill, decode], lambda: receiver.poll() is KVPoll.WaitingForInput)
+    receiver.send_metadata(list(range(num_dst)), num_held_pages=held)
+    drive([prefill, decode], lambda: sender.poll() is KVPoll.Failed)
+    assert sender.status.failure_reason.startswith(FailureReason.BAD_REQUEST)

@@ -8,7 +8,7 @@ matcher reads ``events_since`` the same way). A reset starts a new ``generation`
 
 from __future__ import annotations
 
-from prefill_node.radix_node import EV_ADD, EV_SPLIT, Event, MatchResult, TreeNode
+from common.radix_node import EV_ADD, EV_SPLIT, Event, MatchResult, TreeNode
 
 _MAX_LOG = 1 << 16  # events kept for revalidating matches
 

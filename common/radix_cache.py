@@ -1,6 +1,6 @@
 """Radix tree over token ids at page granularity; its values are KV page ids (RadixAttention).
 
-Keys are packed token ids (``prefill_node.request.token_key``): a node's key covers whole pages
+Keys are packed token ids (``common.token_keys.token_key``): a node's key covers whole pages
 and its value holds one page id per page_size tokens. Children are keyed by their first
 page's bytes, so a lookup is one slice + dict get and a node comparison one memcmp.
 
@@ -25,10 +25,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from common import page_hash
-from common.token_keys import TOKEN_BYTES, token_key
-from prefill_node.radix_integrity import check_tree
-from prefill_node.radix_log import ChangeLog
-from prefill_node.radix_node import (
+from common.radix_integrity import check_tree
+from common.radix_log import ChangeLog
+from common.radix_node import (
     EV_ADD,
     EV_EVICT,
     EV_SPLIT,
@@ -39,6 +38,7 @@ from prefill_node.radix_node import (
     StaleMatchError,
     TreeNode,
 )
+from common.token_keys import TOKEN_BYTES, token_key
 
 __all__ = ["CacheEvents", "MatchResult", "PageFreer", "RadixCache", "StaleMatchError", "TreeNode"]
 
@@ -456,6 +456,10 @@ class RadixCache(ChangeLog):
         empty unless the cache publishes events."""
         parts = [n.hashes for n in self._nodes() if n.hashes is not None and n.is_host_only == host]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
+
+    def device_pages(self) -> list[int]:
+        """Every device page the tree holds."""
+        return [p for node in self._nodes() for p in node.value]
 
     def _nodes(self) -> list[TreeNode]:
         """Every node but the root, parents before children."""

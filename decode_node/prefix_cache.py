@@ -1,0 +1,150 @@
+"""The decode node's prefix cache (``--disaggregation-decode-enable-radix-cache``).
+
+A finished request's KV (prompt and output, whole pages) stays in a radix tree
+(common/radix_cache.py, namespaced by cache salt as on prefill). A later request whose
+prompt starts with a cached prefix (a chat's next turn) locks it and asks the prefill node
+only for the pages after it (``TransferRequest.num_held_pages``): only its new KV moves.
+
+A request's ``pages`` are its prefix pages (the tree's, ``num_prefix_pages`` of them)
+followed by its own. Every page of the pool is in exactly one place: free, in the tree
+(locked by the requests reading it, or evictable), owned by one request, or in the release
+queue (a failed room's pages, until no write can land in them).
+
+    preallocate   match the prompt, whole pages, at most up to the page before its last
+                  token's (that page always moves, so the prefill node always writes);
+                  lock the match; allocate own pages for the rest
+    finish        insert prompt + output KV; own pages the tree took are its now, the
+                  ones duplicating cached pages and a partial last page are freed; unlock
+    fail/retract  free (or hand to the release queue) own pages; unlock. A retracted
+                  request's KV goes to host memory whole and comes back in own pages.
+
+The tree yields to admission: ``CacheYieldingAllocator`` counts unlocked cached pages as
+free and evicts least recently used leaves when an allocation needs them, so every budget
+and retraction rule of the loop reads the same numbers as without a cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from common.kv_pool import PageAllocator, pages_needed
+from common.radix_cache import RadixCache
+from common.token_keys import salt_key
+from decode_node.req import DecodeReq
+
+
+class DecodePrefixCache:
+    """Finished requests' KV, matched by later prompts; the tree owns its pages."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        self.raw = allocator
+        self.page_size = page_size
+        self.tree = RadixCache(page_size, allocator)
+        self.num_hit_pages = 0  # pages requests found here instead of receiving
+
+    def match(self, r: DecodeReq) -> None:
+        """Give r its cached prefix: lock it and put its pages at the head of r.pages."""
+        ps = self.page_size
+        usable = (r.num_input_tokens - 1) // ps  # the last token's page always moves
+        if usable <= 0:
+            return
+        tokens = r.origin_input_ids[: usable * ps]
+        m = self.tree.match_prefix(tokens, salt_key(r.generate.cache_salt))
+        if not m.page_ids:
+            return
+        self.tree.inc_lock_ref(m.last_node)
+        self.tree.touch(m.last_node)
+        r.prefix_node = m.last_node
+        r.num_prefix_pages = len(m.page_ids)
+        r.pages = list(m.page_ids)
+        self.num_hit_pages += len(m.page_ids)
+
+    def unlock(self, r: DecodeReq) -> None:
+        """Drop r's hold on its prefix (its pages stay the tree's); r.pages loses them."""
+        if r.prefix_node is not None:
+            self.tree.dec_lock_ref(r.prefix_node)
+        r.prefix_node = None
+        del r.pages[: r.num_prefix_pages]
+        r.num_prefix_pages = 0
+
+    def cache_finished(self, r: DecodeReq) -> None:
+        """r finished normally: keep its KV's whole pages, free the rest, unlock."""
+        kv_len = r.kv_len
+        tokens = [*r.origin_input_ids, *r.output_ids][:kv_len]
+        num_pages = kv_len // self.page_size
+        pages = r.pages
+        tokens = tokens[: num_pages * self.page_size]
+        found = self.tree.insert(tokens, pages[:num_pages], salt_key(r.generate.cache_salt))
+        found_pages = found // self.page_size
+        # pages[:prefix] are the tree's; pages[prefix:found] duplicate cached pages;
+        # pages[found:num_pages] are the tree's now; pages[num_pages:] hold a partial page.
+        duplicates = pages[r.num_prefix_pages : max(found_pages, r.num_prefix_pages)]
+        self.raw.free([*duplicates, *pages[num_pages:]])
+        if r.prefix_node is not None:
+            self.tree.dec_lock_ref(r.prefix_node)
+        r.prefix_node = None
+        r.num_prefix_pages = 0
+        r.pages = []
+
+    def holds_any(self, pages: Iterable[int]) -> bool:
+        """Whether any of ``pages`` is a cached page (a late write's check; walks the tree)."""
+        return not set(pages).isdisjoint(self.tree.device_pages())
+
+    def reset(self) -> None:
+        """Drop every cached prefix (none may be locked): a late write may have hit one."""
+        self.tree.reset()
+
+    @property
+    def num_pages(self) -> int:
+        return self.tree.num_pages
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self.tree.num_evictable_pages
+
+    def cached_pages(self) -> list[int]:
+        return self.tree.device_pages()
+
+    def check_integrity(self) -> None:
+        self.tree.check_integrity()
+
+
+class CacheYieldingAllocator:
+    """The pool's allocator as the decode loop sees it with a prefix cache: cached pages no
+    request reads count as free and are evicted (least recently used) when needed."""
+
+    def __init__(self, raw: PageAllocator, cache: DecodePrefixCache) -> None:
+        self.raw = raw
+        self.cache = cache
+
+    @property
+    def num_pages(self) -> int:
+        return self.raw.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.raw.num_free_pages + self.cache.num_evictable_pages
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.raw.num_pages - self.num_free_pages
+
+    def can_allocate(self, num: int) -> bool:
+        return 0 <= num <= self.num_free_pages
+
+    def allocate(self, num: int) -> list[int]:
+        short = num - self.raw.num_free_pages
+        if short > 0:
+            self.cache.tree.evict(short)
+        return self.raw.allocate(num)
+
+    def free(self, pages: Iterable[int]) -> None:
+        self.raw.free(pages)
+
+    def check_integrity(self) -> None:
+        self.raw.check_integrity()
+
+
+def own_pages_needed(r: DecodeReq, page_size: int) -> int:
+    """Pages r's prompt needs beyond its cached prefix."""
+    return pages_needed(r.num_input_tokens, page_size) - r.num_prefix_pages

@@ -1,0 +1,173 @@
+"""The decode node's prefix cache (decode_node/prefix_cache.py) with the real prefill and
+decode loops over the loopback backend: a chat's next turn receives only its new pages,
+outputs equal single-request greedy runs, and every page is free, cached or held once
+(the harness checks integrity after every step)."""
+
+from __future__ import annotations
+
+from common import messages as msg
+from tests.support.decode_harness import PAGE, PD, greedy, prompt
+
+CACHE = {"disaggregation_decode_enable_radix_cache": True}
+
+
+def _spy_transfer_requests(h):
+    """(room, held pages, destination pages) of each TransferRequest the decode node sends."""
+    sent = []
+    send = h.dkv.send_transfer_request
+
+    def spy(receiver):
+        sent.append((receiver.room, receiver.num_held_pages, len(receiver.dst_pages)))
+        send(receiver)
+
+    h.dkv.send_transfer_request = spy
+    return sent
+
+
+def _run(h, rid, room, ids, max_new, **kw):
+    h.submit(rid, room, ids, max_new_tokens=max_new, **kw)
+    h.run_until(lambda: h.done(rid), timeout=60)
+    end = h.result(rid)
+    assert isinstance(end, msg.ReqFinished), end
+    return h.tokens(rid)
+
+
+def _assert_only_cache_holds_pages(h):
+    d = h.decode
+    d.check_integrity()
+    assert d.is_idle() and d.stats.num_held_pages() == 0
+    cache = d.prefix_cache
+    assert cache.tree.num_protected_pages == 0
+    assert h.runner.pool.allocator.num_used_pages == cache.num_pages
+
+
+def test_a_chats_next_turn_receives_only_its_new_pages(model_dir, ref):
+    h = PD(model_dir, **CACHE)
+    sent = _spy_transfer_requests(h)
+    try:
+        turn1 = prompt(14, 1)
+        out1 = _run(h, "t1", 301, turn1, 10)
+        assert out1 == greedy(ref, turn1, 10)
+        # Its KV: 14 + 10 - 1 = 23 tokens, 5 whole pages cached.
+        assert h.decode.prefix_cache.num_pages == 5
+        turn2 = turn1 + out1 + prompt(6, 2)  # 30 tokens, 8 pages
+        out2 = _run(h, "t2", 302, turn2, 9)
+        assert out2 == greedy(ref, turn2, 9)
+        assert sent == [(301, 0, 4), (302, 5, 3)]
+        assert h.decode.prefix_cache.num_hit_pages == 5
+        _assert_only_cache_holds_pages(h)
+        assert h.prefill.stats.num_held_pages() == 0
+    finally:
+        h.close()
+
+
+def test_another_cache_salt_gets_no_hit(model_dir, ref):
+    h = PD(model_dir, **CACHE)
+    sent = _spy_transfer_requests(h)
+    try:
+        turn1 = prompt(14, 3)
+        out1 = _run(h, "s1", 311, turn1, 6, cache_salt="alice")
+        turn2 = turn1 + out1 + prompt(5, 4)
+        assert _run(h, "s2", 312, turn2, 5, cache_salt="bob") == greedy(ref, turn2, 5)
+        assert _run(h, "s3", 313, turn2, 5, cache_salt="alice") == greedy(ref, turn2, 5)
+        assert [s[1] for s in sent] == [0, 0, 4]  # alice's 19 tokens: 4 whole pages
+        _assert_only_cache_holds_pages(h)
+    finally:
+        h.close()
+
+
+def test_the_cache_yields_its_pages_to_admission_under_pressure(model_dir, ref):
+    """A pool of 16 pages: each request needs most of it, so every admission evicts what
+    the last one cached; nothing is lost and every output is exact."""
+    h = PD(model_dir, decode_pages=16, num_reserved_decode_tokens=4, **CACHE)
+    try:
+        for i in range(5):
+            ids = prompt(30, 20 + i)
+            assert _run(h, f"p{i}", 320 + i, ids, 12) == greedy(ref, ids, 12)
+            assert h.decode.prefix_cache.num_pages > 0
+        _assert_only_cache_holds_pages(h)
+    finally:
+        h.close()
+
+
+def test_requests_sharing_a_cached_prefix_survive_retraction(model_dir, ref):
+    """Several continuations of one cached conversation at once in a small pool: some are
+    retracted (their prefix goes back to the cache, their KV to host memory) and resumed
+    with pages of their own; outputs exact, every page accounted for."""
+    h = PD(model_dir, decode_pages=28, num_reserved_decode_tokens=4, **CACHE)
+    sent = _spy_transfer_requests(h)
+    try:
+        base = prompt(17, 40)
+        out = _run(h, "base", 330, base, 8)
+        turns = [base + out + prompt(3 + i, 41 + i) for i in range(4)]
+        for i, ids in enumerate(turns):
+            h.submit(f"c{i}", 331 + i, ids, max_new_tokens=24)
+            h.step()
+        h.run_until(lambda: h.done(*[f"c{i}" for i in range(4)]), timeout=60)
+        assert h.decode.stats.num_retractions > 0
+        assert any(held > 0 for _, held, _ in sent[1:])
+        for i, ids in enumerate(turns):
+            assert isinstance(h.result(f"c{i}"), msg.ReqFinished)
+            assert h.tokens(f"c{i}") == greedy(ref, ids, 24), i
+        _assert_only_cache_holds_pages(h)
+    finally:
+        h.close()
+
+
+def test_an_aborted_partial_transfer_unlocks_its_prefix_and_frees_its_own_pages(model_dir, ref):
+    h = PD(model_dir, **CACHE)
+    try:
+        turn1 = prompt(13, 50)
+        out1 = _run(h, "a1", 340, turn1, 8)
+        h.is_prefill_paused = True  # the KV never comes: abort it while in transfer
+        turn2 = turn1 + out1 + prompt(7, 51)
+        h.submit("a2", 341, turn2, max_new_tokens=4)
+        h.run_until(lambda: h.state("a2") is not None and h.state("a2").value == "transfer")
+        r = h.decode.reqs["a2"]
+        assert r.num_prefix_pages == 5 and h.decode.prefix_cache.tree.num_protected_pages == 5
+        h.decode.abort("a2", None, "client gone")
+        h.is_prefill_paused = False
+        h.run_until(lambda: h.done("a2") and not h.decode.release_queue, timeout=30)
+        assert h.result("a2").status == 499
+        _assert_only_cache_holds_pages(h)
+        # The prefix is still there for the next request.
+        assert _run(h, "a3", 342, turn2, 4) == greedy(ref, turn2, 4)
+    finally:
+        h.close()
+
+
+def test_a_late_write_into_a_cached_page_drops_the_cache_and_fails_its_readers(model_dir, ref):
+    h = PD(model_dir, **CACHE)
+    try:
+        turn1 = prompt(13, 60)
+        out1 = _run(h, "l1", 350, turn1, 8)
+        h.is_prefill_paused = True
+        turn2 = turn1 + out1 + prompt(7, 61)
+        h.submit("l2", 351, turn2, max_new_tokens=4)
+        h.run_until(lambda: h.state("l2") is not None and h.state("l2").value == "transfer")
+        cached = h.decode.prefix_cache.cached_pages()
+        h.dkv.on_late_write(999, [cached[0]])  # another room's write landed in a cached page
+        h.run_until(lambda: h.done("l2"))
+        end = h.result("l2")
+        assert isinstance(end, msg.ReqFailed) and end.status == 500 and end.retryable
+        assert h.decode.prefix_cache.num_pages == 0
+        h.is_prefill_paused = False
+        h.run_until(lambda: not h.decode.release_queue, timeout=30)
+        _assert_only_cache_holds_pages(h)
+        assert h.runner.pool.allocator.num_used_pages == 0
+    finally:
+        h.close()
+
+
+def test_without_the_flag_nothing_is_cached(model_dir, ref):
+    h = PD(model_dir)
+    try:
+        ids = prompt(14, 70)
+        _run(h, "n1", 360, ids, 6)
+        assert h.decode.prefix_cache is None
+        assert h.runner.pool.allocator.num_used_pages == 0
+    finally:
+        h.close()
+
+
+assert PAGE == 4  # the page counts above are for 4-token pages
