@@ -109,6 +109,7 @@ class NodeView:
     kv_events_endpoint: str = ""
     page_size: int = 0  # of its KV layout (0: not given)
     colocated_with: str = ""  # the other half of a colocated process ("" : none)
+    caches_prefixes: bool = False  # a decode node with a prefix cache
     # False from the node closing its request connection to its next heartbeat: a process
     # that died (the kernel closed its sockets), long before its lease runs out.
     is_reachable: bool = True
@@ -308,6 +309,7 @@ class NodeRegistry:
                 kv_events_endpoint=e.info.kv_events_endpoint,
                 page_size=_page_size(e.info.kv_layout),
                 colocated_with=e.info.colocated_with,
+                caches_prefixes=e.info.caches_prefixes,
                 is_reachable=e.is_reachable(),
             )
             for node_id, e in self._nodes.items()
@@ -350,6 +352,7 @@ class NodeRegistry:
                     "control_endpoint": info.control_endpoint,
                     "kv_events_endpoint": info.kv_events_endpoint,
                     "colocated_with": info.colocated_with,
+                    "caches_prefixes": info.caches_prefixes,
                     "num_pages": info.num_pages,
                     "max_running_requests": info.max_running_requests,
                     "load": e.load,

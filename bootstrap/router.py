@@ -183,6 +183,7 @@ class DecodeCandidate(NamedTuple):
     num_inflight: int
     num_pages: int = 0
     free_pages: int | None = None  # None: not reported yet
+    caches_prefixes: bool = False  # it keeps finished requests' KV (session affinity)
 
     @property
     def free_fraction(self) -> float:
@@ -303,6 +304,24 @@ def choose_decode(candidates: Sequence[DecodeCandidate]) -> str:
     return best.node_id
 
 
+def choose_decode_by_session(
+    ring: HashRing, key: int, candidates: Sequence[DecodeCandidate], epsilon: float
+) -> str:
+    """Session affinity over decode nodes with a prefix cache (all on ``ring``): a
+    conversation's key (its routing key, or its leading tokens) goes where its last turn's
+    KV is, unless that node is full or past its bounded load; then the next node on the
+    ring (a node gone moves only its own conversations); least loaded when none fits."""
+    by_id = {c.node_id: c for c in candidates}
+    capacity = bounded_load_capacity(
+        sum(c.num_inflight for c in candidates), len(candidates), epsilon
+    )
+    for node_id in ring.walk(key):
+        c = by_id.get(node_id)
+        if c is not None and not c.is_full and c.num_inflight < capacity:
+            return node_id
+    return choose_decode(candidates)
+
+
 class Router:
     """Chooses pairs; keeps the ring of the current prefill nodes and recent key placements."""
 
@@ -329,6 +348,7 @@ class Router:
         self.virtual_nodes = virtual_nodes
         self.epsilon = epsilon
         self._ring = HashRing((), virtual_nodes)
+        self._decode_ring = HashRing((), virtual_nodes)  # decode nodes with a prefix cache
         self._last_node_of_key: OrderedDict[int, str] = OrderedDict()
         self._affinity_memory = affinity_memory
 
@@ -357,7 +377,9 @@ class Router:
             decode_id = partners[prefill.node_id]
         else:
             colocated = set(partners.values())
-            decode_id = choose_decode([d for d in decodes if d.node_id not in colocated] or decodes)
+            decode_id = self._choose_decode(
+                key, [d for d in decodes if d.node_id not in colocated] or decodes
+            )
         is_hit = self._last_node_of_key.get(key) == prefill.node_id
         self._remember(key, prefill.node_id)
         return RouteDecision(
@@ -407,6 +429,16 @@ class Router:
             else "affinity"
         )
         return choice, kind
+
+    def _choose_decode(self, key: int, decodes: Sequence[DecodeCandidate]) -> str:
+        """By session where decode nodes keep a prefix cache, else least loaded."""
+        caching = [d for d in decodes if d.caches_prefixes]
+        if not caching:
+            return choose_decode(decodes)
+        ids = frozenset(d.node_id for d in caching)
+        if ids != self._decode_ring.node_ids:
+            self._decode_ring = HashRing(sorted(ids), self.virtual_nodes)
+        return choose_decode_by_session(self._decode_ring, key, caching, self.epsilon)
 
     def _remember(self, key: int, node_id: str) -> None:
         self._last_node_of_key[key] = node_id

@@ -315,6 +315,7 @@ class BootstrapService:
                     self.dispatcher.num_inflight(v.node_id),
                     v.num_pages,
                     _int_load(v, "free_pages"),
+                    v.caches_prefixes,
                 )
                 for v in decodes
             ],

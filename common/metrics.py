@@ -130,6 +130,10 @@ KV_TRANSFER_ROOMS: Final = _gauge(
 PREFIX_CACHE_EVICTED_PAGES: Final = _counter(
     "pdserve_prefix_cache_evicted_pages_total", "KV pages evicted from the radix cache (LRU)."
 )
+PREFIX_CACHE_PAGES: Final = _gauge(
+    "pdserve_prefix_cache_pages",
+    "KV pages a decode node's prefix cache holds (locked by requests or evictable).",
+)
 # --- the host tier under the radix cache (--enable-hierarchical-cache) ----------------------
 HOST_CACHE_HIT_TOKENS: Final = _counter(
     "pdserve_host_cache_hit_tokens_total",

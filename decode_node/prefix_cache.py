@@ -41,6 +41,7 @@ class DecodePrefixCache:
         self.page_size = page_size
         self.tree = RadixCache(page_size, allocator)
         self.num_hit_pages = 0  # pages requests found here instead of receiving
+        self.num_evicted_pages = 0
 
     def match(self, r: DecodeReq) -> None:
         """Give r its cached prefix: lock it and put its pages at the head of r.pages."""
@@ -58,6 +59,10 @@ class DecodePrefixCache:
         r.num_prefix_pages = len(m.page_ids)
         r.pages = list(m.page_ids)
         self.num_hit_pages += len(m.page_ids)
+
+    def evict(self, num_pages: int) -> None:
+        """Free at least ``num_pages`` pages (least recently used leaves, unlocked)."""
+        self.num_evicted_pages += self.tree.evict(num_pages)
 
     def unlock(self, r: DecodeReq) -> None:
         """Drop r's hold on its prefix (its pages stay the tree's); r.pages loses them."""
@@ -135,7 +140,7 @@ class CacheYieldingAllocator:
     def allocate(self, num: int) -> list[int]:
         short = num - self.raw.num_free_pages
         if short > 0:
-            self.cache.tree.evict(short)
+            self.cache.evict(short)
         return self.raw.allocate(num)
 
     def free(self, pages: Iterable[int]) -> None:

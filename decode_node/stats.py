@@ -10,6 +10,7 @@ from prometheus_client import Counter, Gauge
 
 from common import metrics
 from common.kv_pool import PageSource
+from decode_node.prefix_cache import DecodePrefixCache
 from decode_node.transfer_queue import ReleaseQueue
 
 ROLE: Final = "decode"
@@ -67,6 +68,9 @@ class DecodeView(Protocol):
     @property
     def clock(self) -> Callable[[], float]: ...
 
+    @property
+    def prefix_cache(self) -> DecodePrefixCache | None: ...
+
 
 class DecodeStats:
     def __init__(self, scheduler: DecodeView) -> None:
@@ -85,6 +89,8 @@ class DecodeStats:
         self.num_retractions = 0
         self.num_preemptions = 0
         self.num_decode_tokens = 0
+        self._cache_hit_tokens = 0
+        self._cache_evicted = 0
 
     def update(self) -> None:
         s = self.s
@@ -97,10 +103,25 @@ class DecodeStats:
         }
         for q, n in lengths.items():
             self._queues[q].set(n)
-        self._used.set(s.allocator.num_used_pages)
         self._held.set(self.num_held_pages())
+        if s.prefix_cache is not None:  # used pages count cached ones, as on prefill
+            self._used.set(s.prefix_cache.raw.num_used_pages)
+            self._update_cache(s.prefix_cache)
+        else:
+            self._used.set(s.allocator.num_used_pages)
         self._expire(s.clock())
         self._throughput.set(self.tokens_per_s(s.clock()))
+
+    def _update_cache(self, cache: DecodePrefixCache) -> None:
+        metrics.PREFIX_CACHE_PAGES.labels(role=ROLE).set(cache.num_pages)
+        hits = cache.num_hit_pages * cache.page_size
+        if hits > self._cache_hit_tokens:
+            metrics.PREFIX_CACHE_HIT_TOKENS.labels(role=ROLE).inc(hits - self._cache_hit_tokens)
+            self._cache_hit_tokens = hits
+        if cache.num_evicted_pages > self._cache_evicted:
+            evicted = cache.num_evicted_pages - self._cache_evicted
+            metrics.PREFIX_CACHE_EVICTED_PAGES.labels(role=ROLE).inc(evicted)
+            self._cache_evicted = cache.num_evicted_pages
 
     def load(self, new_token_ratio: float) -> dict[str, int | float]:
         """What a heartbeat reports (the router reads free_pages for least-load choice)."""

@@ -191,3 +191,51 @@ def test_first_of_is_the_first_wanted_node_the_walk_meets():
         assert ring.first_of(key, wanted) == next(n for n in ring.walk(key) if n in wanted)
     assert ring.first_of(7, {"not-a-node"}) is None
     assert ring.first_of(2**64 - 1, {"n3"}) == "n3"  # past the last point: wraps around
+
+
+def _caching(loads: dict[str, int], full: frozenset[str] = frozenset()) -> list[DecodeCandidate]:
+    return [
+        DecodeCandidate(d, n, 100, 0 if d in full else 50, caches_prefixes=True)
+        for d, n in loads.items()
+    ]
+
+
+def test_decode_nodes_with_a_prefix_cache_keep_each_conversation_on_one_node() -> None:
+    router = Router()
+    convs = [[i] * 20 + list(range(200, 230)) for i in range(40)]
+    loads = {"d0": 0, "d1": 0, "d2": 0}
+    first = {}
+    for turn in range(3):
+        for i, conv in enumerate(convs):
+            ids = conv + [turn] * (5 * turn)  # a later turn extends the conversation
+            d = router.route(ids, None, idle(), _caching(loads)).decode_id
+            assert first.setdefault(i, d) == d, (i, turn)
+    assert set(first.values()) == {"d0", "d1", "d2"}  # conversations spread over the nodes
+    # Without a prefix cache the least loaded node wins, whatever the conversation.
+    plain = [DecodeCandidate("d0", 3), DecodeCandidate("d1", 0), DecodeCandidate("d2", 5)]
+    assert {router.route(c, None, idle(), plain).decode_id for c in convs} == {"d1"}
+
+
+def test_a_conversation_moves_only_when_its_decode_node_is_gone_full_or_overloaded() -> None:
+    router = Router()
+    convs = [[i] * 20 for i in range(60)]
+    loads = {"d0": 0, "d1": 0, "d2": 0}
+    home = {
+        i: router.route(c, None, idle(), _caching(loads)).decode_id for i, c in enumerate(convs)
+    }
+    # d1 is gone: its conversations move, nobody else's does.
+    without = {d: n for d, n in loads.items() if d != "d1"}
+    for i, c in enumerate(convs):
+        d = router.route(c, None, idle(), _caching(without)).decode_id
+        assert d != "d1" and (home[i] == "d1" or d == home[i])
+    # d0 is full, then d0 holds far more requests than the bound allows: its go elsewhere.
+    for cands in (
+        _caching(loads, full=frozenset({"d0"})),
+        _caching({"d0": 50, "d1": 0, "d2": 0}),
+    ):
+        for i, c in enumerate(convs):
+            d = router.route(c, None, idle(), cands).decode_id
+            assert d != "d0" and (home[i] == "d0" or d == home[i])
+    # A routing key is the session: prompts that share nothing still meet on one node.
+    keyed = {router.route([j] * 20, "chat-7", idle(), _caching(loads)).decode_id for j in range(9)}
+    assert len(keyed) == 1
