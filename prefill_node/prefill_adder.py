@@ -23,6 +23,12 @@ from prefill_node.request import Req
 CLIP_MAX_NEW_TOKENS = 4096
 
 
+def admission_tokens(extend: int, max_new_tokens: int, page_size: int) -> int:
+    """What admitting a request takes off rem_total: its extend in whole pages, its output
+    reserve and a page of overhead (SGLang's). More than the whole pool: never admitted."""
+    return ceil_page(extend, page_size) + min(max_new_tokens, CLIP_MAX_NEW_TOKENS) + page_size
+
+
 class AddReqResult(Enum):
     CONTINUE = "continue"
     NO_TOKEN = "no_token"
@@ -122,7 +128,7 @@ class PrefillAdder:
             return AddReqResult.OTHER
         extend = req.num_input_tokens - prefix_len
         reserved = min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
-        total = ceil_page(extend, self.page_size) + reserved + self.page_size
+        total = admission_tokens(extend, req.max_new_tokens, self.page_size)
         locked = last_node if self.tree_cache is not None and last_node is not None else None
         if locked is not None and self.tree_cache is not None:
             # Locked first: its pages must not count as evictable room for itself.

@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 
 from common import messages as msg
 from common.config import PrefillConfig
-from common.kv_pool import pages_needed
 from common.sampling_params import SamplingParams
+from prefill_node.prefill_adder import admission_tokens
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,14 @@ def check_request(
         refusal = Rejection(
             400, f"prompt of {n} tokens; the context length is {limits.context_length}"
         )
-    elif pages_needed(n, limits.page_size) > limits.pool_pages:
-        refusal = Rejection(400, f"prompt of {n} tokens does not fit this node's KV pool")
+    elif admission_tokens(n, 1, limits.page_size) > limits.pool_pages * limits.page_size:
+        # The adder's budget for it would pass the whole pool: it would wait forever.
+        most = max(limits.pool_pages - 2, 0) * limits.page_size
+        refusal = Rejection(
+            400,
+            f"prompt of {n} tokens does not fit this node's KV pool ({limits.pool_pages} "
+            f"pages of {limits.page_size} tokens take a prompt of at most {most})",
+        )
     elif is_queue_full:
         refusal = Rejection(503, "the prefill node's queue is full; retry later", retryable=True)
     elif (

@@ -424,3 +424,29 @@ def test_the_integrity_check_catches_a_page_nobody_owns(h):
     h.runner.pool.allocator.allocate(1)  # behind the scheduler's back
     with pytest.raises(AssertionError, match="0 pages owned and 5 cached but 6 used"):
         h.sched.check_integrity()
+
+
+def test_a_prompt_that_needs_nearly_the_whole_pool_is_admitted_or_refused_never_stuck(model_dir):
+    """A pool of 12 pages of 4 tokens: the adder takes a prompt's pages, its first token
+    and a page of overhead, so 40 tokens (10 pages) go and 41 can never go: that one is
+    refused with 400 at once, not left waiting (it waited until a timeout before)."""
+    h = Harness(model_dir, num_pages=12)
+    try:
+        h.submit("fits", 1, prompt(30, 7))  # fills the radix cache first
+        r, pages = h.receive(1, 30)
+        h.run_until(lambda: r.poll() is KVPoll.Success and not h.sched.states)
+        r.clear()
+        h.dpool.allocator.free(pages)  # the test's decode pool is as small
+        ids = prompt(40, 8)
+        h.submit("whole", 2, ids)
+        r, pages = h.receive(2, len(ids))
+        h.run_until(lambda: r.poll() is KVPoll.Success and not h.sched.states)
+        check_landed(h, r, pages, ids)
+        h.submit("over", 3, prompt(41, 9))
+        h.run_until(lambda: any(isinstance(m, msg.ReqFailed) for m in h.replies))
+        (failed,) = [m for m in h.replies if isinstance(m, msg.ReqFailed)]
+        assert failed.rid == "over" and failed.status == 400
+        assert "at most 40" in failed.error and not h.sched.states
+        h.sched.check_integrity()
+    finally:
+        h.close()

@@ -42,6 +42,8 @@ def check(g: msg.GenerateReq, config: PrefillConfig | None = None, **flags):
         (generate(input_ids=[]), {}, 400, "the context length is 64"),
         (generate(input_ids=[5] * 64), {}, 400, "the context length is 64"),
         (generate(input_ids=[5] * 33), {}, 400, "does not fit this node's KV pool"),
+        # 6 pages of prompt, one page of overhead and the first token: more than 8 pages.
+        (generate(input_ids=[5] * 25), {}, 400, "take a prompt of at most 24"),
         (generate(), {"is_queue_full": True}, 503, "queue is full"),
         (generate(sampling={"temperature": -1.0}), {}, 400, "temperature"),
         (
@@ -63,6 +65,10 @@ def test_refusals_name_the_reason_and_status(g, flags, status, fragment):
     assert isinstance(result, Rejection) and result.status == status
     assert fragment in result.error
     assert result.retryable == (status == 503)
+
+
+def test_the_longest_prompt_the_pool_takes_is_taken():
+    assert not isinstance(check(generate(input_ids=[5] * 24)), Rejection)
 
 
 def test_a_priority_while_priority_scheduling_is_off_is_refused_only_when_asked():
