@@ -122,6 +122,7 @@ class Generation:
         arrival: float,
         deadline: float,
         on_end: Callable[[], None],
+        on_finished: Callable[[str, list[int]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         redispatch: Redispatch | None = None,
         migration_limit: int = 0,
@@ -137,6 +138,8 @@ class Generation:
         self._arrival = arrival
         self._deadline = deadline
         self._on_end = on_end
+        # Told (decode node, output ids) when the node finished the request itself.
+        self._on_finished = on_finished
         self._clock = clock
         self._last_token_at: float | None = None
         self._num_output_tokens = 0
@@ -300,6 +303,8 @@ class Generation:
         self, reason: str, matched: int | str | None, done: msg.ReqFinished | None
     ) -> Finish:
         self._end("finished")
+        if done is not None and self._on_finished is not None:
+            self._on_finished(self.req.decode_id, list(self._output.token_ids))
         return Finish(
             finish_reason=reason,
             matched_stop=matched,

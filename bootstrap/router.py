@@ -305,16 +305,25 @@ def choose_decode(candidates: Sequence[DecodeCandidate]) -> str:
 
 
 def choose_decode_by_session(
-    ring: HashRing, key: int, candidates: Sequence[DecodeCandidate], epsilon: float
+    ring: HashRing,
+    key: int,
+    candidates: Sequence[DecodeCandidate],
+    epsilon: float,
+    session_node: str | None = None,
 ) -> str:
     """Session affinity over decode nodes with a prefix cache (all on ``ring``): a
-    conversation's key (its routing key, or its leading tokens) goes where its last turn's
-    KV is, unless that node is full or past its bounded load; then the next node on the
-    ring (a node gone moves only its own conversations); least loaded when none fits."""
+    conversation goes to ``session_node`` (the node the gateway saw serve its last turn,
+    bootstrap/decode_sessions.py) or else to its key's node on the ring (its routing key,
+    or its leading tokens), unless that node is full or past its bounded load; then the
+    next node on the ring (a node gone moves only its own conversations); least loaded
+    when none fits."""
     by_id = {c.node_id: c for c in candidates}
     capacity = bounded_load_capacity(
         sum(c.num_inflight for c in candidates), len(candidates), epsilon
     )
+    held = by_id.get(session_node) if session_node is not None else None
+    if held is not None and not held.is_full and held.num_inflight < capacity:
+        return held.node_id
     for node_id in ring.walk(key):
         c = by_id.get(node_id)
         if c is not None and not c.is_full and c.num_inflight < capacity:
@@ -362,10 +371,12 @@ class Router:
         overlaps: Mapping[str, int] | None = None,
         partners: Mapping[str, str] | None = None,
         host: HostHits | None = None,
+        session_node: str | None = None,
     ) -> RouteDecision:
         """The pair for one request; both candidate lists must be non-empty. ``overlaps``
         (precise mode): leading prompt pages each node holds, from the KV index; ``host``:
-        of those, the ones on a host tier alone.
+        of those, the ones on a host tier alone; ``session_node``: the decode node known to
+        cache the longest prefix of the prompt (its conversation's last turn).
         ``partners``: prefill id -> its colocated decode id; such a prefill is paired with
         that decode node only, and other prefills never with a colocated decode node."""
         partners = partners or {}
@@ -378,7 +389,7 @@ class Router:
         else:
             colocated = set(partners.values())
             decode_id = self._choose_decode(
-                key, [d for d in decodes if d.node_id not in colocated] or decodes
+                key, [d for d in decodes if d.node_id not in colocated] or decodes, session_node
             )
         is_hit = self._last_node_of_key.get(key) == prefill.node_id
         self._remember(key, prefill.node_id)
@@ -430,7 +441,9 @@ class Router:
         )
         return choice, kind
 
-    def _choose_decode(self, key: int, decodes: Sequence[DecodeCandidate]) -> str:
+    def _choose_decode(
+        self, key: int, decodes: Sequence[DecodeCandidate], session_node: str | None
+    ) -> str:
         """By session where decode nodes keep a prefix cache, else least loaded."""
         caching = [d for d in decodes if d.caches_prefixes]
         if not caching:
@@ -438,7 +451,7 @@ class Router:
         ids = frozenset(d.node_id for d in caching)
         if ids != self._decode_ring.node_ids:
             self._decode_ring = HashRing(sorted(ids), self.virtual_nodes)
-        return choose_decode_by_session(self._decode_ring, key, caching, self.epsilon)
+        return choose_decode_by_session(self._decode_ring, key, caching, self.epsilon, session_node)
 
     def _remember(self, key: int, node_id: str) -> None:
         self._last_node_of_key[key] = node_id

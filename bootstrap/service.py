@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from bootstrap import gateway_metrics as gm
 from bootstrap.api_keys import ApiKeys
+from bootstrap.decode_sessions import DecodeSessions, cached_sequence_hash
 from bootstrap.dispatcher import Dispatcher, InflightReq, NodeQueueFull
 from bootstrap.errors import APIError
 from bootstrap.generation import Generation, PreparedRequest
@@ -128,6 +129,9 @@ class BootstrapService:
             KVEventSubscriber(settings.gateway_id) if config.prefill_router == "precise" else None
         )
         self.rooms = RoomAllocator()
+        # Decode nodes with a prefix cache: which one served each conversation's last turn.
+        self.decode_sessions = DecodeSessions()
+        self._caching_decodes: frozenset[str] = frozenset()  # as of the last dispatch
         self.dispatcher = Dispatcher(
             settings.gateway_id,
             f"tcp://{settings.reply_host}:{settings.reply_port}",
@@ -203,7 +207,7 @@ class BootstrapService:
     def page_hashes(self, prepared: PreparedRequest) -> PreparedRequest:
         """``prepared`` with its prompt's page hashes when the router reads them (worker
         thread, off the event loop)."""
-        if self.kv_events is None:
+        if self.kv_events is None and not self._caching_decodes:
             return prepared
         hashes = page_hash.prompt_hashes(
             prepared.input_ids, self.router.page_size, prepared.cache_salt
@@ -263,6 +267,9 @@ class BootstrapService:
         def redispatch(output_ids: list[int], avoid: frozenset[str]) -> InflightReq:
             return self._dispatch(prepared, output_ids, avoid)
 
+        def finished(decode_id: str, output_ids: list[int]) -> None:
+            self._record_session(prepared, decode_id, output_ids)
+
         return Generation(
             req,
             self.dispatcher,
@@ -271,6 +278,7 @@ class BootstrapService:
             arrival=arrival,
             deadline=arrival + self.config.request_timeout_s,
             on_end=self._on_generation_end,
+            on_finished=finished,
             redispatch=redispatch,
             migration_limit=self.config.migration_limit,
             migration_timeout_s=self.config.migration_timeout_s,
@@ -297,6 +305,10 @@ class BootstrapService:
                 code="no_decode_node",
             )
         started = time.perf_counter()
+        self._caching_decodes = frozenset(v.node_id for v in decodes if v.caches_prefixes)
+        session_node = None
+        if self._caching_decodes and prepared.page_hashes:
+            session_node = self.decode_sessions.find(prepared.page_hashes, self._caching_decodes)
         overlaps, host = None, None
         ids = [v.node_id for v in prefills]
         queued: dict[str, int] = {}  # read by precise routing only
@@ -323,6 +335,7 @@ class BootstrapService:
             overlaps,
             partners,
             host,
+            session_node,
         )
         gm.ROUTE_SECONDS.labels(**metrics.role_labels()).observe(time.perf_counter() - started)
         prefill = next(v for v in prefills if v.node_id == decision.prefill_id)
@@ -358,6 +371,16 @@ class BootstrapService:
             )
         gm.count_decision(decision.kind, decision.is_affinity_hit)
         return req
+
+    def _record_session(self, prepared: PreparedRequest, decode_id: str, out: list[int]) -> None:
+        """A request finished on ``decode_id``: if it caches prefixes, it holds this
+        sequence's KV now (bootstrap/decode_sessions.py)."""
+        if decode_id not in self._caching_decodes:
+            return
+        page = self.router.page_size
+        h = cached_sequence_hash(prepared.input_ids, out, page, prepared.cache_salt)
+        if h is not None:
+            self.decode_sessions.record(h, decode_id)
 
     def _on_generation_end(self) -> None:
         self.num_active -= 1

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from common.kv_pool import PageAllocator, pages_needed
+from common.kv_pool import PageAllocator
 from common.radix_cache import RadixCache
 from common.token_keys import salt_key
 from decode_node.req import DecodeReq
@@ -148,8 +148,3 @@ class CacheYieldingAllocator:
 
     def check_integrity(self) -> None:
         self.raw.check_integrity()
-
-
-def own_pages_needed(r: DecodeReq, page_size: int) -> int:
-    """Pages r's prompt needs beyond its cached prefix."""
-    return pages_needed(r.num_input_tokens, page_size) - r.num_prefix_pages

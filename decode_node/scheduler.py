@@ -5,7 +5,8 @@ One step (`step()`), like nano-vllm's:
      KVReceiver for its room (prefill node from the registry) and enters the prealloc queue;
   2. resume retracted requests first (KV back from host memory); only when none is left
      retracted, admit prealloc requests under the KV budget: allocate destination pages
-     and send them to the prefill node (send_metadata);
+     (after a cached prefix, with --disaggregation-decode-enable-radix-cache:
+     decode_node/request_pages.py) and send them to the prefill node (send_metadata);
   3. poll the KVManager (handshakes, TransferDone, leases, timeouts);
   4. transfer queue: commit the first token of each finished room and stream it (a request
      with a grammar waits until its grammar, compiled off the loop since arrival, is ready;
@@ -30,7 +31,6 @@ from common import stages
 from common.config import DecodeConfig
 from common.grammar.backend import GrammarBackend, GrammarError
 from common.ipc import PushPool
-from common.kv_pool import PageSource
 from common.model.runner import ModelRunner
 from common.node.gateway_watch import GatewayWatch
 from common.node.scheduling import RequestFailures
@@ -39,7 +39,7 @@ from common.tokenizer import Tokenizer
 from decode_node.budget import build_budget, default_max_running_requests
 from decode_node.grammar_gate import failed_grammars, poll_grammar
 from decode_node.ingress import NodeLimits, Rejection, build_request, check_request
-from decode_node.integrity import LATE_WRITE_ERROR, check_requests, hit_by_late_write
+from decode_node.integrity import LATE_WRITE_ERROR, check_requests
 from decode_node.output import append_token, req_finished, token_chunk
 from decode_node.prealloc_queue import (
     BudgetReq,
@@ -48,8 +48,8 @@ from decode_node.prealloc_queue import (
     resume_retracted,
 )
 from decode_node.preemption import choose_victims
-from decode_node.prefix_cache import CacheYieldingAllocator, DecodePrefixCache, own_pages_needed
 from decode_node.req import DecodeReq, DecodeState
+from decode_node.request_pages import RequestPages
 from decode_node.retract import NewTokenRatio
 from decode_node.retracted_queue import RetractedQueue
 from decode_node.running_batch import RunningBatch
@@ -98,11 +98,10 @@ class DecodeScheduler:
         self._peers_warmed_at = -float("inf")
         self.pool = runner.pool
         self.page_size = runner.page_size
-        self.prefix_cache: DecodePrefixCache | None = None
-        self.allocator: PageSource = runner.pool.allocator
-        if config.disaggregation_decode_enable_radix_cache:
-            self.prefix_cache = DecodePrefixCache(runner.pool.allocator, self.page_size)
-            self.allocator = CacheYieldingAllocator(runner.pool.allocator, self.prefix_cache)
+        cache = config.disaggregation_decode_enable_radix_cache
+        self.pages = RequestPages(runner.pool.allocator, self.page_size, prefix_cache=cache)
+        self.prefix_cache = self.pages.cache  # None: off
+        self.allocator = self.pages.allocator
         self.limits = NodeLimits(
             runner.context_length, runner.spec.vocab_size, self.page_size, self.allocator.num_pages
         )
@@ -125,7 +124,7 @@ class DecodeScheduler:
             enable_priority=config.enable_priority_scheduling,
             low_priority_values_first=config.schedule_low_priority_values_first,
         )
-        self.retracted_queue = RetractedQueue(self.pool, self.allocator, self._release_pages)
+        self.retracted_queue = RetractedQueue(self.pool, self.allocator, self.pages.release)
         self.release_queue = ReleaseQueue(self.allocator)
         self.reqs: dict[str, DecodeReq] = {}  # by rid, every live request this node holds
         self.new_token_ratio = NewTokenRatio(config.schedule_conservativeness)
@@ -261,10 +260,7 @@ class DecodeScheduler:
 
     def _preallocate(self, r: DecodeReq) -> None:
         assert r.receiver is not None
-        if self.prefix_cache is not None:
-            self.prefix_cache.match(r)  # locks the prefix before allocating may evict
-        own = self.allocator.allocate(own_pages_needed(r, self.page_size))
-        r.pages += own
+        own = self.pages.preallocate(r)
         r.advance(DecodeState.TRANSFER)
         r.receiver.send_metadata(own, aux_slot=0, num_held_pages=r.num_prefix_pages)
         r.marks[stages.DECODE_PREALLOCATED] = time.time()
@@ -390,14 +386,6 @@ class DecodeScheduler:
                 self.running.remove(last)
                 self._finish(last, FinishReason.length())
 
-    def _release_pages(self, r: DecodeReq) -> None:
-        """Free what r holds: its own pages; its cached prefix goes back to the cache."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.unlock(r)
-        if r.pages:
-            self.allocator.free(r.pages)
-        r.pages = []
-
     def _retract(self, r: DecodeReq) -> None:
         self.running.remove(r)
         self.retracted_queue.retract(r)
@@ -423,10 +411,7 @@ class DecodeScheduler:
     def _finish(self, r: DecodeReq, finish: FinishReason) -> None:
         """r is out of every queue: it ends normally; free (or cache) its pages, report it."""
         r.advance(DecodeState.FINISHED)
-        if self.prefix_cache is not None:
-            self.prefix_cache.cache_finished(r)
-        else:
-            self._release_pages(r)
+        self.pages.finish(r)
         self.reqs.pop(r.rid, None)
         self.push.send(r.generate.reply_endpoint, req_finished(r, finish))
         self.stats.finished("finished")
@@ -435,20 +420,14 @@ class DecodeScheduler:
 
     def _on_late_write(self, room: int, pages: list[int]) -> None:
         """A paused prefill node's write into `room` may have landed after its fence: any
-        other request now holding one of those pages fails (transfer/fence.py). If the
-        prefix cache holds one, every request reading a cached prefix fails too (retryable)
-        and the cache is dropped: a rare event, and no later prompt may read that page."""
-        hit = hit_by_late_write(self.reqs.values(), room, pages)
-        cache = self.prefix_cache
-        is_cache_hit = cache is not None and cache.holds_any(pages)
-        if is_cache_hit:
-            hit += [r for r in self.reqs.values() if r.prefix_node is not None and r not in hit]
+        other request reading one of those pages fails (transfer/fence.py); a cached page
+        hit drops the prefix cache (request_pages.py)."""
+        hit, is_cache_hit = self.pages.hit_by_late_write(self.reqs.values(), room, pages)
         for r in hit:
             logger.error("request %s: its KV pages may hold a late write of room %d", r.rid, room)
             self._fail(r, 500, LATE_WRITE_ERROR, retryable=True)
         if is_cache_hit:
-            assert cache is not None
-            cache.reset()
+            self.pages.drop_cache()
 
     def fail_all(self, status: int, error: str) -> None:
         """Fail every request this node holds (the drain timeout passed); the gateway hears."""
@@ -496,13 +475,10 @@ class DecodeScheduler:
             self.retracted_queue.remove(r)
         if r.receiver is not None:
             r.receiver.abort(error)
-            # Pages a prefill node may still be writing wait until that cannot happen (its
-            # cached prefix is never written: it goes back to the cache at once).
-            if self.prefix_cache is not None:
-                self.prefix_cache.unlock(r)
-            self.release_queue.add(r.receiver, r.pages)
-            r.receiver, r.pages = None, []
-        self._release_pages(r)
+            # Pages a prefill node may still be writing wait until that cannot happen.
+            self.pages.release_after_write(r, r.receiver, self.release_queue)
+            r.receiver = None
+        self.pages.release(r)
         r.advance(DecodeState.FAILED)
         self.reqs.pop(r.rid, None)
         if notify:

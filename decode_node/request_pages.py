@@ -1,0 +1,80 @@
+"""How a decode request's pages are taken and given back, with or without a prefix cache.
+
+Without the cache every page a request holds is its own and goes back to the allocator.
+With it (decode_node/prefix_cache.py) a request's pages start with a cached prefix it
+locks: releasing gives that prefix back to the cache and frees only its own pages, and a
+normal finish keeps its KV in the cache. The scheduler calls these and never touches the
+cache itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from common.kv_pool import PageAllocator, PageSource, pages_needed
+from decode_node.integrity import hit_by_late_write
+from decode_node.prefix_cache import CacheYieldingAllocator, DecodePrefixCache
+from decode_node.req import DecodeReq
+from decode_node.transfer_queue import ReleaseQueue
+from transfer.kv_receiver import KVReceiver
+
+
+class RequestPages:
+    def __init__(self, raw: PageAllocator, page_size: int, *, prefix_cache: bool) -> None:
+        self.page_size = page_size
+        self.cache: DecodePrefixCache | None = None
+        self.allocator: PageSource = raw
+        if prefix_cache:
+            self.cache = DecodePrefixCache(raw, page_size)
+            self.allocator = CacheYieldingAllocator(raw, self.cache)
+
+    def preallocate(self, r: DecodeReq) -> list[int]:
+        """Give r pages for its prompt: its cached prefix (locked first: allocating may
+        evict) and own pages for the rest, which it returns (the transfer's destination)."""
+        if self.cache is not None:
+            self.cache.match(r)
+        need = pages_needed(r.num_input_tokens, self.page_size) - r.num_prefix_pages
+        own = self.allocator.allocate(need)
+        r.pages += own
+        return own
+
+    def release(self, r: DecodeReq) -> None:
+        """Free what r holds: its own pages; its cached prefix goes back to the cache."""
+        if self.cache is not None:
+            self.cache.unlock(r)
+        if r.pages:
+            self.allocator.free(r.pages)
+        r.pages = []
+
+    def release_after_write(
+        self, r: DecodeReq, receiver: KVReceiver, release_queue: ReleaseQueue
+    ) -> None:
+        """r's room failed: its own pages wait in the release queue until no write can land
+        in them; its prefix (never a destination) goes back to the cache at once."""
+        if self.cache is not None:
+            self.cache.unlock(r)
+        release_queue.add(receiver, r.pages)
+        r.pages = []
+
+    def finish(self, r: DecodeReq) -> None:
+        """r ended normally: its KV stays in the cache (if there is one), the rest is freed."""
+        if self.cache is not None:
+            self.cache.cache_finished(r)
+        else:
+            self.release(r)
+
+    def hit_by_late_write(
+        self, reqs: Iterable[DecodeReq], room: int, pages: list[int]
+    ) -> tuple[list[DecodeReq], bool]:
+        """The requests a late write into ``room``'s ``pages`` may have hit, and whether it
+        hit the cache: then every request reading a cached prefix is hit too (the caller
+        fails them, then calls drop_cache)."""
+        reqs = list(reqs)
+        hit = hit_by_late_write(reqs, room, pages)
+        if self.cache is None or not self.cache.holds_any(pages):
+            return hit, False
+        return hit + [r for r in reqs if r.prefix_node is not None and r not in hit], True
+
+    def drop_cache(self) -> None:
+        if self.cache is not None:
+            self.cache.reset()
