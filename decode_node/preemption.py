@@ -60,7 +60,7 @@ def plan_preemption(
         gone = {v.key for v in victims}
         after = replace(
             budget,
-            num_free_pages=budget.num_free_pages + sum(v.num_pages for v in victims),
+            num_free_pages=budget.num_free_pages + sum(v.num_freed_pages for v in victims),
             num_active_reqs=budget.num_active_reqs - len(victims),
             running=[
                 BudgetReq(c.num_input_tokens, c.num_output_tokens, c.max_new_tokens)
@@ -86,6 +86,8 @@ class Running(Protocol):
     @property
     def pages(self) -> list[int]: ...
     @property
+    def own_pages(self) -> list[int]: ...
+    @property
     def priority(self) -> int | None: ...
 
 
@@ -108,7 +110,13 @@ def choose_victims(
         return None
     candidates = [
         RetractCandidate(
-            i, r.num_input_tokens, r.num_output_tokens, r.max_new_tokens, len(r.pages), r.priority
+            i,
+            r.num_input_tokens,
+            r.num_output_tokens,
+            r.max_new_tokens,
+            len(r.pages),
+            r.priority,
+            len(r.own_pages),
         )
         for i, r in enumerate(running)
     ]

@@ -35,6 +35,13 @@ class RetractCandidate:
     max_new_tokens: int
     num_pages: int  # device pages it holds
     priority: int | None = None
+    # Of those, the pages retracting it frees (not a cached prefix it shares: decode
+    # prefix cache); None: all of them.
+    num_own_pages: int | None = None
+
+    @property
+    def num_freed_pages(self) -> int:
+        return self.num_pages if self.num_own_pages is None else self.num_own_pages
 
     @property
     def kv_len(self) -> int:
@@ -100,7 +107,7 @@ def plan_retraction(
     while len(remaining) > 1 and pages_to_run(remaining, page_size, steps) > free:
         victim = remaining.pop(0)
         victims.append(victim.key)
-        free += victim.num_pages
+        free += victim.num_freed_pages
     return RetractPlan(
         victims,
         retract_new_token_ratio(remaining, steps),

@@ -55,6 +55,7 @@ class RunningBatch:
                 r.max_new_tokens,
                 len(r.pages),
                 r.priority,
+                len(r.own_pages),
             )
             for i, r in enumerate(self.reqs)
         ]

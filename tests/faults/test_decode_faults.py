@@ -158,3 +158,46 @@ def test_sigterm_decode_with_a_short_drain_timeout_fails_streams_cleanly(cluster
     assert_no_pages_held(cluster, PREFILLS)
     cluster.restart(DECODE)  # without the flag again
     assert_fresh_request_succeeds(cluster)
+
+
+def test_kill9_decode_holding_a_cached_prefix_for_an_incoming_partial_transfer(
+    cluster: Cluster,
+) -> None:
+    """decode-0 with a prefix cache holds a conversation's first turn; its next turn locks
+    that prefix and waits for the rest from prefill-0 when decode-0 is killed. The client
+    gets a clear error in bounded time (no other decode node to move to), prefill-0 frees
+    the room's pages, and the restarted node serves a fresh request."""
+    prefill = "prefill-0"
+    key = key_for(prefill)
+    cluster.restart(DECODE, ["--disaggregation-decode-enable-radix-cache"])
+    try:
+        first = long_prompt("cached turn", 600)
+        [turn1] = wait_all([Stream(cluster.api, first, max_tokens=8, routing_key=key).start()])
+        assert turn1.is_completed, turn1
+        hits = cluster.metric(DECODE, "pdserve_prefix_cache_hit_tokens_total")
+        before = cluster.metric(prefill, "pdserve_prefill_tokens_total")
+        # The next turn: the same start, then a long new message that takes several chunks.
+        second = first + turn1.text + " and then" + " more" * 1500
+        stream = Stream(cluster.api, second, max_tokens=16, routing_key=key).start()
+        wait_metric(
+            cluster,
+            DECODE,
+            "pdserve_prefix_cache_hit_tokens_total",
+            lambda v: v - hits >= CHUNK,
+            "the first turn's pages found in decode-0's cache",
+        )
+        wait_metric(
+            cluster,
+            prefill,
+            "pdserve_prefill_tokens_total",
+            lambda v: v - before >= 2 * CHUNK,
+            "two chunks of the next turn prefilled",
+        )
+        assert cluster.metric(DECODE, "pdserve_queue_requests", queue="transfer") >= 1
+        fault = cluster.kill9(DECODE)
+        [outcome] = wait_all([stream])
+        assert_ended_well(outcome, fault, allow_completed=False)
+        assert_no_pages_held(cluster, PREFILLS)
+    finally:
+        cluster.restart(DECODE)  # plain, as the other cases expect it
+    assert_fresh_request_succeeds(cluster)

@@ -87,6 +87,18 @@ def test_retract_until_the_rest_can_run_twenty_steps():
     assert plan.victims == [0, 1] and plan.can_run
 
 
+def test_a_victim_frees_only_its_own_pages_not_a_shared_cached_prefix():
+    """Decode prefix cache: each request reads 1 shared cached page and owns 1. Counting
+    the shared page as freed, one victim would seem to make room and the step would then
+    run out of pages; counted right, two go."""
+    shared = [RetractCandidate(k, 8, 1, 40, 2, None, num_own_pages=1) for k in range(4)]
+    plan = plan_retraction(shared, 1, PAGE, "length", steps=1)
+    # Each survivor needs 1 page; free 1 + 1 per victim (equal lengths: from the tail).
+    assert plan.victims == [3, 2] and plan.can_run
+    counted_whole = [RetractCandidate(k, 8, 1, 40, 2, None) for k in range(4)]
+    assert plan_retraction(counted_whole, 1, PAGE, "length", steps=1).victims == [3]
+
+
 def test_always_keeps_one_request():
     cands = [cand(0, 8, 1), cand(1, 8, 2, pages=3)]
     plan = plan_retraction(cands, 0, PAGE, "length")
