@@ -155,6 +155,11 @@ HOST_CACHE_LOAD_SECONDS: Final = _histogram(
     "Time to copy one request's host-tier prefix back to the device pool.",
     _SORT_BUCKETS,
 )
+INTEGRITY_CHECK_FAILURES: Final = _counter(
+    "pdserve_integrity_check_failures_total",
+    "Idle-time integrity checks that found pages or requests out of place (the log says "
+    "what); 0 on a sound node.",
+)
 RETRACTIONS: Final = _counter("pdserve_retractions_total", "Decode retractions.")
 PREEMPTIONS: Final = _counter(
     "pdserve_priority_preemptions_total",

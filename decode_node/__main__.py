@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         grammar=build_grammar(config.node, config.model, runner.spec.vocab_size, tokenizer),
     )
     load = scheduler.load
-    process = NodeProcess(node, scheduler.step, lambda: {**load()})
+    process = NodeProcess(node, scheduler.step, lambda: {**load()}, check=scheduler.check_integrity)
     processes.append(process)
     served = ServedNode(
         node.node_id,

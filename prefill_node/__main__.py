@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     process = NodeProcess(
-        node, scheduler.step, lambda: {"kv_pages_held": scheduler.stats.num_held_pages(), **load()}
+        node,
+        scheduler.step,
+        lambda: {"kv_pages_held": scheduler.stats.num_held_pages(), **load()},
+        check=scheduler.check_integrity,
     )
     served = ServedNode(
         node.node_id,

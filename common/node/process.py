@@ -26,6 +26,7 @@ from common.ipc import bind_pull
 from common.model.loader import resolve_model_dir
 from common.node.gateway_watch import GatewayWatch
 from common.node.http import serve_status
+from common.node.idle_check import IdleCheck
 from common.node.registry_set import RegistrySet
 from common.ready import READY_PREFIX, ready_line  # noqa: F401  (READY_PREFIX: for callers)
 from common.tokenizer import Tokenizer
@@ -154,10 +155,16 @@ class NodeProcess:
     """Runs a node's step() loop with its status server and registry link; stops on SIGTERM."""
 
     def __init__(
-        self, node: NodeArgs, step: Callable[[], bool], health: Callable[[], dict]
+        self,
+        node: NodeArgs,
+        step: Callable[[], bool],
+        health: Callable[[], dict],
+        check: Callable[[], None] | None = None,
     ) -> None:
+        """`check`: the scheduler's check_integrity, run while the loop is idle."""
         self.node = node
         self.step = step
+        self.idle_check = IdleCheck(check) if check is not None else None
         self.health_extra = health
         self.stopping = threading.Event()
         self.registries: list[RegistrySet] = []  # one per node served (colocated: two)
@@ -273,6 +280,8 @@ class NodeProcess:
                 idle += 1
                 # Spin briefly (transfers and tokens want sub-ms reaction), then nap.
                 if idle > 200:
+                    if self.idle_check is not None:
+                        self.idle_check.maybe_run()
                     time.sleep(0.0005)
         for registry in self.registries:
             registry.leave()  # no new requests; the gateway is still watched
