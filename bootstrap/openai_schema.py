@@ -238,13 +238,26 @@ class _OpenAISampling(_Body):
         description="prefix-cache isolation: requests share cached KV only with the same salt",
     )
     frequency_penalty: float | None = Field(
-        default=None, json_schema_extra=_served(enum=[0, None]), description="only 0 is served"
+        default=None,
+        json_schema_extra=_served(minimum=-2, maximum=2),
+        description="OpenAI's: logit -= penalty x times the token was output so far",
     )
     presence_penalty: float | None = Field(
-        default=None, json_schema_extra=_served(enum=[0, None]), description="only 0 is served"
+        default=None,
+        json_schema_extra=_served(minimum=-2, maximum=2),
+        description="OpenAI's: logit -= penalty once the token was output",
     )
     repetition_penalty: float | None = Field(
-        default=None, json_schema_extra=_served(enum=[1, None]), description="only 1 is served"
+        default=None,
+        json_schema_extra=_served(exclusiveMinimum=0),
+        description="SGLang's and vLLM's: a token of the prompt or output so far has its logit "
+        "divided by it where positive, multiplied where not; 1: off",
+    )
+    min_tokens: int | None = Field(
+        default=None,
+        json_schema_extra=_served(minimum=0),
+        description="vLLM's: EOS and stop_token_ids are held back until this many tokens are "
+        "out (at most max_tokens)",
     )
     logit_bias: dict[str, float] | None = Field(
         default=None, json_schema_extra=_served(maxProperties=0), description="not served"
@@ -402,6 +415,10 @@ class GenerateRequest(_Body):
                 },
                 "stop_token_ids": {"type": "array", "items": _TOKEN_ID, "maxItems": _MAX_STOP_IDS},
                 "ignore_eos": {"type": "boolean"},
+                "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+                "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+                "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+                "min_new_tokens": {"type": "integer", "minimum": 0},
                 "json_schema": {"anyOf": [_GRAMMAR_TEXT, {"type": "object"}]},
                 "regex": _GRAMMAR_TEXT,
                 "ebnf": _GRAMMAR_TEXT,

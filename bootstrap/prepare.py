@@ -23,18 +23,23 @@ from common.tokenizer import Tokenizer
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_GENERATE_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 _SAMPLING_FIELDS = frozenset(SamplingParams().to_wire())
-# Accepted only at their neutral value: this server does not implement them.
-_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+# OpenAI-body fields passed on to SamplingParams as they are, when given.
+_OPENAI_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_tokens",
+)
 
 
 def _check_served(values: dict[str, Any]) -> None:
     n = values.get("n")
     if n is not None and n != 1:
         raise bad_request(f"n={n!r:.20} is not served; only n=1", "n")
-    for name, neutral in _NEUTRAL.items():
-        value = values.get(name)
-        if value is not None and value != neutral:
-            raise bad_request(f"{name} is not served; omit it or pass {neutral:g}", name)
     if values.get("logit_bias"):
         raise bad_request("logit_bias is not served", "logit_bias")
 
@@ -139,7 +144,7 @@ def _openai_sampling(
         "seed": body.seed,
         **grammar,
     }
-    for name in ("temperature", "top_p", "top_k", "min_p"):
+    for name in _OPENAI_SAMPLING:
         if getattr(body, name) is not None:
             params[name] = getattr(body, name)
     if isinstance(body, ChatCompletionRequest):
@@ -299,6 +304,8 @@ def prepare_generate(
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
     params.setdefault("max_new_tokens", DEFAULT_GENERATE_MAX_NEW_TOKENS)
+    if "min_new_tokens" in body.sampling_params:  # SGLang's name for min_tokens
+        params["min_tokens"] = body.sampling_params["min_new_tokens"]
     params["logprobs"] = body.return_logprob
     params["top_logprobs"] = body.top_logprobs_num
     sampling = _sampling(params, tokenizer.vocab_size, is_openai=False)

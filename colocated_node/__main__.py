@@ -113,7 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     # One compiler and cache for both halves: a grammar compiles once per process.
     grammar = build_grammar(pconfig.node, pconfig.model, runner.spec.vocab_size, tokenizer)
     prefill = PrefillScheduler(
-        pconfig, runner, kv=pkv, request_socket=psock, events=events, grammar=grammar
+        pconfig,
+        runner,
+        kv=pkv,
+        request_socket=psock,
+        events=events,
+        grammar=grammar,
+        eos_token_ids=tokenizer.eos_token_ids,
     )
     if prefill.tree is not None:  # the decode side may take the cache's unused pages
         runner.pool.allocator = ReclaimingAllocator(prefill.allocator, prefill.tree)  # type: ignore[assignment]

@@ -1,4 +1,5 @@
-"""Batched next-token sampling (greedy, temperature, top-k, top-p, min-p, grammar masks)."""
+"""Batched next-token sampling (greedy, temperature, top-k, top-p, min-p, penalties, grammar
+masks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from common.grammar.backend import GrammarState
 from common.grammar.mask import GrammarMasker
+from common.penalties import PenaltyState, apply_penalties
 from common.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -80,6 +82,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         grammars: Sequence[GrammarState | None] | None = None,
+        penalties: Sequence[PenaltyState | None] | None = None,
     ) -> SampleOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -96,6 +99,10 @@ class Sampler:
                     f"logits on {logits.device}"
                 )
         logits = logits.float()
+        if penalties is not None:
+            if len(penalties) != batch_size:
+                raise ValueError(f"{len(penalties)} penalty states for {batch_size} rows")
+            logits = apply_penalties(logits, penalties)
         if grammars is not None and any(g is not None for g in grammars):
             if len(grammars) != batch_size:
                 raise ValueError(f"{len(grammars)} grammar states for {batch_size} rows")

@@ -39,6 +39,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Penalties (common/penalties.py): OpenAI's frequency and presence, SGLang's repetition;
+    # min_tokens holds back end-of-sequence and stop token ids until that many are out.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     # Structured output: the output must match this grammar (at most one is set).
     json_schema: str | None = None
     regex: str | None = None
@@ -77,6 +83,17 @@ class SamplingParams:
             _fail("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not (0 <= self.seed <= MAX_SEED):
             _fail("seed", f"must be in [0, 2**64 - 1], got {self.seed}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                _fail(name, f"must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            _fail("repetition_penalty", f"must be a number > 0, got {self.repetition_penalty}")
+        if not (0 <= self.min_tokens <= self.max_new_tokens):
+            _fail(
+                "min_tokens",
+                f"must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}",
+            )
         if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             _fail("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -119,6 +136,10 @@ class SamplingParams:
             "ignore_eos": self.ignore_eos,
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
             **{name: getattr(self, name) for name in GRAMMAR_FIELDS},
         }
 
@@ -198,5 +219,9 @@ _WIRE_CHECKS = {
     "ignore_eos": _as_bool,
     "logprobs": _as_bool,
     "top_logprobs": _as_int,
+    "frequency_penalty": _as_float,
+    "presence_penalty": _as_float,
+    "repetition_penalty": _as_float,
+    "min_tokens": _as_int,
     **{name: _as_optional_str for name in GRAMMAR_FIELDS},
 }

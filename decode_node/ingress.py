@@ -8,6 +8,7 @@ import torch
 
 from common import messages as msg
 from common.kv_pool import pages_needed
+from common.penalties import PenaltyState
 from common.sampler import draw_seed, make_generator
 from common.sampling_params import SamplingParams
 from common.stop import StopChecker
@@ -110,4 +111,12 @@ def build_request(
         seed=seed,
         is_logprob=is_logprob,
         arrival=now,
+        penalty=PenaltyState.for_request(
+            sampling,
+            limits.vocab_size,
+            device,
+            g.input_ids,
+            g.output_ids,
+            tokenizer.eos_token_ids,
+        ),
     )

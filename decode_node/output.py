@@ -21,6 +21,8 @@ def append_token(req: DecodeReq, token_id: int) -> FinishReason | None:
             500, f"token {token_id} does not match the request's grammar on the decode node"
         )
     req.output_ids.append(token_id)
+    if req.penalty is not None:
+        req.penalty.accept(token_id)
     num = len(req.output_ids)
     finish = req.stop.check_token(token_id, req.num_resumed_tokens + num)
     if finish is None and req.grammar is not None and req.grammar.is_terminated:

@@ -24,6 +24,7 @@ import torch
 from common import messages as msg
 from common.grammar.backend import GrammarState, GrammarTicket
 from common.node.scheduling import check_transition
+from common.penalties import PenaltyState
 from common.radix_node import TreeNode
 from common.sampling_params import SamplingParams
 from common.stop import StopChecker
@@ -93,6 +94,8 @@ class DecodeReq:
     # the compiled grammar and the output tokens so far (the prefill node's first token on).
     grammar_ticket: GrammarTicket | None = None
     grammar: GrammarState | None = None
+    # Penalties and min_tokens (common/penalties.py): None when it asks for none.
+    penalty: PenaltyState | None = None
 
     @property
     def rid(self) -> str:

@@ -90,6 +90,7 @@ class RunningBatch:
             [r.sampling for r in batch],
             [r.generator for r in batch],
             [r.grammar for r in batch],
+            [r.penalty for r in batch],
         )
         return batch, out
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from common.config import ConfigError, PrefillConfig
 from common.flags import add_prefill_args
+from common.model.loader import resolve_model_dir
 from common.node.process import (
     NodeProcess,
     ServedNode,
@@ -16,6 +17,7 @@ from common.node.process import (
     build_runner,
     start_node,
 )
+from common.tokenizer import Tokenizer
 from prefill_node.kv_events import KVEventPublisher
 from prefill_node.prefill_cache import cache_pages
 from prefill_node.scheduler import PrefillScheduler
@@ -57,8 +59,17 @@ def main(argv: list[str] | None = None) -> int:
             node.endpoint(config.kv_events_port),
         )
     )
-    grammar = build_grammar(config.node, config.model, runner.spec.vocab_size)
-    scheduler = PrefillScheduler(config, runner, kv, request_socket, events=events, grammar=grammar)
+    tokenizer = Tokenizer.from_pretrained(resolve_model_dir(config.model.model_path))
+    grammar = build_grammar(config.node, config.model, runner.spec.vocab_size, tokenizer)
+    scheduler = PrefillScheduler(
+        config,
+        runner,
+        kv,
+        request_socket,
+        events=events,
+        grammar=grammar,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
 
     def load() -> dict[str, Any]:
         return {

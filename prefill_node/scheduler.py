@@ -28,17 +28,18 @@ import zmq
 from common import messages as msg
 from common import stages
 from common.config import PrefillConfig
-from common.grammar.backend import GrammarBackend, GrammarError, GrammarState
+from common.grammar.backend import GrammarBackend, GrammarError
 from common.ipc import PushPool
 from common.kv_pool import pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
 from common.node.gateway_watch import GatewayWatch
 from common.node.scheduling import RequestFailures
 from common.radix_cache import RadixCache
-from common.sampler import Sampler, make_generator, seed_for_position
+from common.sampler import Sampler
 from common.token_keys import TOKEN_BYTES
 from common.work_done import WorkDone
 from prefill_node.cache_aware_orders import usable_prefix_len
+from prefill_node.first_token import sample_first_token
 from prefill_node.integrity import check_requests
 from prefill_node.kv_events import KVEventPublisher
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
@@ -68,8 +69,11 @@ class PrefillScheduler:
         clock: Callable[[], float] = time.monotonic,
         events: KVEventPublisher | None = None,
         grammar: GrammarBackend | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """`eos_token_ids`: what min_tokens holds back on the first token (the tokenizer's)."""
         self.config = config
+        self.eos_token_ids = eos_token_ids
         self.grammar = grammar  # None: structured output is off here (400 for a grammar)
         self.runner = runner
         self.kv = kv
@@ -375,17 +379,9 @@ class PrefillScheduler:
         if not c.is_last:
             s.sender.send(s.pages, c.end, ready=done)
             return
-        # the generator lives where the logits are (torch refuses a CPU one for cuda logits)
-        generator = make_generator(s.sampling.seed, logits.device)
-        resumed = s.generate.output_ids  # a migrated request goes on after these
-        if s.sampling.seed is not None:
-            seed_for_position(generator, s.sampling.seed, len(resumed))
-        grammar = GrammarState(s.grammar, resumed) if s.grammar is not None else None
-        sample = self.sampler.sample(logits, [s.sampling], [generator], [grammar])
-        if grammar is not None and not grammar.accept(sample.token_ids[0]):
-            raise GrammarError(
-                500, f"the grammar refused its own first token {sample.token_ids[0]}"
-            )
+        sample = sample_first_token(
+            self.sampler, s, logits, self.runner.spec.vocab_size, self.eos_token_ids
+        )
         top = sample.top_logprobs[0] if sample.top_logprobs else []
         logprob = sample.logprobs[0] if sample.logprobs else None
         s.marks[stages.PREFILL_COMPUTED] = time.time()

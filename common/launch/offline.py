@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from common.grammar.backend import GrammarState
 from common.kv_pool import pages_needed
 from common.model.runner import ExtendRequest, ModelRunner
+from common.penalties import PenaltyState
 from common.sampler import Sampler, make_generator, seed_for_position
 from common.sampling_params import SamplingParams
 from common.stop import FinishReason, StopChecker
@@ -50,11 +51,16 @@ def generate_stream(
     text = ""
     try:
         logits = runner.extend([ExtendRequest(prompt_ids, 0, pages)]).logits
+        penalty = PenaltyState.for_request(
+            params, runner.spec.vocab_size, logits.device, prompt_ids, (), tokenizer.eos_token_ids
+        )
         while True:
             if params.seed is not None:  # draw i of a seeded request: as on the nodes
                 seed_for_position(gen, params.seed, len(out))
-            sampled = sampler.sample(logits, [params], [gen], [grammar])
+            sampled = sampler.sample(logits, [params], [gen], [grammar], [penalty])
             token = sampled.token_ids[0]
+            if penalty is not None:
+                penalty.accept(token)
             if sampled.logprobs is not None:
                 logprobs.append(sampled.logprobs[0])
             if sampled.top_logprobs is not None:

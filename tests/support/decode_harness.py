@@ -96,6 +96,7 @@ class PD:
             self.prefill_runner,
             self.pkv,
             p_sock,
+            eos_token_ids=frozenset((tokenizer or FakeTokenizer()).eos_token_ids),
         )
         self.known_prefill_nodes = {"p"}
         self.decode = DecodeScheduler(

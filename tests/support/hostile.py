@@ -47,6 +47,7 @@ _SAMPLING = [
     "frequency_penalty",
     "presence_penalty",
     "repetition_penalty",
+    "min_tokens",
     "logit_bias",
     "user",
     "stream",

@@ -71,7 +71,10 @@ BAD_CHAT = [
     ({"messages": OK_MESSAGES, "stop": 3}, "stop"),
     ({"messages": OK_MESSAGES, "n": 2}, "n"),
     ({"messages": OK_MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-    ({"messages": OK_MESSAGES, "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"messages": OK_MESSAGES, "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"messages": OK_MESSAGES, "presence_penalty": -3}, "presence_penalty"),
+    ({"messages": OK_MESSAGES, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"messages": OK_MESSAGES, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ({"messages": OK_MESSAGES, "priority": "high"}, "priority"),
     # Past what the nodes hold (int64): a 400 here, not a crashed node or a plain 500.
     ({"messages": OK_MESSAGES, "priority": 10**30}, "priority"),
