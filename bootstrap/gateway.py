@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from bootstrap.choices import Choice, Choices
 from bootstrap.errors import (
     RECEIVED_STATE_KEY,
     APIError,
@@ -32,7 +34,7 @@ from bootstrap.errors import (
 from bootstrap.gateway_metrics import count_request
 from bootstrap.generation import Generation, PreparedRequest
 from bootstrap.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from bootstrap.prepare import prepare_chat, prepare_completion, prepare_generate
+from bootstrap.prepare import prepare_chat, prepare_completion, prepare_generate, samples
 from bootstrap.registry import bearer_token
 from bootstrap.service import BootstrapService
 from bootstrap.streaming import (
@@ -66,7 +68,11 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T], gen: Generation) -> T:
+class Abandonable(Protocol):
+    def abandon(self) -> None: ...
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T], gen: Abandonable) -> T:
     """``work``'s result, or ClientGone (the request aborted on both nodes) if the client left."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -170,20 +176,61 @@ def build_api_app(service: BootstrapService) -> FastAPI:
     tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
     service.tokenizer.max_token_chars  # noqa: B018 - computed now, not on a first request
 
-    async def prepared_or_400(prepare: Any, body: Any, routing_key: str | None) -> PreparedRequest:
-        """Template, tokenize, check and hash the request in a worker thread, not on the loop."""
+    async def prepared_or_400(prepare: Any, body: Any, routing_key: str | None) -> Any:
+        """Template, tokenize, check and hash the request (or each prompt of a batch) in a
+        worker thread, not on the loop."""
         loop = asyncio.get_running_loop()
+
+        def work() -> PreparedRequest | list[PreparedRequest]:
+            result = prepare(body, service.tokenizer, service.context_length, routing_key)
+            if isinstance(result, list):
+                return [service.page_hashes(p) for p in result]
+            return service.page_hashes(result)
+
         try:
-            result: PreparedRequest = await loop.run_in_executor(
-                tokenize_pool,
-                lambda: service.page_hashes(
-                    prepare(body, service.tokenizer, service.context_length, routing_key)
-                ),
-            )
+            return await loop.run_in_executor(tokenize_pool, work)
         except APIError:
             count_request("rejected")
             raise
-        return result
+
+    async def serve_choices(
+        request: Request,
+        items: list[tuple[PreparedRequest, int]],
+        fmt_of: Any,
+        stream: bool,
+        marks: Marks,
+        include_usage: bool,
+    ) -> Response:
+        """Several choices (prompts of a batch, samples of n), each its own request."""
+        marks[stages.TOKENIZED] = time.time()
+        gens: list[Generation] = []
+        try:
+            for prepared, _ in items:
+                gens.append(await service.admit(prepared, marks.arrival))
+        except APIError:
+            for g in gens:
+                g.abandon()
+            raise
+        marks[stages.DISPATCHED] = time.time()
+        for g in gens:
+            g.marks.update(marks)
+            g.is_streamed = stream
+        rid = gens[0].rid  # one response id for every choice
+        choices = Choices(
+            [Choice(g, fmt_of(rid), idx) for g, (_, idx) in zip(gens, items, strict=True)],
+            include_usage,
+        )
+        if not stream:
+            try:
+                body = await _unless_disconnected(request, choices.collect(), choices)
+            except ClientGone:
+                return Response(status_code=CLIENT_CLOSED_STATUS)
+            return JSONResponse(body)
+        return StreamingResponse(
+            choices.stream(on_first_bytes=choices.first_bytes_sent),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
 
     async def serve(
         request: Request, prepared: PreparedRequest, fmt_of: Any, stream: bool, marks: Marks
@@ -217,20 +264,25 @@ def build_api_app(service: BootstrapService) -> FastAPI:
     ) -> Response:
         marks = Marks.of(request)
         check_model(body.model)
-        prepared = await prepared_or_400(prepare_chat, body, x_routing_key)
+        prepare = functools.partial(prepare_chat, max_n=service.config.max_n)
+        prepared = await prepared_or_400(prepare, body, x_routing_key)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        n = body.n or 1
 
         def fmt(rid: str) -> OutputFormat:
             return ChatFormat(
                 rid,
                 service.model_name,
                 service.tokenizer,
-                include_usage=include_usage,
+                include_usage=include_usage and n == 1,
                 tool_format=prepared.tool_format,
                 tool_names=prepared.tool_names,
             )
 
-        return await serve(request, prepared, fmt, body.stream, marks)
+        if n == 1:
+            return await serve(request, prepared, fmt, body.stream, marks)
+        items = [(p, 0) for p in samples(prepared, n)]
+        return await serve_choices(request, items, fmt, body.stream, marks, include_usage)
 
     @app.post(
         "/v1/completions", dependencies=auth, response_model=None, responses=GENERATION_ERRORS
@@ -240,15 +292,22 @@ def build_api_app(service: BootstrapService) -> FastAPI:
     ) -> Response:
         marks = Marks.of(request)
         check_model(body.model)
-        prepared = await prepared_or_400(prepare_completion, body, x_routing_key)
+        prepare = functools.partial(prepare_completion, max_n=service.config.max_n)
+        prompts: list[PreparedRequest] = await prepared_or_400(prepare, body, x_routing_key)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        items = [(s, i) for i, p in enumerate(prompts) for s in samples(p, body.n or 1)]
 
         def fmt(rid: str) -> OutputFormat:
             return CompletionFormat(
-                rid, service.model_name, service.tokenizer, include_usage=include_usage
+                rid,
+                service.model_name,
+                service.tokenizer,
+                include_usage=include_usage and len(items) == 1,
             )
 
-        return await serve(request, prepared, fmt, body.stream, marks)
+        if len(items) == 1:
+            return await serve(request, items[0][0], fmt, body.stream, marks)
+        return await serve_choices(request, items, fmt, body.stream, marks, include_usage)
 
     @app.post("/generate", dependencies=auth, response_model=None, responses=GENERATION_ERRORS)
     async def generate(

@@ -20,6 +20,9 @@ from common.sampling_params import (
     MAX_TOP_LOGPROBS,
 )
 
+DEFAULT_MAX_N = 16  # --max-n: samples one request may ask for (n)
+MAX_PROMPTS = 64  # prompts in one completions request (each is its own request)
+
 # What the nodes hold: integers travel as msgpack int64 (seeds as uint64) and become
 # torch int64 tensors, so a larger value is a 400 here, not a crash there.
 INT64_MIN = -(2**63)
@@ -223,7 +226,11 @@ class _OpenAISampling(_Body):
         ),
     )
     ignore_eos: bool = False
-    n: int = Field(default=1, json_schema_extra=_served(enum=[1]), description="only 1 is served")
+    n: int = Field(
+        default=1,
+        json_schema_extra=_served(minimum=1, maximum=DEFAULT_MAX_N),
+        description="samples of the prompt, each its own choice (at most --max-n)",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int | None = Field(
@@ -283,18 +290,19 @@ class CompletionRequest(_OpenAISampling):
                     "type": "array",
                     "items": {"type": "string", "minLength": 1},
                     "minItems": 1,
-                    "maxItems": 1,
+                    "maxItems": MAX_PROMPTS,
                 },
                 {"type": "array", "items": _TOKEN_ID, "minItems": 1},
                 {
                     "type": "array",
                     "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1},
                     "minItems": 1,
-                    "maxItems": 1,
+                    "maxItems": MAX_PROMPTS,
                 },
             ]
         ),
-        description="one prompt: text or token ids (a batch of one is accepted)",
+        description="a prompt (text or token ids) or a list of them: one choice per prompt "
+        "(times n), each its own request, in order",
     )
     logprobs: int | None = Field(
         default=None,

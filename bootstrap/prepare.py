@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from bootstrap.errors import bad_request
 from bootstrap.generation import PreparedRequest
-from bootstrap.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from bootstrap.openai_schema import (
+    DEFAULT_MAX_N,
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
 from bootstrap.structured import check_grammar, generate_grammar, response_format_grammar
 from bootstrap.tool_formats import (
     detect_format,
@@ -17,6 +24,7 @@ from bootstrap.tool_formats import (
     tool_functions,
 )
 from common.grammar.schema_features import check_schema
+from common.sampler import sample_seed
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 
@@ -36,10 +44,10 @@ _OPENAI_SAMPLING = (
 )
 
 
-def _check_served(values: dict[str, Any]) -> None:
+def _check_served(values: dict[str, Any], max_n: int = 1) -> None:
     n = values.get("n")
-    if n is not None and n != 1:
-        raise bad_request(f"n={n!r:.20} is not served; only n=1", "n")
+    if n is not None and not (isinstance(n, int) and 1 <= n <= max_n):
+        raise bad_request(f"n must be an integer in [1, {max_n}] (--max-n), got {n!r:.20}", "n")
     if values.get("logit_bias"):
         raise bad_request("logit_bias is not served", "logit_bias")
 
@@ -166,46 +174,78 @@ def _routing_key(body_key: str | None, header_key: str | None) -> str | None:
     return body_key if body_key is not None else (header_key or None)
 
 
+def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a completions request: a text, token ids, or a list of either."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
+    return list(prompt)
+
+
 def prepare_completion(
-    body: CompletionRequest, tokenizer: Tokenizer, context_length: int, header_key: str | None
-) -> PreparedRequest:
-    _check_served(body.model_dump())
+    body: CompletionRequest,
+    tokenizer: Tokenizer,
+    context_length: int,
+    header_key: str | None,
+    max_n: int = DEFAULT_MAX_N,
+) -> list[PreparedRequest]:
+    """One prepared request per prompt, in order (``n`` samples of each: ``samples``)."""
+    _check_served(body.model_dump(), max_n)
     if body.echo:
         raise bad_request("echo is not served", "echo")
     if body.suffix:
         raise bad_request("suffix is not served", "suffix")
     if body.best_of not in (None, 1):
         raise bad_request("only best_of=1 is served", "best_of")
-    prompt: Any = body.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise bad_request("one prompt per request is served (got a batch)", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        _check_text_fits(len(prompt), tokenizer, context_length, "prompt")
-        input_ids = tokenizer.encode(prompt)
-    else:
-        input_ids = list(prompt)
-        _check_ids(input_ids, tokenizer.vocab_size, "prompt")
     max_tokens = _max_tokens(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
-    _check_lengths(len(input_ids), max_tokens, context_length, "prompt")
     top = body.logprobs or 0
     grammar = response_format_grammar(body.response_format)
     check_grammar(grammar, "response_format")
     sampling = _openai_sampling(body, max_tokens, top, tokenizer, grammar)
-    return PreparedRequest(
-        input_ids,
-        sampling,
-        body.priority,
-        _routing_key(body.routing_key, header_key),
-        body.cache_salt,
-    )
+    prepared = []
+    for prompt in _completion_prompts(body.prompt):
+        if isinstance(prompt, str):
+            _check_text_fits(len(prompt), tokenizer, context_length, "prompt")
+            input_ids = tokenizer.encode(prompt)
+        else:
+            input_ids = list(prompt)
+            _check_ids(input_ids, tokenizer.vocab_size, "prompt")
+        _check_lengths(len(input_ids), max_tokens, context_length, "prompt")
+        prepared.append(
+            PreparedRequest(
+                input_ids,
+                sampling,
+                body.priority,
+                _routing_key(body.routing_key, header_key),
+                body.cache_salt,
+            )
+        )
+    return prepared
+
+
+def samples(prepared: PreparedRequest, n: int) -> list[PreparedRequest]:
+    """``n`` samples of one prompt; each seeded sample draws from its own stream (sample 0
+    from the request's seed, sample i from ``sample_seed(seed, i)``)."""
+    seed = prepared.sampling.seed
+    if seed is None:
+        return [prepared] * n
+    return [
+        prepared if i == 0 else replace(prepared, sampling=replace(prepared.sampling, seed=s))
+        for i, s in enumerate(sample_seed(seed, i) for i in range(n))
+    ]
 
 
 def prepare_chat(
-    body: ChatCompletionRequest, tokenizer: Tokenizer, context_length: int, header_key: str | None
+    body: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    context_length: int,
+    header_key: str | None,
+    max_n: int = DEFAULT_MAX_N,
 ) -> PreparedRequest:
-    _check_served(body.model_dump())
+    _check_served(body.model_dump(), max_n)
     _check_chat_served(body)
     if not body.messages:
         raise bad_request("messages must be a non-empty list", "messages")

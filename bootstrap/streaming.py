@@ -70,6 +70,10 @@ class OutputFormat:
     def response(self, finish: Finish) -> dict[str, Any]:
         raise NotImplementedError
 
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The stream's last chunk when the client asked for usage: no choice, the usage."""
+        raise NotImplementedError
+
 
 def _tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {} if index is None else {"index": index}
@@ -162,8 +166,11 @@ class ChatFormat(OutputFormat):
             self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
         )
         if self.include_usage:
-            chunks.append({**self._chunk({}), "choices": [], "usage": usage(finish)})
+            chunks.append(self.usage_chunk(usage(finish)))
         return chunks
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self._chunk({}), "choices": [], "usage": usage}
 
     def response(self, finish: Finish) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.text}
@@ -226,8 +233,11 @@ class CompletionFormat(OutputFormat):
     def finish(self, finish: Finish) -> list[dict[str, Any]]:
         chunks = [self._chunk("", None, finish.finish_reason)]
         if self.include_usage:
-            chunks.append({**chunks[0], "choices": [], "usage": usage(finish)})
+            chunks.append(self.usage_chunk(usage(finish)))
         return chunks
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self._chunk("", None, None), "choices": [], "usage": usage}
 
     def response(self, finish: Finish) -> dict[str, Any]:
         chunk = self._chunk(

@@ -422,6 +422,8 @@ class BootstrapConfig:
     # A request whose node pair fails (a node lost, a failed transfer) moves to another
     # pair with its output so far, at most this many times (0: the client gets the error).
     migration_limit: int = 3
+    # Samples one request may ask for (n); each is its own request through the cluster.
+    max_n: int = 16
     # How long a migrating request waits for a pair to take it (nodes restarting, or none
     # healthy) before the client gets a 503.
     migration_timeout_s: float = 10.0
@@ -467,6 +469,7 @@ class BootstrapConfig:
         _check_positive(self.max_queued_requests, "--max-queued-requests")
         _check_positive(self.request_timeout_s, "--request-timeout")
         _check_non_negative(self.migration_limit, "--migration-limit")
+        _check_positive(self.max_n, "--max-n")
         _check_positive(self.migration_timeout_s, "--migration-timeout")
         _check_non_negative(self.registration_window_s, "--registration-window")
         _check_positive(self.max_request_bytes, "--max-request-bytes")

@@ -297,6 +297,7 @@ def add_bootstrap_args(parser: Parser) -> None:
     add("--api-key-file", help="one API key per line, re-read when it changes")
     add("--max-queued-requests", type=int, help="unset: unlimited")
     add("--request-timeout", dest="request_timeout_s", type=float)
+    add("--max-n", type=int, help="samples (n) one request may ask for (default 16)")
     add(
         "--migration-limit",
         type=int,

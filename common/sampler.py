@@ -36,6 +36,15 @@ def position_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1  # torch seeds are taken modulo 2**64; keep it positive
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded ``seed`` that asks for several (n):
+    sample 0 keeps ``seed``, each other one its own SplitMix64 stream of it, so every sample
+    is reproducible alone and none repeats another."""
+    if index == 0:
+        return seed
+    return position_seed(seed ^ 0x6A09E667F3BCC909, index) & _MASK64
+
+
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
     """A generator seeded with `seed`, or with 64 bits from os.urandom when seed is None."""
     generator = torch.Generator(device=device)

@@ -69,7 +69,7 @@ BAD_CHAT = [
     ({"messages": OK_MESSAGES, "seed": -1}, "seed"),
     ({"messages": OK_MESSAGES, "stream": "yes"}, "stream"),
     ({"messages": OK_MESSAGES, "stop": 3}, "stop"),
-    ({"messages": OK_MESSAGES, "n": 2}, "n"),
+    ({"messages": OK_MESSAGES, "n": 17}, "n"),
     ({"messages": OK_MESSAGES, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"messages": OK_MESSAGES, "frequency_penalty": 2.5}, "frequency_penalty"),
     ({"messages": OK_MESSAGES, "presence_penalty": -3}, "presence_penalty"),

@@ -1,0 +1,146 @@
+"""Several choices in one response: a completions ``prompt`` that is a list (one request per
+prompt, in order) and ``n`` > 1 (n samples of one prompt).
+
+Each choice is its own Generation through the cluster, with its own format (what one
+choice's chunks and response look like, with ``index`` 0); this module renumbers them and
+merges them into one response: streamed, the chunks of all choices interleaved as they
+come, each carrying its choice's ``index``, then one usage chunk when asked; not streamed,
+one object with every choice in order. ``usage`` counts a prompt once however many
+samples it has: ``prompt_tokens`` is the sum over distinct prompts, ``completion_tokens``
+over choices. A choice that fails fails the response (its error event ends the stream,
+the other choices are aborted on their nodes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bootstrap.errors import APIError
+from bootstrap.generation import Delta, Finish, Generation
+from bootstrap.streaming import SSE_DONE, OutputFormat, collect, sse
+
+
+@dataclass
+class Choice:
+    gen: Generation
+    fmt: OutputFormat
+    prompt: int  # which distinct prompt it samples (usage counts each prompt once)
+
+
+def merged_usage(choices: Sequence[Choice], finishes: Sequence[Finish]) -> dict[str, Any]:
+    prompts: dict[int, Finish] = {}
+    for c, f in zip(choices, finishes, strict=True):
+        prompts.setdefault(c.prompt, f)
+    prompt_tokens = sum(f.num_prompt_tokens for f in prompts.values())
+    completion = sum(f.num_output_tokens for f in finishes)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {
+            "cached_tokens": sum(f.num_cached_tokens for f in prompts.values())
+        },
+    }
+
+
+def _reindex(chunk: dict[str, Any], index: int) -> dict[str, Any]:
+    for choice in chunk.get("choices", ()):
+        choice["index"] = index
+    return chunk
+
+
+class Choices:
+    """The choices of one response; quacks like a Generation where the gateway needs it."""
+
+    def __init__(self, choices: Sequence[Choice], include_usage: bool) -> None:
+        self.choices = list(choices)
+        self.include_usage = include_usage
+
+    def abandon(self) -> None:
+        for c in self.choices:
+            c.gen.abandon()
+
+    def first_bytes_sent(self) -> None:
+        for c in self.choices:
+            c.gen.first_bytes_sent()
+
+    async def collect(self) -> dict[str, Any]:
+        """The whole response; raises APIError (the others abandoned) if a choice fails."""
+        finishes: list[Finish] = []
+        parts: list[dict[str, Any]] = []
+        try:
+            for c in self.choices:  # they run concurrently on the nodes either way
+                part = await collect(c.gen, c.fmt)
+                parts.append(part)
+                finishes.append(_finish_of(part, c))
+        except APIError:
+            self.abandon()
+            raise
+        body = dict(parts[0])
+        body["choices"] = [_reindex(p, i)["choices"][0] for i, p in enumerate(parts)]
+        body["usage"] = merged_usage(self.choices, finishes)
+        return body
+
+    async def stream(
+        self, on_first_bytes: Callable[[], None] | None = None
+    ) -> AsyncIterator[bytes]:
+        """SSE of every choice's chunks as they come, renumbered; then usage and [DONE]."""
+        if on_first_bytes is not None:
+            on_first_bytes()
+        queue: asyncio.Queue[tuple[int, Delta | Finish | APIError]] = asyncio.Queue()
+
+        async def pump(i: int, gen: Generation) -> None:
+            try:
+                async for event in gen.events():
+                    await queue.put((i, event))
+            except APIError as exc:
+                await queue.put((i, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, c.gen)) for i, c in enumerate(self.choices)]
+        finishes: dict[int, Finish] = {}
+        try:
+            for i, c in enumerate(self.choices):
+                for chunk in c.fmt.start():
+                    yield sse(_reindex(chunk, i))
+            while len(finishes) < len(self.choices):
+                i, event = await queue.get()
+                if isinstance(event, APIError):
+                    self.abandon()
+                    yield sse(event.body())
+                    break
+                fmt = self.choices[i].fmt
+                if isinstance(event, Finish):
+                    finishes[i] = event
+                chunks = fmt.delta(event) if isinstance(event, Delta) else fmt.finish(event)
+                for chunk in chunks:
+                    yield sse(_reindex(chunk, i))
+            else:
+                if self.include_usage:
+                    done = [finishes[i] for i in range(len(self.choices))]
+                    usage = merged_usage(self.choices, done)
+                    yield sse(self.choices[0].fmt.usage_chunk(usage))
+        finally:
+            if len(finishes) < len(self.choices):
+                self.abandon()  # an error, or the client left: nothing of it goes on
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+        yield SSE_DONE
+
+
+def _finish_of(part: dict[str, Any], c: Choice) -> Finish:
+    """A choice's Finish again, from its response's usage (what merged_usage reads)."""
+    u = part["usage"]
+    return Finish(
+        finish_reason=part["choices"][0].get("finish_reason") or "",
+        matched_stop=None,
+        num_prompt_tokens=u["prompt_tokens"],
+        num_output_tokens=u["completion_tokens"],
+        num_cached_tokens=u.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+    )
