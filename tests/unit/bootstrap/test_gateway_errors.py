@@ -136,7 +136,7 @@ def test_more_bad_input(gw: Gateway, tokenizer: Tokenizer) -> None:
     assert_error(httpx.post(url + COMPLETIONS, json={"prompt": [1, -2]}), 400, "prompt")
     assert_error(httpx.post(url + COMPLETIONS, json={"prompt": [10**9]}), 400, "prompt")
     assert_error(httpx.post(url + COMPLETIONS, json={"prompt": ""}), 400, "prompt")
-    assert_error(httpx.post(url + COMPLETIONS, json={"prompt": ["a", "b"]}), 400, "prompt")
+    assert_error(httpx.post(url + COMPLETIONS, json={"prompt": ["a"] * 65}), 400, "prompt")
     assert_error(httpx.post(url + "/generate", json={"sampling_params": {}}), 400, "text")
     assert_error(
         httpx.post(
