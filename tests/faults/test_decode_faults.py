@@ -13,6 +13,7 @@ from tests.faults.checks import (
     assert_no_pages_held,
     key_for,
     long_prompt,
+    metric_or_zero,
     wait_all,
     wait_metric,
 )
@@ -174,7 +175,7 @@ def test_kill9_decode_holding_a_cached_prefix_for_an_incoming_partial_transfer(
         first = long_prompt("cached turn", 600)
         [turn1] = wait_all([Stream(cluster.api, first, max_tokens=8, routing_key=key).start()])
         assert turn1.is_completed, turn1
-        hits = cluster.metric(DECODE, "pdserve_prefix_cache_hit_tokens_total")
+        hits = metric_or_zero(cluster, DECODE, "pdserve_prefix_cache_hit_tokens_total")
         before = cluster.metric(prefill, "pdserve_prefill_tokens_total")
         # The next turn: the same start, then a long new message that takes several chunks.
         second = first + turn1.text + " and then" + " more" * 1500
