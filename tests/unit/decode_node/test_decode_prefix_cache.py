@@ -128,7 +128,8 @@ def test_an_aborted_partial_transfer_unlocks_its_prefix_and_frees_its_own_pages(
         h.decode.abort("a2", None, "client gone")
         h.is_prefill_paused = False
         h.run_until(lambda: h.done("a2") and not h.decode.release_queue, timeout=30)
-        assert h.result("a2").status == 499
+        # The decode node answers 499; the prefill node's own failure may come after it.
+        assert any(isinstance(m, msg.ReqFailed) and m.status == 499 for m in h.replies["a2"])
         _assert_only_cache_holds_pages(h)
         # The prefix is still there for the next request.
         assert _run(h, "a3", 342, turn2, 4) == greedy(ref, turn2, 4)

@@ -91,10 +91,10 @@ def test_an_exception_in_one_request_fails_it_and_the_nodes_serve_on(h, monkeypa
     sampler = h.prefill.sampler
     real_sample = sampler.sample
 
-    def sample(logits, params, generators, grammars=None):
+    def sample(logits, params, generators, grammars=None, penalties=None):
         if params[0].seed == 13:  # the poisoned request
             raise OverflowError("sampling blew up")
-        return real_sample(logits, params, generators, grammars)
+        return real_sample(logits, params, generators, grammars, penalties)
 
     monkeypatch.setattr(sampler, "sample", sample)
     import decode_node.scheduler as dsched

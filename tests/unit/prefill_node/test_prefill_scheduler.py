@@ -269,7 +269,7 @@ def test_no_page_is_written_before_the_forward_that_filled_it_completed(model_di
 def test_the_first_token_is_sampled_with_a_generator_on_the_logits_device(h, monkeypatch):
     """torch refuses a CPU generator for cuda logits: the prefill node made its generator on
     the CPU whatever the device, so every sampled (temperature > 0) request failed on a GPU."""
-    import prefill_node.scheduler as scheduler_module
+    import prefill_node.first_token as scheduler_module
 
     asked: list[object] = []
     real = scheduler_module.make_generator
