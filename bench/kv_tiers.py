@@ -36,7 +36,6 @@ import os
 import random
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,7 @@ from cpu_info import describe_cpu  # noqa: E402
 from local_cluster import (  # noqa: E402
     LOG_DIR,
     free_port,
+    generate,
     metric_sums,
     metric_total,
     pct,
@@ -116,35 +116,6 @@ def estimated_prompts(turns: list[Turn], max_tokens: int) -> list[list[int]]:
         out.append(prompts.next(turn))
         prompts.answered(turn, [-1 - (turn[0] or 0)] * max_tokens)
     return out
-
-
-def generate(url: str, ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
-    """(TTFT s, output token ids) of one streamed /generate request, greedy."""
-    body = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-        "stream": True,
-    }
-    req = urllib.request.Request(
-        url + "/generate",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    start_at = time.perf_counter()
-    ttft, output_ids = None, []
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            obj = json.loads(line[6:])
-            if obj.get("output_ids") and ttft is None:
-                ttft = time.perf_counter() - start_at
-            output_ids = obj.get("output_ids", output_ids)
-    if len(output_ids) != max_tokens:
-        raise RuntimeError(f"{len(output_ids)} tokens out, {max_tokens} asked for")
-    return ttft or float("nan"), output_ids
 
 
 WORKLOADS = {"multi_turn": multi_turn, "shared_docs": shared_docs}

@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,16 +111,12 @@ def metric_sums(url: str) -> dict[str, float]:
     return out
 
 
-def stream(url: str, body: dict[str, Any]) -> tuple[float, list[float]]:
-    """(TTFT s, gaps between later chunks s) of one streamed completion."""
+def sse_objects(url: str, body: dict[str, Any]) -> Iterator[tuple[float, dict[str, Any]]]:
+    """(seconds since the request, object) for each JSON event of a streamed POST."""
     req = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
     start = time.perf_counter()
-    ttft, last, gaps = None, 0.0, []
     try:
         r = urllib.request.urlopen(req, timeout=600)
     except urllib.error.HTTPError as exc:
@@ -127,18 +124,40 @@ def stream(url: str, body: dict[str, Any]) -> tuple[float, list[float]]:
     with r:
         for raw in r:
             line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            choices = json.loads(line[6:])["choices"]
-            if not choices or not choices[0].get("text") and not choices[0].get("finish_reason"):
-                continue
-            now = time.perf_counter()
-            if ttft is None:
-                ttft = now - start
-            else:
-                gaps.append(now - last)
-            last = now
+            if line.startswith("data: {"):
+                yield time.perf_counter() - start, json.loads(line[6:])
+
+
+def stream(url: str, body: dict[str, Any]) -> tuple[float, list[float]]:
+    """(TTFT s, gaps between later chunks s) of one streamed completion."""
+    ttft, last, gaps = None, 0.0, []
+    for at, obj in sse_objects(url + "/v1/completions", body):
+        choices = obj["choices"]
+        if not choices or not choices[0].get("text") and not choices[0].get("finish_reason"):
+            continue
+        if ttft is None:
+            ttft = at
+        else:
+            gaps.append(at - last)
+        last = at
     return ttft or float("nan"), gaps
+
+
+def generate(url: str, ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """(TTFT s, output token ids) of one streamed greedy /generate request."""
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
+    ttft, output_ids = None, []
+    for at, obj in sse_objects(url + "/generate", body):
+        if obj.get("output_ids") and ttft is None:
+            ttft = at
+        output_ids = obj.get("output_ids", output_ids)
+    if len(output_ids) != max_tokens:
+        raise RuntimeError(f"{len(output_ids)} tokens out, {max_tokens} asked for")
+    return ttft or float("nan"), output_ids
 
 
 def stop_all(procs: list[subprocess.Popen[str]], timeout_s: float = 20.0) -> None:

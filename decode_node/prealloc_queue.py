@@ -26,7 +26,7 @@ is larger than the pool.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.kv_pool import pages_needed
@@ -203,8 +203,15 @@ class DecodePreallocQueue:
             self.queue.remove(r)
         return failed
 
-    def pop_preallocated(self, budget: DecodeBudget) -> list[DecodeReq]:
+    def pop_preallocated(
+        self,
+        budget: DecodeBudget,
+        waits: Callable[[DecodeReq, Sequence[DecodeReq]], bool] | None = None,
+    ) -> list[DecodeReq]:
         """Requests the budget admits this round, removed from the queue in admission order.
+        A request for which ``waits(r, admitted before it)`` says so stays, skipped like one
+        still handshaking (its prompt is arriving for another request:
+        decode_node/prefix_cache.py).
 
         The caller allocates their pages and calls send_metadata in this order.
         """
@@ -216,11 +223,17 @@ class DecodePreallocQueue:
                 r.num_input_tokens,
                 0,
                 r.max_new_tokens,
-                is_ready=r.receiver is not None and r.receiver.poll() is KVPoll.WaitingForInput,
+                is_ready=r.receiver is not None
+                and r.receiver.poll() is KVPoll.WaitingForInput
+                and (waits is None or not waits(r, ())),
             )
             for r in self.queue
         ]
-        chosen = [self.queue[i] for i in admit_preallocated(candidates, budget)]
+        chosen: list[DecodeReq] = []
+        for i in admit_preallocated(candidates, budget):
+            r = self.queue[i]
+            if waits is None or not waits(r, chosen):
+                chosen.append(r)
         for r in chosen:
             self.queue.remove(r)
         return chosen

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Protocol
 
 from decode_node.prealloc_queue import BudgetReq, DecodeBudget, admit_preallocated
-from decode_node.retract import RetractCandidate, retraction_order
+from decode_node.retract import RetractCandidate, Running, candidate, retraction_order
 
 DEFAULT_PREEMPTION_THRESHOLD = 10  # SGLang's --priority-scheduling-preemption-threshold
 
@@ -74,23 +73,6 @@ def plan_preemption(
     return None
 
 
-class Running(Protocol):
-    """What preemption reads of a running request (a DecodeReq)."""
-
-    @property
-    def num_input_tokens(self) -> int: ...
-    @property
-    def num_output_tokens(self) -> int: ...
-    @property
-    def max_new_tokens(self) -> int: ...
-    @property
-    def pages(self) -> list[int]: ...
-    @property
-    def own_pages(self) -> list[int]: ...
-    @property
-    def priority(self) -> int | None: ...
-
-
 def choose_victims(
     head: BudgetReq,
     head_priority: int,
@@ -108,18 +90,7 @@ def choose_victims(
         for p in retracted_priorities
     ):
         return None
-    candidates = [
-        RetractCandidate(
-            i,
-            r.num_input_tokens,
-            r.num_output_tokens,
-            r.max_new_tokens,
-            len(r.pages),
-            r.priority,
-            len(r.own_pages),
-        )
-        for i, r in enumerate(running)
-    ]
+    candidates = [candidate(i, r) for i, r in enumerate(running)]
     return plan_preemption(
         head, head_priority, candidates, replace(budget, retracted=()), threshold, low_values_first
     )

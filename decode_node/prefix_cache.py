@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 from common.kv_pool import PageAllocator
 from common.radix_cache import RadixCache
-from common.token_keys import salt_key
+from common.token_keys import TOKEN_BYTES, salt_key, token_key
 from decode_node.req import DecodeReq
 
 
@@ -59,6 +59,52 @@ class DecodePrefixCache:
         r.num_prefix_pages = len(m.page_ids)
         r.pages = list(m.page_ids)
         self.num_hit_pages += len(m.page_ids)
+
+    def cache_transferred(self, r: DecodeReq) -> None:
+        """r's prompt KV has arrived: its whole pages go into the tree now (SGLang's
+        cache_unfinished_req), and r reads them from there as its locked prefix. Requests of
+        the same prompt that waited for this transfer (``shares_transfer``: the samples of
+        an n > 1 request, a burst on one system prompt) then receive only their last page."""
+        ps = self.page_size
+        num_full = r.num_input_tokens // ps
+        if num_full <= r.num_prefix_pages:
+            return
+        tokens = r.origin_input_ids[: num_full * ps]
+        namespace = salt_key(r.generate.cache_salt)
+        found = self.tree.insert(tokens, r.pages[:num_full], namespace) // ps
+        m = self.tree.match_prefix(tokens, namespace)
+        assert len(m.page_ids) == num_full, "the tree holds what was just inserted"
+        # r's pages another request had cached first are duplicates: r reads the tree's.
+        duplicates = r.pages[r.num_prefix_pages : max(found, r.num_prefix_pages)]
+        self.tree.inc_lock_ref(m.last_node)
+        if r.prefix_node is not None:
+            self.tree.dec_lock_ref(r.prefix_node)
+        self.raw.free(duplicates)
+        r.pages = [*m.page_ids, *r.pages[num_full:]]
+        r.prefix_node, r.num_prefix_pages = m.last_node, num_full
+
+    def shares_transfer(self, r: DecodeReq, in_transfer: Iterable[DecodeReq]) -> bool:
+        """Whether a request in transfer brings more of r's prompt than the tree holds now:
+        r then waits for it (cache_transferred) instead of receiving those pages itself."""
+        ps = self.page_size
+        usable = (r.num_input_tokens - 1) // ps
+        if usable <= 0:
+            return False
+        key = token_key(r.origin_input_ids[: usable * ps])
+        first = key[: ps * TOKEN_BYTES]
+        namespace = salt_key(r.generate.cache_salt)
+        cached: int | None = None
+        for t in in_transfer:
+            if t.generate.cache_salt != r.generate.cache_salt:
+                continue
+            other = token_key(t.origin_input_ids[: (t.num_input_tokens // ps) * ps])
+            if not other.startswith(first):
+                continue
+            if cached is None:
+                cached = len(self.tree.match_prefix(key, namespace).page_ids)
+            if common_pages(key, other, ps * TOKEN_BYTES) > cached:
+                return True
+        return False
 
     def evict(self, num_pages: int) -> None:
         """Free at least ``num_pages`` pages (least recently used leaves, unlocked)."""
@@ -148,3 +194,16 @@ class CacheYieldingAllocator:
 
     def check_integrity(self) -> None:
         self.raw.check_integrity()
+
+
+def common_pages(a: bytes, b: bytes, page_bytes: int) -> int:
+    """Whole pages two packed token keys share from their start."""
+    n = min(len(a), len(b)) // page_bytes
+    lo, hi = 0, n
+    while lo < hi:  # largest m with the first m pages equal
+        mid = (lo + hi + 1) // 2
+        if a[: mid * page_bytes] == b[: mid * page_bytes]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -9,7 +9,7 @@ cache itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from common.kv_pool import PageAllocator, PageSource, pages_needed
 from decode_node.integrity import hit_by_late_write
@@ -17,6 +17,9 @@ from decode_node.prefix_cache import CacheYieldingAllocator, DecodePrefixCache
 from decode_node.req import DecodeReq
 from decode_node.transfer_queue import ReleaseQueue
 from transfer.kv_receiver import KVReceiver
+
+# (request, requests admitted before it this round) -> whether it waits (prealloc_queue.py)
+Waits = Callable[[DecodeReq, Sequence[DecodeReq]], bool]
 
 
 class RequestPages:
@@ -37,6 +40,20 @@ class RequestPages:
         own = self.allocator.allocate(need)
         r.pages += own
         return own
+
+    def transferred(self, r: DecodeReq) -> None:
+        """r's prompt KV arrived: with a cache, its whole pages become cached ones now."""
+        if self.cache is not None:
+            self.cache.cache_transferred(r)
+
+    def waits_for(self, in_transfer: Sequence[DecodeReq]) -> Waits | None:
+        """With a cache: whether a prealloc request waits for a request in transfer (or
+        admitted before it this round) that brings its prompt; it then receives only what
+        that one does not. None: none waits."""
+        cache = self.cache
+        if cache is None:
+            return None
+        return lambda r, admitted: cache.shares_transfer(r, [*in_transfer, *admitted])
 
     def release(self, r: DecodeReq) -> None:
         """Free what r holds: its own pages; its cached prefix goes back to the cache."""

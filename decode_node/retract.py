@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from common.kv_pool import pages_needed
 from decode_node.prealloc_queue import priority_order_key
@@ -46,6 +47,36 @@ class RetractCandidate:
     @property
     def kv_len(self) -> int:
         return self.num_input_tokens + max(self.num_output_tokens - 1, 0)
+
+
+class Running(Protocol):
+    """What retraction and preemption read of a running request (a DecodeReq)."""
+
+    @property
+    def num_input_tokens(self) -> int: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def max_new_tokens(self) -> int: ...
+    @property
+    def pages(self) -> list[int]: ...
+    @property
+    def own_pages(self) -> list[int]: ...
+    @property
+    def priority(self) -> int | None: ...
+
+
+def candidate(key: int, r: Running) -> RetractCandidate:
+    """``r`` as retraction sees it: what it holds, and what retracting it frees."""
+    return RetractCandidate(
+        key,
+        r.num_input_tokens,
+        r.num_output_tokens,
+        r.max_new_tokens,
+        len(r.pages),
+        r.priority,
+        len(r.own_pages),
+    )
 
 
 @dataclass(frozen=True)

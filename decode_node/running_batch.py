@@ -9,7 +9,7 @@ from common.model.runner import ModelRunner
 from common.sampler import SampleOutput, Sampler, seed_for_position
 from decode_node.prealloc_queue import priority_order_key
 from decode_node.req import DecodeReq, DecodeState
-from decode_node.retract import RetractCandidate, RetractPlan, plan_retraction
+from decode_node.retract import RetractPlan, candidate, plan_retraction
 
 
 class RunningBatch:
@@ -47,18 +47,7 @@ class RunningBatch:
 
     def plan_retraction(self, num_free_pages: int) -> tuple[list[DecodeReq], RetractPlan]:
         """Victims (in order) so the next step fits, and the plan they come from."""
-        cands = [
-            RetractCandidate(
-                i,
-                r.num_input_tokens,
-                r.num_output_tokens,
-                r.max_new_tokens,
-                len(r.pages),
-                r.priority,
-                len(r.own_pages),
-            )
-            for i, r in enumerate(self.reqs)
-        ]
+        cands = [candidate(i, r) for i, r in enumerate(self.reqs)]
         plan = plan_retraction(
             cands,
             num_free_pages,

@@ -218,12 +218,9 @@ class DecodeScheduler:
         """A request whose prefill node left the node table holds nothing and fails now,
         before it is given pages that no transfer would ever fill."""
         for r in list(self.prealloc_queue.queue):
-            if (
-                r.receiver is not None
-                and self.prefill_endpoint_for(r.generate.prefill_node_id) is None
-            ):
-                lost = f"prefill node {r.generate.prefill_node_id!r} is lost"
-                self._fail(r, 503, lost, retryable=True)
+            node = r.generate.prefill_node_id
+            if r.receiver is not None and self.prefill_endpoint_for(node) is None:
+                self._fail(r, 503, f"prefill node {node!r} is lost", retryable=True)
 
     # ---- prealloc and transfer -----------------------------------------------------------------
 
@@ -253,7 +250,8 @@ class DecodeScheduler:
             resumed = self.retracted_queue.resume(resume_retracted(self._budget()))
             self.waiting_queue += resumed
         if not self.retracted_queue:  # no new admission while a request waits in host memory
-            for r in self.prealloc_queue.pop_preallocated(self._budget()):
+            waits = self.pages.waits_for(self.transfer_queue.queue)
+            for r in self.prealloc_queue.pop_preallocated(self._budget(), waits):
                 self._preallocate(r)
         if self.config.is_priority_preemption_on:
             self._preempt_for_priority()
@@ -309,6 +307,7 @@ class DecodeScheduler:
             aux = r.receiver.aux
             r.receiver.clear()
             r.receiver = None
+            self.pages.transferred(r)
             r.marks[stages.DECODE_TRANSFERRED] = time.time()
             self.stats.stages(stages.stage_seconds(r.marks, stages.DECODE_STAGES))
             r.marks.update(aux.marks)

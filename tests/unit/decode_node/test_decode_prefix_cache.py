@@ -160,6 +160,30 @@ def test_a_late_write_into_a_cached_page_drops_the_cache_and_fails_its_readers(m
         h.close()
 
 
+def test_requests_of_one_prompt_wait_for_its_transfer_and_move_only_their_last_page(model_dir, ref):
+    """Four samples of one prompt (n = 4) reach the decode node together: the first moves
+    the prompt's KV, the others wait for it and receive only the page of their last token
+    (the prefill node computes the prompt once: its radix cache has the rest)."""
+    h = PD(model_dir, **CACHE)
+    sent = _spy_transfer_requests(h)
+    computed = []
+    count = h.prefill.stats.prefill_tokens
+    h.prefill.stats.prefill_tokens = lambda n: (computed.append(n), count(n))
+    try:
+        ids = prompt(30, 90)  # 8 pages, the last partial
+        for i in range(4):
+            h.submit(f"s{i}", 370 + i, ids, max_new_tokens=6)
+        h.run_until(lambda: h.done(*[f"s{i}" for i in range(4)]), timeout=60)
+        for i in range(4):
+            assert h.tokens(f"s{i}") == greedy(ref, ids, 6), i
+        assert sorted((held, dst) for _, held, dst in sent) == [(0, 8), (7, 1), (7, 1), (7, 1)]
+        # The prompt was computed once: the others found 7 of its pages in prefill's cache.
+        assert sum(computed) == 30 + 3 * 2
+        _assert_only_cache_holds_pages(h)
+    finally:
+        h.close()
+
+
 def test_without_the_flag_nothing_is_cached(model_dir, ref):
     h = PD(model_dir)
     try:
