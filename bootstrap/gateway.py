@@ -204,9 +204,12 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         """Several choices (prompts of a batch, samples of n), each its own request."""
         marks[stages.TOKENIZED] = time.time()
         gens: list[Generation] = []
+        pairs: dict[int, tuple[str, str]] = {}  # samples of one prompt go to one pair
         try:
-            for prepared, _ in items:
-                gens.append(await service.admit(prepared, marks.arrival))
+            for prepared, idx in items:
+                gen = await service.admit(prepared, marks.arrival, pairs.get(idx))
+                pairs.setdefault(idx, (gen.req.prefill_id, gen.req.decode_id))
+                gens.append(gen)
         except APIError:
             for g in gens:
                 g.abandon()

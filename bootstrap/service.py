@@ -238,12 +238,16 @@ class BootstrapService:
 
     # ---- admission -------------------------------------------------------------------------
 
-    async def admit(self, prepared: PreparedRequest, arrival: float) -> Generation:
+    async def admit(
+        self, prepared: PreparedRequest, arrival: float, pair: tuple[str, str] | None = None
+    ) -> Generation:
         """Route and dispatch one request; raises APIError 429 or 503 (counted as rejected).
-        Within the registration window a request that finds no pair waits for one."""
+        Within the registration window a request that finds no pair waits for one.
+        ``pair``: (prefill, decode) to send it to while both are live (the samples of one
+        prompt go where the first went: the prompt is computed and moved once there)."""
         while True:
             try:
-                return self._admit(prepared, arrival)
+                return self._admit(prepared, arrival, pair)
             except APIError as exc:
                 if exc.code in _NO_NODE and self.is_registering():
                     await asyncio.sleep(REGISTRATION_POLL_S)
@@ -251,7 +255,9 @@ class BootstrapService:
                 gm.count_request("rejected")
                 raise
 
-    def _admit(self, prepared: PreparedRequest, arrival: float) -> Generation:
+    def _admit(
+        self, prepared: PreparedRequest, arrival: float, pair: tuple[str, str] | None = None
+    ) -> Generation:
         limit = self.config.max_queued_requests
         if limit is not None and self.num_active >= limit:
             raise APIError(
@@ -260,7 +266,7 @@ class BootstrapService:
                 f"(--max-queued-requests {limit}); retry later",
                 code="queue_full",
             )
-        req = self._dispatch(prepared, [], frozenset())
+        req = self._dispatch(prepared, [], frozenset(), pair)
         self.num_active += 1
         gm.GATEWAY_INFLIGHT.labels(**metrics.role_labels()).set(self.num_active)
 
@@ -286,7 +292,11 @@ class BootstrapService:
         )
 
     def _dispatch(
-        self, prepared: PreparedRequest, output_ids: list[int], avoid: frozenset[str]
+        self,
+        prepared: PreparedRequest,
+        output_ids: list[int],
+        avoid: frozenset[str],
+        pair: tuple[str, str] | None = None,
     ) -> InflightReq:
         """Route ``prepared`` to a pair and send it there, in a fresh room; a migrated
         request carries its ``output_ids`` so far and keeps off the nodes in ``avoid``
@@ -338,8 +348,13 @@ class BootstrapService:
             session_node,
         )
         gm.ROUTE_SECONDS.labels(**metrics.role_labels()).observe(time.perf_counter() - started)
-        prefill = next(v for v in prefills if v.node_id == decision.prefill_id)
-        decode = next(v for v in decodes if v.node_id == decision.decode_id)
+        prefill_id, decode_id = decision.prefill_id, decision.decode_id
+        if pair is not None and pair[1] == partners.get(pair[0], pair[1]):
+            ids_live = {v.node_id for v in prefills}, {v.node_id for v in decodes}
+            if pair[0] in ids_live[0] and pair[1] in ids_live[1]:
+                prefill_id, decode_id = pair
+        prefill = next(v for v in prefills if v.node_id == prefill_id)
+        decode = next(v for v in decodes if v.node_id == decode_id)
         gen = msg.GenerateReq(
             rid=uuid.uuid4().hex,
             room=self.rooms.allocate(),

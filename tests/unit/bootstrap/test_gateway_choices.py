@@ -43,6 +43,7 @@ def test_chat_n_samples_one_prompt_each_with_its_own_seed(gw: Gateway) -> None:
     assert all(c.finish_reason == "length" for c in out.choices)
     gens = gw.nodes[1].wait_generates(3)
     assert len({g.rid for g in gens}) == 3 and len({g.input_ids[0] for g in gens}) == 1
+    assert len({(g.prefill_node_id, g.decode_node_id) for g in gens}) == 1  # one pair
     seeds = sorted(SamplingParams.from_wire(g.sampling).seed for g in gens)
     assert seeds == sorted(sample_seed(11, i) for i in range(3)) and seeds.count(11) == 1
     assert out.usage is not None
@@ -102,3 +103,18 @@ def test_too_many_choices_are_refused(gw: Gateway, body: dict, param: str) -> No
     with pytest.raises(openai.BadRequestError) as err:
         client(gw).completions.create(model="test-model", max_tokens=2, **body)
     assert err.value.body["param"] == param  # type: ignore[index]
+
+
+def test_the_samples_of_one_prompt_go_to_one_pair_among_several(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    """Least-load routing would spread 4 concurrent requests over 2 decode nodes; the
+    samples of one prompt are pinned to the pair of the first, which computes and moves
+    the prompt once."""
+    gw = gateway_factory()
+    gw.node("prefill")
+    decodes = [gw.node("decode", stream_tokens(reply_ids(tokenizer), delay_s=0.01)) for _ in "ab"]
+    out = client(gw).completions.create(model="test-model", prompt="Shared", max_tokens=3, n=4)
+    assert len(out.choices) == 4
+    counts = sorted(len(d.generates()) for d in decodes)
+    assert counts == [0, 4]
