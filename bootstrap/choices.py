@@ -76,7 +76,7 @@ class Choices:
             for c in self.choices:  # they run concurrently on the nodes either way
                 part = await collect(c.gen, c.fmt)
                 parts.append(part)
-                finishes.append(_finish_of(part, c))
+                finishes.append(_finish_of(part))
         except APIError:
             self.abandon()
             raise
@@ -134,7 +134,7 @@ class Choices:
         yield SSE_DONE
 
 
-def _finish_of(part: dict[str, Any], c: Choice) -> Finish:
+def _finish_of(part: dict[str, Any]) -> Finish:
     """A choice's Finish again, from its response's usage (what merged_usage reads)."""
     u = part["usage"]
     return Finish(

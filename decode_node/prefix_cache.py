@@ -25,6 +25,7 @@ and retraction rule of the loop reads the same numbers as without a cache.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 from common.kv_pool import PageAllocator
@@ -85,23 +86,24 @@ class DecodePrefixCache:
 
     def shares_transfer(self, r: DecodeReq, in_transfer: Iterable[DecodeReq]) -> bool:
         """Whether a request in transfer brings more of r's prompt than the tree holds now:
-        r then waits for it (cache_transferred) instead of receiving those pages itself."""
+        r then waits for it (cache_transferred) instead of receiving those pages itself.
+        Cheap when nothing in transfer starts like r (a first-page comparison each)."""
         ps = self.page_size
         usable = (r.num_input_tokens - 1) // ps
         if usable <= 0:
             return False
+        first = _first_page(r, ps)
+        same = [
+            t
+            for t in in_transfer
+            if t.generate.cache_salt == r.generate.cache_salt and _first_page(t, ps) == first
+        ]
+        if not same:
+            return False
         key = token_key(r.origin_input_ids[: usable * ps])
-        first = key[: ps * TOKEN_BYTES]
-        namespace = salt_key(r.generate.cache_salt)
-        cached: int | None = None
-        for t in in_transfer:
-            if t.generate.cache_salt != r.generate.cache_salt:
-                continue
+        cached = len(self.tree.match_prefix(key, salt_key(r.generate.cache_salt)).page_ids)
+        for t in same:
             other = token_key(t.origin_input_ids[: (t.num_input_tokens // ps) * ps])
-            if not other.startswith(first):
-                continue
-            if cached is None:
-                cached = len(self.tree.match_prefix(key, namespace).page_ids)
             if common_pages(key, other, ps * TOKEN_BYTES) > cached:
                 return True
         return False
@@ -207,3 +209,10 @@ def common_pages(a: bytes, b: bytes, page_bytes: int) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def _first_page(r: DecodeReq, page_size: int) -> tuple[int, ...]:
+    """The first page of r's prompt (without building the whole prompt list)."""
+    return tuple(
+        itertools.islice(itertools.chain(r.generate.input_ids, r.generate.output_ids), page_size)
+    )
