@@ -220,7 +220,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
             g.is_streamed = stream
         rid = gens[0].rid  # one response id for every choice
         choices = Choices(
-            [Choice(g, fmt_of(rid), idx) for g, (_, idx) in zip(gens, items, strict=True)],
+            [Choice(g, fmt_of(rid, p), idx) for g, (p, idx) in zip(gens, items, strict=True)],
             include_usage,
         )
         if not stream:
@@ -243,7 +243,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         marks[stages.DISPATCHED] = time.time()
         gen.marks.update(marks)
         gen.is_streamed = stream
-        fmt: OutputFormat = fmt_of(gen.rid)
+        fmt: OutputFormat = fmt_of(gen.rid, prepared)
         try:
             if not stream:
                 return JSONResponse(await _unless_disconnected(request, collect(gen, fmt), gen))
@@ -272,7 +272,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         n = body.n or 1
 
-        def fmt(rid: str) -> OutputFormat:
+        def fmt(rid: str, prepared: PreparedRequest) -> OutputFormat:
             return ChatFormat(
                 rid,
                 service.model_name,
@@ -300,12 +300,13 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         items = [(s, i) for i, p in enumerate(prompts) for s in samples(p, body.n or 1)]
 
-        def fmt(rid: str) -> OutputFormat:
+        def fmt(rid: str, prepared: PreparedRequest) -> OutputFormat:
             return CompletionFormat(
                 rid,
                 service.model_name,
                 service.tokenizer,
                 include_usage=include_usage and len(items) == 1,
+                echo=prepared.echo,
             )
 
         if len(items) == 1:
@@ -319,7 +320,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         marks = Marks.of(request)
         prepared = await prepared_or_400(prepare_generate, body, x_routing_key)
 
-        def fmt(rid: str) -> OutputFormat:
+        def fmt(rid: str, prepared: PreparedRequest) -> OutputFormat:
             return GenerateFormat(
                 rid,
                 service.model_name,

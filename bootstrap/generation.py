@@ -51,6 +51,8 @@ class PreparedRequest:
     # into tool_calls) and the functions it may call; None: no tool calls to look for.
     tool_format: ToolFormat | None = None
     tool_names: frozenset[str] = frozenset()
+    # Completions with echo: the prompt's text, put before the output.
+    echo: str = ""
 
 
 @dataclass(frozen=True)

@@ -310,7 +310,9 @@ class CompletionRequest(_OpenAISampling):
         description="top logprobs per token, 0-20",
     )
     echo: bool = Field(
-        default=False, json_schema_extra=_served(enum=[False]), description="not served"
+        default=False,
+        description="the prompt's text before the output (not with logprobs: the prompt's "
+        "logprobs are not computed)",
     )
     best_of: int | None = Field(
         default=None, json_schema_extra=_served(enum=[1, None]), description="only 1 is served"

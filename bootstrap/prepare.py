@@ -194,8 +194,10 @@ def prepare_completion(
 ) -> list[PreparedRequest]:
     """One prepared request per prompt, in order (``n`` samples of each: ``samples``)."""
     _check_served(body.model_dump(), max_n)
-    if body.echo:
-        raise bad_request("echo is not served", "echo")
+    if body.echo and body.logprobs is not None:
+        raise bad_request(
+            "echo with logprobs is not served (the prompt's logprobs are not computed)", "echo"
+        )
     if body.suffix:
         raise bad_request("suffix is not served", "suffix")
     if body.best_of not in (None, 1):
@@ -214,6 +216,13 @@ def prepare_completion(
             input_ids = list(prompt)
             _check_ids(input_ids, tokenizer.vocab_size, "prompt")
         _check_lengths(len(input_ids), max_tokens, context_length, "prompt")
+        echo = ""
+        if body.echo:
+            echo = (
+                prompt
+                if isinstance(prompt, str)
+                else tokenizer.decode(prompt, skip_special_tokens=False)
+            )
         prepared.append(
             PreparedRequest(
                 input_ids,
@@ -221,6 +230,7 @@ def prepare_completion(
                 body.priority,
                 _routing_key(body.routing_key, header_key),
                 body.cache_salt,
+                echo=echo,
             )
         )
     return prepared

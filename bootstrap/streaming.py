@@ -198,6 +198,16 @@ class ChatFormat(OutputFormat):
 
 
 class CompletionFormat(OutputFormat):
+    """Completions; with ``echo`` (the prompt's text) the output starts with the prompt:
+    streamed, as the first chunk."""
+
+    def __init__(self, *args: Any, echo: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.echo = echo
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._chunk(self.echo, None, None)] if self.echo else []
+
     def _chunk(self, text: str, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
         return {
             "id": f"cmpl-{self.rid}",
@@ -241,7 +251,7 @@ class CompletionFormat(OutputFormat):
 
     def response(self, finish: Finish) -> dict[str, Any]:
         chunk = self._chunk(
-            self.text,
+            self.echo + self.text,
             self._logprobs(self.logprobs, 0) if self.logprobs else None,
             finish.finish_reason,
         )

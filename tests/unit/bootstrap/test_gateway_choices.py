@@ -118,3 +118,29 @@ def test_the_samples_of_one_prompt_go_to_one_pair_among_several(
     assert len(out.choices) == 4
     counts = sorted(len(d.generates()) for d in decodes)
     assert counts == [0, 4]
+
+
+def test_echo_puts_the_prompt_before_the_output_streamed_and_not(
+    gw: Gateway, tokenizer: Tokenizer
+) -> None:
+    expected = tokenizer.decode(reply_ids(tokenizer)[:3])
+    out = client(gw).completions.create(
+        model="test-model", prompt="Echo me:", max_tokens=3, echo=True
+    )
+    assert out.choices[0].text == "Echo me:" + expected
+    stream = client(gw).completions.create(
+        model="test-model", prompt=["A", "B"], max_tokens=3, echo=True, stream=True
+    )
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: "A" + expected, 1: "B" + expected}
+    ids = tokenizer.encode("Token ids")
+    out = client(gw).completions.create(model="test-model", prompt=ids, max_tokens=3, echo=True)
+    assert out.choices[0].text == "Token ids" + expected
+    with pytest.raises(openai.BadRequestError) as err:
+        client(gw).completions.create(
+            model="test-model", prompt="x", max_tokens=2, echo=True, logprobs=1
+        )
+    assert err.value.body["param"] == "echo"  # type: ignore[index]
