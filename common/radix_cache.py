@@ -457,10 +457,6 @@ class RadixCache(ChangeLog):
         parts = [n.hashes for n in self._nodes() if n.hashes is not None and n.is_host_only == host]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
 
-    def device_pages(self) -> list[int]:
-        """Every device page the tree holds."""
-        return [p for node in self._nodes() for p in node.value]
-
     def _nodes(self) -> list[TreeNode]:
         """Every node but the root, parents before children."""
         out, stack = [], list(self.root.children.values())

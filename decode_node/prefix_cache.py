@@ -26,21 +26,54 @@ and retraction rule of the loop reads the same numbers as without a cache.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from common.kv_pool import PageAllocator
-from common.radix_cache import RadixCache
+from common.radix_cache import RadixCache, TreeNode
 from common.token_keys import TOKEN_BYTES, salt_key, token_key
 from decode_node.req import DecodeReq
 
 
-class DecodePrefixCache:
-    """Finished requests' KV, matched by later prompts; the tree owns its pages."""
+class PageTree(RadixCache):
+    """The radix tree with what the decode node asks of it by page (late writes)."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def device_pages(self) -> list[int]:
+        """Every device page the tree holds."""
+        return [p for node in self._nodes() for p in node.value]
+
+    def nodes_holding(self, pages: Iterable[int]) -> list[TreeNode]:
+        """The nodes whose device pages include one of ``pages``."""
+        wanted = set(pages)
+        return [n for n in self._nodes() if not wanted.isdisjoint(n.value)]
+
+    def discard(self, nodes: Iterable[TreeNode]) -> int:
+        """Take ``nodes`` and everything below them out of the tree, freeing their pages
+        (pages that may hold a wrong write); none may be locked. Returns pages freed."""
+        below: list[TreeNode] = []
+        stack = list(nodes)
+        while stack:
+            node = stack.pop()
+            if node.lock_ref:
+                raise ValueError(f"{node} is locked; unlock it first")
+            below.append(node)
+            stack.extend(node.children.values())
+        for node in below:  # the oldest of all: evict takes exactly these, leaves first
+            node.last_access = -1
+        return self.evict(sum(len(n.value) for n in below))
+
+
+class DecodePrefixCache:
+    """Finished requests' KV, matched by later prompts; the tree owns its pages.
+
+    ``retain`` False (the flag off): only prompts in use are shared (the samples of one
+    prompt, requests that arrive together on one prompt); a page no request reads leaves
+    the tree at once, and a finished request's KV is not kept."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int, *, retain: bool = True) -> None:
         self.raw = allocator
         self.page_size = page_size
-        self.tree = RadixCache(page_size, allocator)
+        self.retain = retain
+        self.tree = PageTree(page_size, allocator)
         self.num_hit_pages = 0  # pages requests found here instead of receiving
         self.num_evicted_pages = 0
 
@@ -119,9 +152,16 @@ class DecodePrefixCache:
         r.prefix_node = None
         del r.pages[: r.num_prefix_pages]
         r.num_prefix_pages = 0
+        self._drop_unread()
 
     def cache_finished(self, r: DecodeReq) -> None:
-        """r finished normally: keep its KV's whole pages, free the rest, unlock."""
+        """r finished normally: keep its KV's whole pages, free the rest, unlock (without
+        ``retain``: free its own pages and unlock)."""
+        if not self.retain:
+            self.unlock(r)
+            self.raw.free(r.pages)
+            r.pages = []
+            return
         kv_len = r.kv_len
         tokens = [*r.origin_input_ids, *r.output_ids][:kv_len]
         num_pages = kv_len // self.page_size
@@ -139,13 +179,28 @@ class DecodePrefixCache:
         r.num_prefix_pages = 0
         r.pages = []
 
-    def holds_any(self, pages: Iterable[int]) -> bool:
-        """Whether any of ``pages`` is a cached page (a late write's check; walks the tree)."""
-        return not set(pages).isdisjoint(self.tree.device_pages())
+    def _drop_unread(self) -> None:
+        """Without ``retain``: free every cached page no request reads now."""
+        if not self.retain and self.tree.num_evictable_pages:
+            self.tree.evict(self.tree.num_evictable_pages)
 
-    def reset(self) -> None:
-        """Drop every cached prefix (none may be locked): a late write may have hit one."""
-        self.tree.reset()
+    def poisoned(self, pages: Iterable[int]) -> list[TreeNode]:
+        """The nodes holding one of ``pages``, where a late write may have landed."""
+        return self.tree.nodes_holding(pages)
+
+    @staticmethod
+    def reads_any(r: DecodeReq, nodes: Sequence[TreeNode]) -> bool:
+        """Whether r's locked prefix runs through one of ``nodes`` (or below one)."""
+        node = r.prefix_node
+        while node is not None:
+            if any(node is n for n in nodes):
+                return True
+            node = node.parent
+        return False
+
+    def discard(self, nodes: Sequence[TreeNode]) -> None:
+        """Drop ``nodes`` and what is below them (no request may read them any more)."""
+        self.tree.discard(nodes)
 
     @property
     def num_pages(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from common.kv_pool import PageAllocator, PageSource, pages_needed
+from common.radix_node import TreeNode
 from decode_node.integrity import hit_by_late_write
 from decode_node.prefix_cache import CacheYieldingAllocator, DecodePrefixCache
 from decode_node.req import DecodeReq
@@ -23,12 +24,18 @@ Waits = Callable[[DecodeReq, Sequence[DecodeReq]], bool]
 
 
 class RequestPages:
-    def __init__(self, raw: PageAllocator, page_size: int, *, prefix_cache: bool) -> None:
+    """``prefix_cache``: keep finished requests' KV (the flag); ``share``: without it,
+    still share the prompts in use between requests (off only for a colocated node, whose
+    pool the prefill half shares)."""
+
+    def __init__(
+        self, raw: PageAllocator, page_size: int, prefix_cache: bool, share: bool = True
+    ) -> None:
         self.page_size = page_size
         self.cache: DecodePrefixCache | None = None
         self.allocator: PageSource = raw
-        if prefix_cache:
-            self.cache = DecodePrefixCache(raw, page_size)
+        if prefix_cache or share:
+            self.cache = DecodePrefixCache(raw, page_size, retain=prefix_cache)
             self.allocator = CacheYieldingAllocator(raw, self.cache)
 
     def preallocate(self, r: DecodeReq) -> list[int]:
@@ -82,16 +89,19 @@ class RequestPages:
 
     def hit_by_late_write(
         self, reqs: Iterable[DecodeReq], room: int, pages: list[int]
-    ) -> tuple[list[DecodeReq], bool]:
-        """The requests a late write into ``room``'s ``pages`` may have hit, and whether it
-        hit the cache: then every request reading a cached prefix is hit too (the caller
-        fails them, then calls drop_cache)."""
+    ) -> tuple[list[DecodeReq], list[TreeNode]]:
+        """The requests a late write into ``room``'s ``pages`` may have hit (reading one of
+        them, or a cached prefix through a node holding one), and those cached nodes: the
+        caller fails the requests, then drops the nodes (drop_cached)."""
         reqs = list(reqs)
         hit = hit_by_late_write(reqs, room, pages)
-        if self.cache is None or not self.cache.holds_any(pages):
-            return hit, False
-        return hit + [r for r in reqs if r.prefix_node is not None and r not in hit], True
+        if self.cache is None:
+            return hit, []
+        nodes = self.cache.poisoned(pages)
+        if nodes:
+            hit += [r for r in reqs if r not in hit and self.cache.reads_any(r, nodes)]
+        return hit, nodes
 
-    def drop_cache(self) -> None:
-        if self.cache is not None:
-            self.cache.reset()
+    def drop_cached(self, nodes: Sequence[TreeNode]) -> None:
+        if self.cache is not None and nodes:
+            self.cache.discard(nodes)

@@ -99,8 +99,10 @@ class DecodeScheduler:
         self.pool = runner.pool
         self.page_size = runner.page_size
         cache = config.disaggregation_decode_enable_radix_cache
-        self.pages = RequestPages(runner.pool.allocator, self.page_size, prefix_cache=cache)
-        self.prefix_cache = self.pages.cache  # None: off
+        self.pages = RequestPages(  # colocated: the prefill half uses this pool, no sharing
+            runner.pool.allocator, self.page_size, cache, not shares_pool_with_prefill
+        )
+        self.prefix_cache = self.pages.cache  # None: nothing shared (colocated)
         self.allocator = self.pages.allocator
         self.limits = NodeLimits(
             runner.context_length, runner.spec.vocab_size, self.page_size, self.allocator.num_pages
@@ -421,12 +423,11 @@ class DecodeScheduler:
         """A paused prefill node's write into `room` may have landed after its fence: any
         other request reading one of those pages fails (transfer/fence.py); a cached page
         hit drops the prefix cache (request_pages.py)."""
-        hit, is_cache_hit = self.pages.hit_by_late_write(self.reqs.values(), room, pages)
+        hit, cached = self.pages.hit_by_late_write(self.reqs.values(), room, pages)
         for r in hit:
             logger.error("request %s: its KV pages may hold a late write of room %d", r.rid, room)
             self._fail(r, 500, LATE_WRITE_ERROR, retryable=True)
-        if is_cache_hit:
-            self.pages.drop_cache()
+        self.pages.drop_cached(cached)
 
     def fail_all(self, status: int, error: str) -> None:
         """Fail every request this node holds (the drain timeout passed); the gateway hears."""
@@ -487,8 +488,7 @@ class DecodeScheduler:
 
     # ---- introspection -------------------------------------------------------------------------
 
-    def load(self) -> dict[str, int | float]:
-        """What a heartbeat reports (DecodeStats.load)."""
+    def load(self) -> dict[str, int | float]:  # a heartbeat's (DecodeStats.load)
         return self.stats.load(self.new_token_ratio.value)
 
     def check_integrity(self) -> None:

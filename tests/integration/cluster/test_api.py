@@ -76,6 +76,43 @@ def test_greedy_output_equals_the_single_process_runner(cluster):
     assert chat.choices[0].message.content == offline.text
 
 
+def test_n_seeded_samples_with_penalties_equal_the_single_process_runner(cluster):
+    """n = 3 through the official client, sampled with a seed and every penalty: choice i
+    equals the single-process run seeded sample_seed(seed, i); the prompt counts once."""
+    from common.launch.offline import OfflineResult, generate_stream
+    from common.model.default_model import default_model_dir
+    from common.model.runner import ModelRunner
+    from common.sampler import sample_seed
+    from common.sampling_params import SamplingParams
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(default_model_dir())
+    runner = ModelRunner.from_path(None, progress=False, max_total_tokens=1024)
+    messages = [{"role": "user", "content": "Name some birds, some birds, some birds."}]
+    ids = tok.apply_chat_template(messages)
+    penalties = {"frequency_penalty": 0.6, "presence_penalty": 0.3}
+    extra = {"repetition_penalty": 1.2, "min_tokens": 6}
+    chat = client(cluster).chat.completions.create(
+        model="default",
+        max_tokens=16,
+        temperature=0.7,
+        seed=21,
+        n=3,
+        messages=messages,
+        extra_body=extra,
+        **penalties,
+    )
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    for i, choice in enumerate(chat.choices):
+        params = SamplingParams(
+            max_new_tokens=16, temperature=0.7, seed=sample_seed(21, i), **penalties, **extra
+        )
+        offline = list(generate_stream(runner, tok, ids, params))[-1]
+        assert isinstance(offline, OfflineResult)
+        assert choice.message.content == offline.text, i
+    assert chat.usage.prompt_tokens == len(ids)
+
+
 def _stage_totals(url: str, stage_names: list[str]) -> dict[str, tuple[float, float]]:
     """(count, sum) of pdserve_request_stage_seconds per stage on one process."""
     return {

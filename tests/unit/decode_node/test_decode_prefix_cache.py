@@ -5,6 +5,8 @@ outputs equal single-request greedy runs, and every page is free, cached or held
 
 from __future__ import annotations
 
+import pytest
+
 from common import messages as msg
 from tests.support.decode_harness import PAGE, PD, greedy, prompt
 
@@ -160,11 +162,15 @@ def test_a_late_write_into_a_cached_page_drops_the_cache_and_fails_its_readers(m
         h.close()
 
 
-def test_requests_of_one_prompt_wait_for_its_transfer_and_move_only_their_last_page(model_dir, ref):
+@pytest.mark.parametrize("flags", [CACHE, {}], ids=["cache", "no-cache"])
+def test_samples_of_one_prompt_wait_for_its_transfer_and_move_only_their_last_page(
+    model_dir, ref, flags
+):
     """Four samples of one prompt (n = 4) reach the decode node together: the first moves
     the prompt's KV, the others wait for it and receive only the page of their last token
-    (the prefill node computes the prompt once: its radix cache has the rest)."""
-    h = PD(model_dir, **CACHE)
+    (the prefill node computes the prompt once: its radix cache has the rest). Without the
+    flag too: prompts in use are shared, nothing is kept after."""
+    h = PD(model_dir, **flags)
     sent = _spy_transfer_requests(h)
     computed = []
     count = h.prefill.stats.prefill_tokens
@@ -180,17 +186,22 @@ def test_requests_of_one_prompt_wait_for_its_transfer_and_move_only_their_last_p
         # The prompt was computed once: the others found 7 of its pages in prefill's cache.
         assert sum(computed) == 30 + 3 * 2
         _assert_only_cache_holds_pages(h)
+        if not flags:
+            assert h.decode.prefix_cache.num_pages == 0
     finally:
         h.close()
 
 
-def test_without_the_flag_nothing_is_cached(model_dir, ref):
+def test_without_the_flag_nothing_is_kept(model_dir, ref):
     h = PD(model_dir)
+    sent = _spy_transfer_requests(h)
     try:
         ids = prompt(14, 70)
-        _run(h, "n1", 360, ids, 6)
-        assert h.decode.prefix_cache is None
+        out = _run(h, "n1", 360, ids, 6)
+        assert h.decode.prefix_cache.num_pages == 0
         assert h.runner.pool.allocator.num_used_pages == 0
+        _run(h, "n2", 361, ids + out + prompt(5, 71), 4)
+        assert [held for _, held, _ in sent] == [0, 0]
     finally:
         h.close()
 
