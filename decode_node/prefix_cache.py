@@ -125,12 +125,8 @@ class DecodePrefixCache:
         usable = (r.num_input_tokens - 1) // ps
         if usable <= 0:
             return False
-        first = _first_page(r, ps)
-        same = [
-            t
-            for t in in_transfer
-            if t.generate.cache_salt == r.generate.cache_salt and _first_page(t, ps) == first
-        ]
+        first = first_page(r, ps)
+        same = [t for t in in_transfer if first_page(t, ps) == first]
         if not same:
             return False
         key = token_key(r.origin_input_ids[: usable * ps])
@@ -266,8 +262,8 @@ def common_pages(a: bytes, b: bytes, page_bytes: int) -> int:
     return lo
 
 
-def _first_page(r: DecodeReq, page_size: int) -> tuple[int, ...]:
-    """The first page of r's prompt (without building the whole prompt list)."""
-    return tuple(
-        itertools.islice(itertools.chain(r.generate.input_ids, r.generate.output_ids), page_size)
-    )
+def first_page(r: DecodeReq, page_size: int) -> tuple[str | None, tuple[int, ...]]:
+    """r's cache salt and the first page of its prompt (without building the whole prompt
+    list): requests that can share cached pages have equal ones."""
+    ids = itertools.chain(r.generate.input_ids, r.generate.output_ids)
+    return r.generate.cache_salt, tuple(itertools.islice(ids, page_size))

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from common.kv_pool import PageAllocator, PageSource, pages_needed
 from common.radix_node import TreeNode
 from decode_node.integrity import hit_by_late_write
-from decode_node.prefix_cache import CacheYieldingAllocator, DecodePrefixCache
+from decode_node.prefix_cache import CacheYieldingAllocator, DecodePrefixCache, first_page
 from decode_node.req import DecodeReq
 from decode_node.transfer_queue import ReleaseQueue
 from transfer.kv_receiver import KVReceiver
@@ -60,7 +60,17 @@ class RequestPages:
         cache = self.cache
         if cache is None:
             return None
-        return lambda r, admitted: cache.shares_transfer(r, [*in_transfer, *admitted])
+        by_first: dict[tuple[str | None, tuple[int, ...]], list[DecodeReq]] = {}
+        for t in in_transfer:  # indexed once a round: a lookup per prealloc request
+            by_first.setdefault(first_page(t, self.page_size), []).append(t)
+
+        def waits(r: DecodeReq, admitted: Sequence[DecodeReq]) -> bool:
+            same = by_first.get(first_page(r, self.page_size), [])
+            if not same and not admitted:
+                return False
+            return cache.shares_transfer(r, [*same, *admitted])
+
+        return waits
 
     def release(self, r: DecodeReq) -> None:
         """Free what r holds: its own pages; its cached prefix goes back to the cache."""
