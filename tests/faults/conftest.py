@@ -13,7 +13,12 @@ from tests.faults.harness import CHUNK, Cluster
 @pytest.fixture(scope="session")
 def shared_cluster() -> Iterator[Cluster]:
     pytest.importorskip("nixl._api", reason="NIXL is not installed")
-    cluster = Cluster(num_prefill=2, prefill_args=["--chunked-prefill-size", str(CHUNK)])
+    # decode-0 keeps a prefix cache: every decode case runs with it (one case needs it).
+    cluster = Cluster(
+        num_prefill=2,
+        prefill_args=["--chunked-prefill-size", str(CHUNK)],
+        decode_args=["--disaggregation-decode-enable-radix-cache"],
+    )
     try:
         yield cluster.start()
     finally:

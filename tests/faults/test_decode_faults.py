@@ -170,7 +170,6 @@ def test_kill9_decode_holding_a_cached_prefix_for_an_incoming_partial_transfer(
     the room's pages, and the restarted node serves a fresh request."""
     prefill = "prefill-0"
     key = key_for(prefill)
-    cluster.restart(DECODE, ["--disaggregation-decode-enable-radix-cache"])
     try:
         first = long_prompt("cached turn", 600)
         [turn1] = wait_all([Stream(cluster.api, first, max_tokens=8, routing_key=key).start()])
@@ -200,5 +199,5 @@ def test_kill9_decode_holding_a_cached_prefix_for_an_incoming_partial_transfer(
         assert_ended_well(outcome, fault, allow_completed=False)
         assert_no_pages_held(cluster, PREFILLS)
     finally:
-        cluster.restart(DECODE)  # plain, as the other cases expect it
+        cluster.restart(DECODE)
     assert_fresh_request_succeeds(cluster)

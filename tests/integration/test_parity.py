@@ -30,7 +30,7 @@ pytest.importorskip("nixl._api", reason="NIXL is not installed")
 NUM_PROMPTS = 32
 MAX_NEW_TOKENS = 16
 CONCURRENCY = 16
-NUM_ABORTED = 160
+NUM_ABORTED = 120
 PREFILL_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "64", "--max-total-tokens", "1024"]
 DECODE_ARGS = [
     "--dtype",
@@ -196,8 +196,10 @@ def pd_host_tier():
 
 def test_pd_outputs_with_the_host_tier_equal_the_reference(pd_host_tier, prompts, refs) -> None:
     api = pd_host_tier["api"]
-    served = parity.serve_all(api, prompts, MAX_NEW_TOKENS, CONCURRENCY)
-    _check(parity.compare(served, refs))
+    # Twice: the second pass finds every prompt's prefix evicted to the host by the first.
+    for _ in range(2):
+        served = parity.serve_all(api, prompts, MAX_NEW_TOKENS, CONCURRENCY)
+        _check(parity.compare(served, refs))
     prefill = pd_host_tier["prefill"].ready["http_url"]
     decode = pd_host_tier["decode"].ready["http_url"]
     assert metric(prefill, "pdserve_host_cache_hit_tokens_total") > 0, "nothing loaded back"
