@@ -5,13 +5,14 @@
 A fresh cluster per decode variant (bootstrap; one prefill node pinned to CPU 0, one
 decode node pinned to CPU 1; float32, the built-in model): ``plain`` and ``decode_cache``
 (--disaggregation-decode-enable-radix-cache). In each, side by side, round after round:
-``separate`` sends --n concurrent completions of one prompt (n=1 each), ``n`` one
-completion with n=--n; every round a new seeded random prompt of --prompt-tokens token
-ids, so no cache carries from one to the next; sampled (temperature 0.8, a seed).
+``one`` sends one completion (what a prompt costs alone), ``separate`` --n concurrent
+completions of one prompt (n=1 each), ``n`` one completion with n=--n; every round a new
+seeded random prompt of --prompt-tokens token ids, so no cache carries from one to the
+next; sampled (temperature 0.8, a seed).
 Reports per mode: prompt tokens the prefill node computed (pdserve_prefill_tokens_total),
 KV bytes it moved (pdserve_kv_transfer_bytes_total), both per round, and output tokens per
-second (the client's), then n against separate and against one request's prompt
-(--n x the prompt is what n unshared requests would cost: the target is 1/n of it).
+second (the client's), then n against separate and against --n times ``one`` (what n
+requests that share nothing cost: the target is 1/n of it).
 One JSON line per (variant, mode): {"bench": "n_samples", ...}.
 """
 
@@ -42,7 +43,7 @@ from local_cluster import (  # noqa: E402
 )
 
 VARIANTS = ("plain", "decode_cache")
-MODES = ("separate", "n")
+MODES = ("one", "separate", "n")
 PAGE = 16
 COMPUTED = "pdserve_prefill_tokens_total"
 MOVED = "pdserve_kv_transfer_bytes_total"
@@ -69,8 +70,9 @@ def one_round(url: str, mode: str, ids: list[int], args: argparse.Namespace) -> 
         "seed": 7,
         "ignore_eos": True,
     }
-    if mode == "n":
-        return int(complete(url, {**body, "n": args.n})["usage"]["completion_tokens"])
+    if mode in ("one", "n"):
+        n = args.n if mode == "n" else 1
+        return int(complete(url, {**body, "n": n})["usage"]["completion_tokens"])
     counts: list[int] = []
 
     def send(i: int) -> None:
@@ -172,12 +174,11 @@ def main() -> None:
             f"{r['kv_bytes_per_round']:15d} {r['output_tokens_per_s']:10.1f}"
         )
     by = {(r["variant"], r["mode"]): r for r in rows}
-    # What n requests that share nothing cost: n prompts computed; n copies moved (the
-    # plain variant's separate requests each move their own).
-    unshared = args.n * args.prompt_tokens
-    plain = by.get(("plain", "separate"))
     for variant in args.variants:
-        sep, n = by[(variant, "separate")], by[(variant, "n")]
+        one, sep, n = (by[(variant, m)] for m in MODES)
+        # What n requests that share nothing cost: n times one request's prompt.
+        unshared_computed = args.n * max(1, one["computed_tokens_per_round"])
+        unshared_bytes = args.n * max(1, one["kv_bytes_per_round"])
         line = {
             "bench": "n_samples_ratio",
             "variant": variant,
@@ -187,12 +188,8 @@ def main() -> None:
             "n_vs_separate_kv_bytes": round(
                 n["kv_bytes_per_round"] / max(1, sep["kv_bytes_per_round"]), 3
             ),
-            "n_computed_vs_unshared": round(n["computed_tokens_per_round"] / unshared, 3),
-            "n_kv_bytes_vs_unshared": round(
-                n["kv_bytes_per_round"] / plain["kv_bytes_per_round"], 3
-            )
-            if plain and plain["kv_bytes_per_round"]
-            else None,
+            "n_computed_vs_unshared": round(n["computed_tokens_per_round"] / unshared_computed, 3),
+            "n_kv_bytes_vs_unshared": round(n["kv_bytes_per_round"] / unshared_bytes, 3),
             "n_vs_separate_tokens_per_s": round(
                 n["output_tokens_per_s"] / max(1e-9, sep["output_tokens_per_s"]), 2
             ),
