@@ -27,7 +27,7 @@ from tests.support.cluster import metric, pd_pair
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl._api", reason="NIXL is not installed")
 
-NUM_PROMPTS = 32
+NUM_PROMPTS = 24
 MAX_NEW_TOKENS = 16
 CONCURRENCY = 16
 NUM_ABORTED = 120
