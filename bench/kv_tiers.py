@@ -44,15 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_info import describe_cpu  # noqa: E402
 from local_cluster import (  # noqa: E402
     LOG_DIR,
-    free_port,
     generate,
     metric_sums,
     metric_total,
     pct,
-    start,
-    stop_all,
-    wait_line,
-    wait_ready,
+    pd_cluster,
 )
 
 VARIANTS = ("device_only", "host_tier", "decode_cache", "both")
@@ -138,38 +134,14 @@ def run(
     longest = max(map(len, estimate))
     # A prompt needs its pages, a page of overhead and its first token (the adder).
     pool = max(int(total * args.pool_share), -(-longest // PAGE) * PAGE + 2 * PAGE) // PAGE * PAGE
-    api, registry = free_port(), free_port()
-    node = [
-        "--host=127.0.0.1",
-        "--port=0",
-        f"--bootstrap-url=http://127.0.0.1:{registry}",
-        "--dtype=float32",
-        f"--page-size={PAGE}",
-    ]
-    prefill_args = [*node, "--node-id=prefill-0", f"--max-total-tokens={pool}"]
-    decode_args = [*node, "--node-id=decode-0"]
+    prefill_args = [f"--max-total-tokens={pool}"]
+    decode_args: list[str] = []
     if variant in DECODE_CACHE:
         decode_args.append("--disaggregation-decode-enable-radix-cache")
     if variant in HOST_TIER:
         ratio = 2 * total / pool + 1  # the whole working set fits the host tier
         prefill_args += ["--enable-hierarchical-cache", f"--hicache-ratio={ratio:.2f}"]
-    procs = [
-        start(
-            "bootstrap",
-            ["--host=127.0.0.1", f"--port={api}", f"--disaggregation-bootstrap-port={registry}"],
-            {1},
-            env,
-        )
-    ]
-    try:
-        wait_line(procs[0])
-        procs.append(start("prefill_node", prefill_args, {0}, env))
-        procs.append(start("decode_node", decode_args, {1}, env))
-        prefill_url = wait_line(procs[1])["http_url"]
-        wait_line(procs[2])
-        url = f"http://127.0.0.1:{api}"
-        wait_ready(url)
-        generate(url, [7, 8, 9], 2)
+    with pd_cluster(prefill_args, decode_args, env, PAGE) as (url, prefill_url):
 
         def prefill_metric(name: str) -> float:
             return metric_total(prefill_url, name)
@@ -194,8 +166,6 @@ def run(
         seconds = time.perf_counter() - started
         delta = {n: prefill_metric(n) - before[n] for n in names}
         compute_s = metric_sums(url).get("prefill_compute", 0.0) - compute_before
-    finally:
-        stop_all(procs)
     computed = int(delta["pdserve_prefill_tokens_total"])
     host_pages = delta["pdserve_host_cache_hit_tokens_total"] / PAGE
     return {

@@ -3,6 +3,7 @@ cores, readiness, streaming a completion, metrics, percentiles."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -158,6 +159,37 @@ def generate(url: str, ids: list[int], max_tokens: int) -> tuple[float, list[int
     if len(output_ids) != max_tokens:
         raise RuntimeError(f"{len(output_ids)} tokens out, {max_tokens} asked for")
     return ttft or float("nan"), output_ids
+
+
+@contextlib.contextmanager
+def pd_cluster(
+    prefill_args: list[str], decode_args: list[str], env: dict[str, str], page_size: int = 16
+) -> Iterator[tuple[str, str]]:
+    """A bootstrap, one prefill node pinned to CPU 0 and one decode node pinned to CPU 1
+    on loopback (float32, the built-in model), ready and warmed by one request:
+    (the API's URL, the prefill node's HTTP URL). Stopped on leaving."""
+    api, registry = free_port(), free_port()
+    node = [
+        "--host=127.0.0.1",
+        "--port=0",
+        f"--bootstrap-url=http://127.0.0.1:{registry}",
+        "--dtype=float32",
+        f"--page-size={page_size}",
+    ]
+    boot = ["--host=127.0.0.1", f"--port={api}", f"--disaggregation-bootstrap-port={registry}"]
+    procs = [start("bootstrap", boot, {1}, env)]
+    try:
+        wait_line(procs[0])
+        procs.append(start("prefill_node", [*node, "--node-id=prefill-0", *prefill_args], {0}, env))
+        procs.append(start("decode_node", [*node, "--node-id=decode-0", *decode_args], {1}, env))
+        prefill_url = wait_line(procs[1])["http_url"]
+        wait_line(procs[2])
+        url = f"http://127.0.0.1:{api}"
+        wait_ready(url)
+        generate(url, [7, 8, 9], 2)
+        yield url, prefill_url
+    finally:
+        stop_all(procs)
 
 
 def stop_all(procs: list[subprocess.Popen[str]], timeout_s: float = 20.0) -> None:

@@ -32,15 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_info import describe_cpu  # noqa: E402
-from local_cluster import (  # noqa: E402
-    LOG_DIR,
-    free_port,
-    metric_total,
-    start,
-    stop_all,
-    wait_line,
-    wait_ready,
-)
+from local_cluster import LOG_DIR, metric_total, pd_cluster  # noqa: E402
 
 VARIANTS = ("plain", "decode_cache")
 MODES = ("one", "separate", "n")
@@ -89,30 +81,12 @@ def one_round(url: str, mode: str, ids: list[int], args: argparse.Namespace) -> 
 
 
 def run(variant: str, args: argparse.Namespace, env: dict[str, str]) -> list[dict[str, Any]]:
-    api, registry = free_port(), free_port()
-    node = [
-        "--host=127.0.0.1",
-        "--port=0",
-        f"--bootstrap-url=http://127.0.0.1:{registry}",
-        "--dtype=float32",
-        f"--page-size={PAGE}",
-    ]
-    decode_args = [*node, "--node-id=decode-0"]
+    decode_args: list[str] = []
     if variant == "decode_cache":
         decode_args.append("--disaggregation-decode-enable-radix-cache")
-    boot = ["--host=127.0.0.1", f"--port={api}", f"--disaggregation-bootstrap-port={registry}"]
-    procs = [start("bootstrap", boot, {1}, env)]
     rng = random.Random(args.seed)
     rows = []
-    try:
-        wait_line(procs[0])
-        procs.append(start("prefill_node", [*node, "--node-id=prefill-0"], {0}, env))
-        procs.append(start("decode_node", decode_args, {1}, env))
-        prefill_url = wait_line(procs[1])["http_url"]
-        wait_line(procs[2])
-        url = f"http://127.0.0.1:{api}"
-        wait_ready(url)
-        complete(url, {"model": "default", "prompt": [7, 8, 9], "max_tokens": 2})
+    with pd_cluster([], decode_args, env, PAGE) as (url, prefill_url):
         totals = {m: {"computed": 0.0, "bytes": 0.0, "tokens": 0, "seconds": 0.0} for m in MODES}
         for _ in range(args.rounds):
             for mode in MODES:
@@ -124,10 +98,8 @@ def run(variant: str, args: argparse.Namespace, env: dict[str, str]) -> list[dic
                 t = totals[mode]
                 t["seconds"] += time.perf_counter() - started
                 t["tokens"] += tokens
-                t["computed"] += (
-                    metric_total(prefill_url, "pdserve_prefill_tokens_total") - computed
-                )
-                t["bytes"] += metric_total(prefill_url, "pdserve_kv_transfer_bytes_total") - moved
+                t["computed"] += metric_total(prefill_url, COMPUTED) - computed
+                t["bytes"] += metric_total(prefill_url, MOVED) - moved
         for mode in MODES:
             t = totals[mode]
             rows.append(
@@ -142,8 +114,6 @@ def run(variant: str, args: argparse.Namespace, env: dict[str, str]) -> list[dic
                     "output_tokens_per_s": round(t["tokens"] / t["seconds"], 1),
                 }
             )
-    finally:
-        stop_all(procs)
     return rows
 
 
