@@ -34,6 +34,7 @@ from bootstrap.router import (
     DecodeCandidate,
     PrefillLoads,
     RoomAllocator,
+    RouteDecision,
     Router,
 )
 from common import messages as msg
@@ -314,8 +315,64 @@ class BootstrapService:
                 "node pairs only with its own other half)",
                 code="no_decode_node",
             )
-        started = time.perf_counter()
         self._caching_decodes = frozenset(v.node_id for v in decodes if v.caches_prefixes)
+        live = {v.node_id for v in prefills}, {v.node_id for v in decodes}
+        is_pinned = (
+            pair is not None
+            and pair[0] in live[0]
+            and pair[1] in live[1]
+            and pair[1] == partners.get(pair[0], pair[1])
+        )
+        decision = None if is_pinned else self._route(prepared, prefills, decodes, partners)
+        if decision is None:
+            assert pair is not None
+            prefill_id, decode_id = pair
+        else:
+            prefill_id, decode_id = decision.prefill_id, decision.decode_id
+        prefill = next(v for v in prefills if v.node_id == prefill_id)
+        decode = next(v for v in decodes if v.node_id == decode_id)
+        gen = msg.GenerateReq(
+            rid=uuid.uuid4().hex,
+            room=self.rooms.allocate(),
+            input_ids=prepared.input_ids,
+            sampling=prepared.sampling.to_wire(),
+            priority=prepared.priority,
+            routing_key=prepared.routing_key,
+            prefill_node_id=prefill.node_id,
+            decode_node_id=decode.node_id,
+            reply_endpoint=self.dispatcher.reply_endpoint,
+            arrival_time=time.time(),
+            return_logprob=prepared.sampling.logprobs,
+            gateway_id=self.dispatcher.gateway_id,
+            cache_salt=prepared.cache_salt,
+            output_ids=output_ids,
+        )
+        try:
+            req = self.dispatcher.dispatch(gen, prefill.request_endpoint, decode.request_endpoint)
+        except NodeQueueFull as exc:
+            raise APIError(503, str(exc), code="node_queue_full") from None
+        if self.kv_events is not None:  # what the node will compute, until it reports it
+            uncached = (
+                len(prepared.input_ids)
+                + len(output_ids)
+                - (0 if decision is None else decision.cached_pages) * self.router.page_size
+            )
+            self.kv_events.note_dispatched(
+                prefill.node_id, max(1, uncached), prepared.page_hashes or (), self.router.page_size
+            )
+        if decision is not None:  # a pinned pair was not the router's choice
+            gm.count_decision(decision.kind, decision.is_affinity_hit)
+        return req
+
+    def _route(
+        self,
+        prepared: PreparedRequest,
+        prefills: list[NodeView],
+        decodes: list[NodeView],
+        partners: dict[str, str],
+    ) -> RouteDecision:
+        """The router's pair for ``prepared`` among the live nodes."""
+        started = time.perf_counter()
         session_node = None
         if self._caching_decodes and prepared.page_hashes:
             session_node = self.decode_sessions.find(prepared.page_hashes, self._caching_decodes)
@@ -348,44 +405,7 @@ class BootstrapService:
             session_node,
         )
         gm.ROUTE_SECONDS.labels(**metrics.role_labels()).observe(time.perf_counter() - started)
-        prefill_id, decode_id = decision.prefill_id, decision.decode_id
-        if pair is not None and pair[1] == partners.get(pair[0], pair[1]):
-            ids_live = {v.node_id for v in prefills}, {v.node_id for v in decodes}
-            if pair[0] in ids_live[0] and pair[1] in ids_live[1]:
-                prefill_id, decode_id = pair
-        prefill = next(v for v in prefills if v.node_id == prefill_id)
-        decode = next(v for v in decodes if v.node_id == decode_id)
-        gen = msg.GenerateReq(
-            rid=uuid.uuid4().hex,
-            room=self.rooms.allocate(),
-            input_ids=prepared.input_ids,
-            sampling=prepared.sampling.to_wire(),
-            priority=prepared.priority,
-            routing_key=prepared.routing_key,
-            prefill_node_id=prefill.node_id,
-            decode_node_id=decode.node_id,
-            reply_endpoint=self.dispatcher.reply_endpoint,
-            arrival_time=time.time(),
-            return_logprob=prepared.sampling.logprobs,
-            gateway_id=self.dispatcher.gateway_id,
-            cache_salt=prepared.cache_salt,
-            output_ids=output_ids,
-        )
-        try:
-            req = self.dispatcher.dispatch(gen, prefill.request_endpoint, decode.request_endpoint)
-        except NodeQueueFull as exc:
-            raise APIError(503, str(exc), code="node_queue_full") from None
-        if self.kv_events is not None:  # what the node will compute, until it reports it
-            uncached = (
-                len(prepared.input_ids)
-                + len(output_ids)
-                - decision.cached_pages * self.router.page_size
-            )
-            self.kv_events.note_dispatched(
-                prefill.node_id, max(1, uncached), prepared.page_hashes or (), self.router.page_size
-            )
-        gm.count_decision(decision.kind, decision.is_affinity_hit)
-        return req
+        return decision
 
     def _record_session(self, prepared: PreparedRequest, decode_id: str, out: list[int]) -> None:
         """A request finished on ``decode_id``: if it caches prefixes, it holds this
