@@ -20,7 +20,9 @@ computing it all: the index takes that off), as KVEventSubscriber does. The orac
 every cache at once and each queue exactly (the running prefill's remaining tokens by
 elapsed time, each waiting one's uncached tokens as routed). Routing time: wall time of
 building the candidates, overlaps() (precise) and route(), as service.py times it
-(prompts are hashed on the gateway's tokenizer threads: not timed).
+(prompts are hashed on the gateway's tokenizer threads: not timed), with the gateway's
+garbage-collection policy (common/gc_policy.py; --gc-gen0-threshold 0: Python's own);
+each row gives its p50, p99, p99.9 and maximum.
 
 Cost (--fit, default): the built-in model's extend on one thread, float32, for 64..2048
 new tokens and for 64 and 128 after 2048 and 3968 cached ones (median of 3); least
@@ -93,6 +95,7 @@ from routing_workloads import (
 
 from bootstrap import router as rt
 from bootstrap.kv_index import KVIndex
+from common import gc_policy
 from common.page_hash import prompt_hashes
 
 ROUTERS = ("oracle", "precise", "affinity", "round-robin", "random")
@@ -262,6 +265,8 @@ def summarize(w: Workload, num_nodes: int, router_name: str, r: SimResult) -> di
         "ttft_p99_s": pct(ttft, 99),
         "route_us_p99": pct(r.route_s, 99, 1e6, 1),
         "route_us_p50": pct(r.route_s, 50, 1e6, 1),
+        "route_us_p999": pct(r.route_s, 99.9, 1e6, 1),
+        "route_us_max": pct(r.route_s, 100, 1e6, 1),
         "index_mb": round(r.index_mb, 3),
         "load": round(float(r.busy_s / num_nodes / span), 3),
         "requests": len(counted),
@@ -406,6 +411,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--event-delay-ms", type=float, default=20.0)
     ap.add_argument("--node-load", choices=["prompt", "uncached"], default="uncached")
+    ap.add_argument(
+        "--gc-gen0-threshold",
+        type=int,
+        default=gc_policy.GEN0_THRESHOLD,
+        help="as the gateway's flag (0: Python's own collection policy)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.nodes = [n for n in args.nodes if n <= 32] or [8]
@@ -432,6 +443,7 @@ def main() -> None:
         f"{args.event_delay_ms} ms; node load {args.node_load}; ramp not counted",
         flush=True,
     )
+    gc_policy.settle(args.gc_gen0_threshold)  # as the gateway's start-up (bootstrap/__main__)
     runs, route_s = sweep(args, cost, lambda line: print(line, flush=True))
     worst = worst_cases(runs, route_s)
     print_worst(worst)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bootstrap.api_keys import ApiKeyError
-from common import metrics, socket_auth
+from common import gc_policy, metrics, socket_auth
 from common.config import BootstrapConfig, ConfigError
 from common.flags import add_bootstrap_args
 from common.ready import READY_PREFIX, ready_line  # noqa: F401  (READY_PREFIX: for tests)
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"pdserve bootstrap: error: cannot load the tokenizer: {exc}", file=sys.stderr)
         return 2
+    gc_policy.settle(config.gc_gen0_threshold)  # start-up is built: freeze it
     server = BootstrapServer(
         service,
         config.host,

@@ -447,9 +447,13 @@ class BootstrapConfig:
     load_balance_epsilon: float = 0.25
     served_model_name: str | None = None  # None: from --model-path
     log_level: str = "INFO"
+    # Allocations between young-generation collections once start-up is frozen
+    # (common/gc_policy.py); 0: Python's own policy.
+    gc_gen0_threshold: int = 50_000
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--port")
+        _check_non_negative(self.gc_gen0_threshold, "--gc-gen0-threshold")
         _check_port(self.reply_port, "--reply-port")
         _check_positive(self.lease_s, "--lease-timeout")
         _check(

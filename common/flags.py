@@ -299,6 +299,12 @@ def add_bootstrap_args(parser: Parser) -> None:
     add("--request-timeout", dest="request_timeout_s", type=float)
     add("--max-n", type=int, help="samples (n) one request may ask for (default 16)")
     add(
+        "--gc-gen0-threshold",
+        type=int,
+        help="allocations between young garbage collections after start-up is frozen "
+        "(default 50000; 0: Python's own policy)",
+    )
+    add(
         "--migration-limit",
         type=int,
         help="times a request whose node pair fails moves to another pair with its output "

@@ -115,6 +115,8 @@ def test_bootstrap_defaults() -> None:
         model_path=None,
         context_length=None,
     )
+    assert cfg.gc_gen0_threshold == 50_000
+    assert parse_bootstrap_config(["--gc-gen0-threshold=0"]).gc_gen0_threshold == 0
 
 
 def test_prefill_flags_reach_every_field() -> None:
@@ -355,6 +357,8 @@ def test_direct_construction_validates_too() -> None:
         DecodeConfig(retraction_policy="priority")
     with pytest.raises(ConfigError):
         BootstrapConfig(port=9000, bootstrap_port=9000)
+    with pytest.raises(ConfigError, match="--gc-gen0-threshold"):
+        BootstrapConfig(gc_gen0_threshold=-1)
 
 
 def test_port_zero_means_any_free_port() -> None:
