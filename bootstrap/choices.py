@@ -9,12 +9,18 @@ one object with every choice in order. ``usage`` counts a prompt once however ma
 samples it has: ``prompt_tokens`` is the sum over distinct prompts, ``completion_tokens``
 over choices. A choice that fails fails the response (its error event ends the stream,
 the other choices are aborted on their nodes).
+
+``best_of`` (completions, not streamed): each prompt's ``best_of`` samples run, and the
+``keep`` (= n) whose output has the highest mean logprob per token are returned, best
+first (ties: the earlier sample); ``usage`` counts every sample's tokens (they were all
+generated). Their logprobs, which the ranking needs, are shown only when asked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +53,15 @@ def merged_usage(choices: Sequence[Choice], finishes: Sequence[Finish]) -> dict[
     }
 
 
+def mean_logprob(fmt: OutputFormat) -> float:
+    """The output's logprob per token (best_of's ranking); a token the node sent no
+    logprob for counts as impossible, an empty output as 0."""
+    values = [t.logprob for t in fmt.logprobs]
+    if not values:
+        return 0.0
+    return sum(-math.inf if v is None else v for v in values) / len(values)
+
+
 def _reindex(chunk: dict[str, Any], index: int) -> dict[str, Any]:
     for choice in chunk.get("choices", ()):
         choice["index"] = index
@@ -56,9 +71,17 @@ def _reindex(chunk: dict[str, Any], index: int) -> dict[str, Any]:
 class Choices:
     """The choices of one response; quacks like a Generation where the gateway needs it."""
 
-    def __init__(self, choices: Sequence[Choice], include_usage: bool) -> None:
+    def __init__(
+        self,
+        choices: Sequence[Choice],
+        include_usage: bool,
+        keep: int | None = None,
+        show_logprobs: bool = True,
+    ) -> None:
         self.choices = list(choices)
         self.include_usage = include_usage
+        self.keep = keep  # best_of: the samples of each prompt returned
+        self.show_logprobs = show_logprobs
 
     def abandon(self) -> None:
         for c in self.choices:
@@ -81,9 +104,25 @@ class Choices:
             self.abandon()
             raise
         body = dict(parts[0])
-        body["choices"] = [_reindex(p, i)["choices"][0] for i, p in enumerate(parts)]
+        returned = range(len(parts)) if self.keep is None else self._best(self.keep)
+        body["choices"] = [_reindex(parts[j], i)["choices"][0] for i, j in enumerate(returned)]
+        if not self.show_logprobs:
+            for choice in body["choices"]:
+                choice["logprobs"] = None
         body["usage"] = merged_usage(self.choices, finishes)
         return body
+
+    def _best(self, keep: int) -> list[int]:
+        """Per prompt in order, its ``keep`` samples of the highest mean logprob per
+        output token, best first."""
+        by_prompt: dict[int, list[int]] = {}
+        for j, c in enumerate(self.choices):
+            by_prompt.setdefault(c.prompt, []).append(j)
+        return [
+            j
+            for samples in by_prompt.values()
+            for j in sorted(samples, key=lambda j: -mean_logprob(self.choices[j].fmt))[:keep]
+        ]
 
     async def stream(
         self, on_first_bytes: Callable[[], None] | None = None

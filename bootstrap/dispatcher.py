@@ -47,6 +47,7 @@ class ReqState(Enum):
     ABORTED = "aborted"
 
 
+_REPLIES = (msg.TokenChunk, msg.PromptLogprobs)  # a request's output, not its end
 _TERMINAL = frozenset({ReqState.FINISHED, ReqState.FAILED, ReqState.ABORTED})
 _NEXT: dict[ReqState, frozenset[ReqState]] = {
     ReqState.DISPATCHED: frozenset({ReqState.STREAMING, *_TERMINAL}),
@@ -254,12 +255,14 @@ class Dispatcher:
             rid = getattr(m, "rid", None)
             req = self._reqs.get(rid) if isinstance(rid, str) else None
             if req is None:
-                if not isinstance(m, (msg.TokenChunk, msg.ReqFinished, msg.ReqFailed)):
+                if not isinstance(m, (*_REPLIES, msg.ReqFinished, msg.ReqFailed)):
                     logger.debug("unexpected %s on the reply socket", type(m).__name__)
                 continue  # late reply of an ended request
             if isinstance(m, msg.TokenChunk):
                 if req.state is ReqState.DISPATCHED:
                     self._transition(req, ReqState.STREAMING)
+            elif isinstance(m, msg.PromptLogprobs):
+                pass  # before the first token: the state moves with that
             elif isinstance(m, msg.ReqFinished):
                 self.end(req, ReqState.FINISHED, "finished", abort_nodes=False)
             elif isinstance(m, msg.ReqFailed):

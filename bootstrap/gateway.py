@@ -34,7 +34,13 @@ from bootstrap.errors import (
 from bootstrap.gateway_metrics import count_request
 from bootstrap.generation import Generation, PreparedRequest
 from bootstrap.openai_schema import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from bootstrap.prepare import prepare_chat, prepare_completion, prepare_generate, samples
+from bootstrap.prepare import (
+    best_of,
+    prepare_chat,
+    prepare_completion,
+    prepare_generate,
+    samples,
+)
 from bootstrap.registry import bearer_token
 from bootstrap.service import BootstrapService
 from bootstrap.streaming import (
@@ -200,8 +206,11 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         stream: bool,
         marks: Marks,
         include_usage: bool,
+        keep: int | None = None,
+        show_logprobs: bool = True,
     ) -> Response:
-        """Several choices (prompts of a batch, samples of n), each its own request."""
+        """Several choices (prompts of a batch, samples of n), each its own request;
+        ``keep``: best_of's n (bootstrap/choices.py)."""
         marks[stages.TOKENIZED] = time.time()
         gens: list[Generation] = []
         pairs: dict[int, tuple[str, str]] = {}  # samples of one prompt go to one pair
@@ -222,6 +231,8 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         choices = Choices(
             [Choice(g, fmt_of(rid, p), idx) for g, (p, idx) in zip(gens, items, strict=True)],
             include_usage,
+            keep,
+            show_logprobs,
         )
         if not stream:
             try:
@@ -298,7 +309,8 @@ def build_api_app(service: BootstrapService) -> FastAPI:
         prepare = functools.partial(prepare_completion, max_n=service.config.max_n)
         prompts: list[PreparedRequest] = await prepared_or_400(prepare, body, x_routing_key)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        items = [(s, i) for i, p in enumerate(prompts) for s in samples(p, body.n or 1)]
+        n, draws = body.n or 1, best_of(body, service.config.max_n)
+        items = [(s, i) for i, p in enumerate(prompts) for s in samples(p, draws)]
 
         def fmt(rid: str, prepared: PreparedRequest) -> OutputFormat:
             return CompletionFormat(
@@ -307,11 +319,16 @@ def build_api_app(service: BootstrapService) -> FastAPI:
                 service.tokenizer,
                 include_usage=include_usage and len(items) == 1,
                 echo=prepared.echo,
+                echo_logprobs=prepared.prompt_logprobs,
             )
 
         if len(items) == 1:
             return await serve(request, items[0][0], fmt, body.stream, marks)
-        return await serve_choices(request, items, fmt, body.stream, marks, include_usage)
+        if draws == n:
+            return await serve_choices(request, items, fmt, body.stream, marks, include_usage)
+        return await serve_choices(
+            request, items, fmt, False, marks, include_usage, n, body.logprobs is not None
+        )
 
     @app.post("/generate", dependencies=auth, response_model=None, responses=GENERATION_ERRORS)
     async def generate(

@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from bootstrap import gateway_metrics as gm
 from bootstrap.dispatcher import Dispatcher, InflightReq, ReqState
@@ -53,6 +54,8 @@ class PreparedRequest:
     tool_names: frozenset[str] = frozenset()
     # Completions with echo: the prompt's text, put before the output.
     echo: str = ""
+    # Completions with echo and logprobs: the prompt's logprobs are computed and sent too.
+    prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The prompt's tokens and logprobs (the first has none), once, before any output.
+    prompt: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,9 +100,27 @@ def _logprobs(chunk: msg.TokenChunk) -> list[TokenLogprob]:
     """
     if chunk.logprobs is None:
         return []
-    tops = chunk.top_logprobs or [[] for _ in chunk.token_ids]
+    return _token_logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
+
+
+def _prompt_logprobs(input_ids: list[int], m: msg.PromptLogprobs) -> list[TokenLogprob]:
+    """Each prompt token with its logprob: none for the first (nothing precedes it), then
+    the node's, one per following token (a short list leaves the rest None)."""
+    logprobs = [*m.logprobs[: len(input_ids) - 1]]
+    logprobs += [math.nan] * (len(input_ids) - 1 - len(logprobs))
+    return [
+        TokenLogprob(input_ids[0], None, []),
+        *_token_logprobs(input_ids[1:], logprobs, m.top_logprobs),
+    ]
+
+
+def _token_logprobs(
+    token_ids: list[int], logprobs: list[float], top_logprobs: list[list[Any]] | None
+) -> list[TokenLogprob]:
+    tops = [*(top_logprobs or [])]
+    tops += [[] for _ in range(len(token_ids) - len(tops))]
     out = []
-    for tid, lp, top in zip(chunk.token_ids, chunk.logprobs, tops, strict=False):
+    for tid, lp, top in zip(token_ids, logprobs, tops, strict=False):
         pairs = [
             (p[0], float(p[1]))
             for p in top
@@ -162,6 +185,7 @@ class Generation:
             prepared.sampling, tokenizer.eos_token_ids, len(prepared.input_ids), context_length
         )
         self._gap_from: float | None = None
+        self._has_prompt_logprobs = False  # a migrated request's second copy is dropped
 
     async def events(self) -> AsyncIterator[Delta | Finish]:
         """Deltas as replies arrive, then one Finish; raises APIError when the request fails."""
@@ -190,6 +214,11 @@ class Generation:
                         self._dispatcher.end(self.req, ReqState.FINISHED, "stop string matched")
                         yield self._finish("stop", self._stop.matched_stop, None)
                         return
+                elif isinstance(m, msg.PromptLogprobs):
+                    if self._prepared.prompt_logprobs and not self._has_prompt_logprobs:
+                        self._has_prompt_logprobs = True
+                        prompt = _prompt_logprobs(self._prepared.input_ids, m)
+                        yield Delta("", [], prompt=prompt)
                 elif isinstance(m, msg.ReqFinished):
                     tail = self._stop.feed(self._detok.flush())[0] + self._stop.flush()
                     if tail:

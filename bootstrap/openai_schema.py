@@ -311,11 +311,14 @@ class CompletionRequest(_OpenAISampling):
     )
     echo: bool = Field(
         default=False,
-        description="the prompt's text before the output (not with logprobs: the prompt's "
-        "logprobs are not computed)",
+        description="the prompt's text before the output; with logprobs, the prompt's tokens "
+        "and logprobs too (the prefill node computes the whole prompt, cached or not)",
     )
     best_of: int | None = Field(
-        default=None, json_schema_extra=_served(enum=[1, None]), description="only 1 is served"
+        default=None,
+        json_schema_extra=_served(minimum=1, maximum=DEFAULT_MAX_N),
+        description="samples drawn per prompt, at least n: the n of the highest logprob per "
+        "token are returned (above n: not streamed)",
     )
     suffix: str | None = Field(
         default=None, json_schema_extra=_served(enum=["", None]), description="not served"

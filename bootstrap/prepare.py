@@ -128,11 +128,11 @@ def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
             raise bad_request(f"{param}[{i}] = {tid} is not a token id in [0, {vocab_size})", param)
 
 
-def _max_tokens(value: int | None, default: int, param: str) -> int:
+def _max_tokens(value: int | None, default: int, param: str, least: int = 1) -> int:
     if value is None:
         return default
-    if value < 1:
-        raise bad_request(f"{param} must be at least 1, got {value}", param)
+    if value < least:
+        raise bad_request(f"{param} must be at least {least}, got {value}", param)
     return value
 
 
@@ -185,6 +185,23 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
+def best_of(body: CompletionRequest, max_n: int = DEFAULT_MAX_N) -> int:
+    """Samples drawn per prompt: ``best_of`` (OpenAI's: at least ``n``; the ``n`` whose
+    output has the highest logprob per token are returned), else ``n``. Above ``n`` they
+    cannot stream: the ranking needs every sample whole."""
+    n = body.n or 1
+    if body.best_of is None:
+        return n
+    if not (n <= body.best_of <= max_n):
+        raise bad_request(
+            f"best_of must be an integer in [n={n}, {max_n}] (--max-n), got {body.best_of}",
+            "best_of",
+        )
+    if body.stream and body.best_of > n:
+        raise bad_request("best_of above n cannot be streamed", "best_of")
+    return body.best_of
+
+
 def prepare_completion(
     body: CompletionRequest,
     tokenizer: Tokenizer,
@@ -194,19 +211,19 @@ def prepare_completion(
 ) -> list[PreparedRequest]:
     """One prepared request per prompt, in order (``n`` samples of each: ``samples``)."""
     _check_served(body.model_dump(), max_n)
-    if body.echo and body.logprobs is not None:
-        raise bad_request(
-            "echo with logprobs is not served (the prompt's logprobs are not computed)", "echo"
-        )
     if body.suffix:
         raise bad_request("suffix is not served", "suffix")
-    if body.best_of not in (None, 1):
-        raise bad_request("only best_of=1 is served", "best_of")
-    max_tokens = _max_tokens(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens")
+    draws = best_of(body, max_n)
+    # 0 with echo: the prompt (and its logprobs) alone, as scoring harnesses ask
+    max_tokens = _max_tokens(
+        body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens", 0 if body.echo else 1
+    )
     top = body.logprobs or 0
     grammar = response_format_grammar(body.response_format)
     check_grammar(grammar, "response_format")
     sampling = _openai_sampling(body, max_tokens, top, tokenizer, grammar)
+    if draws > (body.n or 1):  # the nodes report each token's logprob: the ranking reads it
+        sampling = replace(sampling, logprobs=True)
     prepared = []
     for prompt in _completion_prompts(body.prompt):
         if isinstance(prompt, str):
@@ -231,6 +248,7 @@ def prepare_completion(
                 _routing_key(body.routing_key, header_key),
                 body.cache_salt,
                 echo=echo,
+                prompt_logprobs=bool(body.echo) and body.logprobs is not None,
             )
         )
     return prepared

@@ -346,6 +346,8 @@ class BootstrapService:
             gateway_id=self.dispatcher.gateway_id,
             cache_salt=prepared.cache_salt,
             output_ids=output_ids,
+            # a migrated request with output has had them (they come before its first token)
+            return_prompt_logprobs=prepared.prompt_logprobs and not output_ids,
         )
         try:
             req = self.dispatcher.dispatch(gen, prefill.request_endpoint, decode.request_endpoint)

@@ -45,11 +45,14 @@ class OutputFormat:
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.prompt: list[TokenLogprob] = []  # the prompt's logprobs (completions' echo)
 
     def add(self, delta: Delta) -> None:
         self.text_parts.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
+        if delta.prompt is not None:
+            self.prompt = delta.prompt
 
     @property
     def text(self) -> str:
@@ -199,14 +202,18 @@ class ChatFormat(OutputFormat):
 
 class CompletionFormat(OutputFormat):
     """Completions; with ``echo`` (the prompt's text) the output starts with the prompt:
-    streamed, as the first chunk."""
+    streamed, as the first chunk. With ``echo_logprobs`` that chunk waits for the prompt's
+    logprobs and carries them; the output's text offsets go on from the prompt's text."""
 
-    def __init__(self, *args: Any, echo: str = "", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, echo: str = "", echo_logprobs: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.echo = echo
+        self.echo_logprobs = echo_logprobs
 
     def start(self) -> list[dict[str, Any]]:
-        return [self._chunk(self.echo, None, None)] if self.echo else []
+        return [self._chunk(self.echo, None, None)] if self.echo and not self.echo_logprobs else []
 
     def _chunk(self, text: str, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
         return {
@@ -219,22 +226,32 @@ class CompletionFormat(OutputFormat):
             ],
         }
 
-    def _logprobs(self, items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    def _logprobs(
+        self, items: list[TokenLogprob], offset: int, is_prompt: bool = False
+    ) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object; a prompt's first token has no alternatives."""
         tokens = [self.token_text(t.token_id) for t in items]
         offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
+        tops: list[dict[str, float] | None] = [
+            {self.token_text(i): lp for i, lp in t.top} for t in items
+        ]
+        if is_prompt and tops:
+            tops[0] = None
         return {
             "tokens": tokens,
             "token_logprobs": [t.logprob for t in items],
-            "top_logprobs": [{self.token_text(i): lp for i, lp in t.top} for t in items],
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
 
     def delta(self, delta: Delta) -> list[dict[str, Any]]:
-        offset = len(self.text)
+        offset = len(self.echo) + len(self.text)
         self.add(delta)
+        if delta.prompt is not None:  # the echo, with the prompt's logprobs
+            return [self._chunk(self.echo, self._logprobs(delta.prompt, 0, True), None)]
         logprobs = self._logprobs(delta.logprobs, offset) if delta.logprobs else None
         if not delta.text and logprobs is None:
             return []
@@ -250,11 +267,12 @@ class CompletionFormat(OutputFormat):
         return {**self._chunk("", None, None), "choices": [], "usage": usage}
 
     def response(self, finish: Finish) -> dict[str, Any]:
-        chunk = self._chunk(
-            self.echo + self.text,
-            self._logprobs(self.logprobs, 0) if self.logprobs else None,
-            finish.finish_reason,
-        )
+        logprobs = None
+        if self.prompt or self.logprobs:
+            prompt = self._logprobs(self.prompt, 0, True)
+            output = self._logprobs(self.logprobs, len(self.echo))
+            logprobs = {k: prompt[k] + output[k] for k in prompt}
+        chunk = self._chunk(self.echo + self.text, logprobs, finish.finish_reason)
         return {**chunk, "usage": usage(finish)}
 
 

@@ -6,6 +6,7 @@ from common import messages as msg
 from common.grammar.backend import GrammarError
 from common.stop import FinishReason
 from decode_node.req import DecodeReq
+from transfer.kv_sender import AuxData
 
 
 def append_token(req: DecodeReq, token_id: int) -> FinishReason | None:
@@ -56,6 +57,16 @@ def token_chunk(
         tops = [[[int(t), float(v)] for t, v in (top or [])]]
     return msg.TokenChunk(
         rid=req.rid, token_ids=[token_id], logprobs=[lp], top_logprobs=tops, marks=marks
+    )
+
+
+def prompt_logprobs(req: DecodeReq, aux: AuxData) -> msg.PromptLogprobs | None:
+    """The prompt's logprobs the prefill node computed, when the request asked for them:
+    they go to the gateway before its first token."""
+    if not req.generate.return_prompt_logprobs or aux.prompt_logprobs is None:
+        return None
+    return msg.PromptLogprobs(
+        rid=req.rid, logprobs=aux.prompt_logprobs, top_logprobs=aux.prompt_top_logprobs or []
     )
 
 

@@ -40,7 +40,7 @@ from decode_node.budget import build_budget, default_max_running_requests
 from decode_node.grammar_gate import failed_grammars, poll_grammar
 from decode_node.ingress import NodeLimits, Rejection, build_request, check_request
 from decode_node.integrity import LATE_WRITE_ERROR, check_requests
-from decode_node.output import append_token, req_finished, token_chunk
+from decode_node.output import append_token, prompt_logprobs, req_finished, token_chunk
 from decode_node.prealloc_queue import (
     BudgetReq,
     DecodeBudget,
@@ -294,9 +294,8 @@ class DecodeScheduler:
         done, failed = self.transfer_queue.pop_transferred()
         for r in failed:
             reason = r.receiver.failure_reason if r.receiver is not None else "no receiver"
-            self._fail(
-                r, 500, f"KV transfer from the prefill node failed: {reason}", retryable=True
-            )
+            error = f"KV transfer from the prefill node failed: {reason}"
+            self._fail(r, 500, error, retryable=True)
         for r in done:
             ready = poll_grammar(self.grammar, r)
             if isinstance(ready, GrammarError):
@@ -314,6 +313,8 @@ class DecodeScheduler:
             self.stats.stages(stages.stage_seconds(r.marks, stages.DECODE_STAGES))
             r.marks.update(aux.marks)
             r.num_cached_tokens = aux.num_cached_tokens
+            if (prompt := prompt_logprobs(r, aux)) is not None:
+                self.push.send(r.generate.reply_endpoint, prompt)
             if r.max_new_tokens == 0:
                 self._finish(r, FinishReason.length())
                 continue

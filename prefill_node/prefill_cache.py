@@ -125,7 +125,7 @@ class PrefillCache:
     def cached_prefix(self, req: Req) -> int:
         """The prefix of a request not admitted yet that its prefill would start from
         (either tier)."""
-        if self.tree is None:
+        if self.tree is None or not req.reads_cache:
             return 0
         match = req.match
         if match is None or match.version != self.tree.version:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import xgrammar as xgr
 
@@ -89,6 +90,10 @@ class PrefillReq:
     # sampled under it).
     grammar_ticket: GrammarTicket | None = None
     grammar: xgr.CompiledGrammar | None = None
+    # GenerateReq.return_prompt_logprobs: what the chunks computed so far
+    # (prefill_node/prompt_logprobs.py)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[Any]] = field(default_factory=list)
 
     @property
     def rid(self) -> str:

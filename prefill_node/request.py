@@ -51,6 +51,9 @@ class Req:
     cache_salt: str | None = None
     # The radix-cache namespace of the salt (salt_key), computed once.
     namespace: bytes | None = field(default=None, init=False, repr=False)
+    # False: the prompt is computed whole, cached or not (its prompt logprobs are asked
+    # for, and a cached page has none): it matches nothing, its pages are still cached.
+    reads_cache: bool = True
 
     # --- scheduling state, owned by the schedule policy ----------------------------------
     # The current radix-cache match of origin_input_ids (None: not matched yet or no cache).
@@ -83,7 +86,7 @@ class Req:
     def prefix_len(self) -> int:
         """Tokens of the prompt found in the radix cache, on the device and the host tier
         (a multiple of the page size; SGLang's num_matched_prefix_tokens counts both)."""
-        return self.match.total_tokens if self.match is not None else 0
+        return self.match.total_tokens if self.match is not None and self.reads_cache else 0
 
     num_cached_tokens = prefix_len
 

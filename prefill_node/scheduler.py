@@ -31,13 +31,14 @@ from common.config import PrefillConfig
 from common.grammar.backend import GrammarBackend, GrammarError
 from common.ipc import PushPool
 from common.kv_pool import pages_needed
-from common.model.runner import ExtendRequest, ModelRunner
+from common.model.runner import ModelRunner
 from common.node.gateway_watch import GatewayWatch
 from common.node.scheduling import RequestFailures
 from common.radix_cache import RadixCache
 from common.sampler import Sampler
 from common.token_keys import TOKEN_BYTES
 from common.work_done import WorkDone
+from prefill_node import prompt_logprobs
 from prefill_node.cache_aware_orders import usable_prefix_len
 from prefill_node.first_token import sample_first_token
 from prefill_node.integrity import check_requests
@@ -212,6 +213,7 @@ class PrefillScheduler:
             routing_key=g.routing_key,
             arrival_time=g.arrival_time,
             cache_salt=g.cache_salt,
+            reads_cache=not g.return_prompt_logprobs,
         )
         s = PrefillReq(
             req,
@@ -301,7 +303,7 @@ class PrefillScheduler:
         `req` waits one round and reads that page from the cache instead of computing it
         again. In-batch dedup only sees the waiting queue; this covers the running batch."""
         num_bytes = (prefix + self.page_size) * TOKEN_BYTES
-        if len(req.key) < num_bytes + TOKEN_BYTES:
+        if not req.reads_cache or len(req.key) < num_bytes + TOKEN_BYTES:
             return False
         head = req.key[:num_bytes]
         return any(
@@ -347,13 +349,9 @@ class PrefillScheduler:
     def _run(self, chunks: list[PrefillChunk]) -> None:
         reqs = [self.states[c.req.rid] for c in chunks]
         start = time.perf_counter()
+        extends = list(map(prompt_logprobs.extend_request, chunks, reqs))
         try:
-            out = self.runner.extend(
-                [
-                    ExtendRequest(c.req.origin_input_ids[c.start : c.end], c.start, s.pages)
-                    for c, s in zip(chunks, reqs)
-                ]
-            )
+            out = self.runner.extend(extends)
         except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the node goes on
             for s in reqs:
                 self.failures.isolate(s.rid, s.generate.reply_endpoint, "prefilling it", exc)
@@ -364,6 +362,10 @@ class PrefillScheduler:
         self.stats.prefill_tokens(num_tokens)
         for i, (c, s) in enumerate(zip(chunks, reqs)):
             try:
+                if out.target_logprobs:
+                    prompt_logprobs.collect(
+                        s, extends[i], out.target_logprobs[i], out.top_logprobs[i]
+                    )
                 self._finish_chunk(c, s, out.logits[i : i + 1], out.done)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 self.failures.isolate(s.rid, s.generate.reply_endpoint, "finishing its chunk", exc)
@@ -396,6 +398,7 @@ class PrefillScheduler:
                 top_logprobs=list(top),
                 marks=dict(s.marks),
                 num_cached_tokens=s.num_cached_tokens,
+                **prompt_logprobs.aux_fields(s),
             ),
             ready=done,
         )

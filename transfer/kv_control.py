@@ -307,6 +307,8 @@ class ControlDispatcher:
             top_logprobs=[(int(t), float(lp)) for t, lp in done.top_logprobs],
             marks=stages.forwarded(done.marks, stages.PREFILL_MARKS),
             num_cached_tokens=max(0, done.num_cached_tokens),
+            prompt_logprobs=done.prompt_logprobs,
+            prompt_top_logprobs=done.prompt_top_logprobs,
         )
         receiver.on_done(aux, done.num_pages, now)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from common.kv_pool import pages_needed
 from common.work_done import COMPLETED, WorkDone
@@ -41,6 +41,10 @@ class AuxData:
     marks: dict[str, float] = field(default_factory=dict)
     # Prompt tokens the prefill node read from its radix cache instead of computing.
     num_cached_tokens: int = 0
+    # The prompt's logprobs when asked for (msg.TransferDone.prompt_logprobs): one per
+    # prompt token after the first, and per position [token_id, logprob] pairs, best first.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[Any]] | None = None
 
 
 class SenderHost(Protocol):

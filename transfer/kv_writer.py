@@ -235,6 +235,8 @@ class KVWriter:
                 instance_id=self.m.instance_id,
                 marks=aux.marks or None,
                 num_cached_tokens=aux.num_cached_tokens,
+                prompt_logprobs=aux.prompt_logprobs,
+                prompt_top_logprobs=aux.prompt_top_logprobs,
             )
         )
 

@@ -12,7 +12,13 @@ from common.messages.codec import (
     message_types,
     to_jsonable,
 )
-from common.messages.generation import GenerateReq, ReqFailed, ReqFinished, TokenChunk
+from common.messages.generation import (
+    GenerateReq,
+    PromptLogprobs,
+    ReqFailed,
+    ReqFinished,
+    TokenChunk,
+)
 from common.messages.kv_events import KVEvents, KVSnapshotRequest
 from common.messages.transfer import (
     AbortReq,
@@ -40,6 +46,7 @@ __all__ = [
     "LeaseGrant",
     "LeaseRenew",
     "PeerReset",
+    "PromptLogprobs",
     "MalformedMessage",
     "Message",
     "PeerHello",

@@ -8,7 +8,13 @@ import msgpack  # type: ignore[import-untyped]
 
 from common.messages.base import MalformedMessage, Message
 from common.messages.cluster import Deregister, Heartbeat, RegisterNode
-from common.messages.generation import GenerateReq, ReqFailed, ReqFinished, TokenChunk
+from common.messages.generation import (
+    GenerateReq,
+    PromptLogprobs,
+    ReqFailed,
+    ReqFinished,
+    TokenChunk,
+)
 from common.messages.kv_events import KVEvents, KVSnapshotRequest
 from common.messages.schema import FieldSpec, schema_of
 from common.messages.transfer import (
@@ -42,6 +48,7 @@ MESSAGE_TYPES: Final[dict[str, type[Message]]] = {
     Deregister.TAG: Deregister,
     GenerateReq.TAG: GenerateReq,
     TokenChunk.TAG: TokenChunk,
+    PromptLogprobs.TAG: PromptLogprobs,
     ReqFinished.TAG: ReqFinished,
     ReqFailed.TAG: ReqFailed,
     KVEvents.TAG: KVEvents,

@@ -32,6 +32,10 @@ class GenerateReq(Message):
     # and go on from output token len(output_ids): max_new_tokens, the grammar's matcher,
     # seeded draws and usage count these tokens as output.
     output_ids: list[int] = field(default_factory=list)
+    # The logprob of each prompt token after the first (and the top sampling["top_logprobs"]
+    # alternatives at each position): the prefill node computes the whole prompt, cached or
+    # not, and the decode node sends them on in PromptLogprobs (completions' echo).
+    return_prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,18 @@ class TokenChunk(Message):
     top_logprobs: list[list[Any]] | None
     # The first chunk only: the nodes' wall-clock marks (common/stages.py) for the gateway.
     marks: dict[str, float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs(Message):
+    """Decode -> gateway, before the request's first TokenChunk (or its ReqFinished): the
+    logprob of each prompt token after the first, as the prefill node computed them."""
+
+    TAG: ClassVar[str] = "prompt_logprobs"
+    rid: str
+    logprobs: list[float]
+    # Per position, its (token_id, logprob) pairs, best first.
+    top_logprobs: list[list[Any]]
 
 
 @dataclass(frozen=True, slots=True)

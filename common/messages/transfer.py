@@ -72,6 +72,10 @@ class TransferDone(Message):
     marks: dict[str, float] | None = None
     # Prompt tokens served from the prefill node's radix cache (usage.cached_tokens).
     num_cached_tokens: int = 0
+    # GenerateReq.return_prompt_logprobs: the logprob of each prompt token after the first
+    # and its top alternatives ((token_id, logprob) pairs, best first); None: not asked.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

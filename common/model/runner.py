@@ -32,6 +32,7 @@ DEFAULT_WARMUP_TOKENS = 8192  # the prefill the pool's sizing leaves activations
 # a bound on the forward passes one row bucket takes to choose its kernels (it takes
 # trials x kernels, 25 at most)
 MAX_CHOOSING_PASSES = 60
+LOGPROB_ROWS = 1024  # rows of logits at a time when every position's logprobs are read
 
 
 @dataclass(frozen=True)
@@ -345,18 +346,34 @@ class ModelRunner:
                 result.target_logprobs.append(None)
                 result.top_logprobs.append(None)
                 continue
-            logp = torch.log_softmax(self.model.logits(hidden[start : start + n]), dim=-1)
-            targets = list(r.logprob_targets or [])[:n]
-            idx = torch.tensor(targets, dtype=torch.long, device=logp.device)
-            result.target_logprobs.append(
-                logp[torch.arange(len(targets), device=logp.device), idx] if targets else None
+            targets, top = self._position_logprobs(
+                hidden[start : start + n], list(r.logprob_targets or [])[:n], r.top_logprobs
             )
-            if r.top_logprobs:
-                top = logp.topk(r.top_logprobs, dim=-1)
-                result.top_logprobs.append((top.values, top.indices))
-            else:
-                result.top_logprobs.append(None)
+            result.target_logprobs.append(targets)
+            result.top_logprobs.append(top)
         return result
+
+    def _position_logprobs(
+        self, hidden: torch.Tensor, targets: list[int], k: int
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each target's logprob at its position (the first len(targets) rows) and the
+        top ``k`` of every row, LOGPROB_ROWS rows of logits at a time (a chunk's whole
+        [rows, vocab] would be gigabytes: 8192 x 128k in float32 is 4 GiB)."""
+        picked, values, indices = [], [], []
+        for lo in range(0, hidden.shape[0], LOGPROB_ROWS):
+            logp = torch.log_softmax(self.model.logits(hidden[lo : lo + LOGPROB_ROWS]), dim=-1)
+            mine = targets[lo : lo + logp.shape[0]]
+            if mine:
+                idx = torch.tensor(mine, dtype=torch.long, device=logp.device)
+                picked.append(logp[torch.arange(len(mine), device=logp.device), idx])
+            if k:
+                top = logp.topk(k, dim=-1)
+                values.append(top.values)
+                indices.append(top.indices)
+        return (
+            torch.cat(picked) if picked else None,
+            (torch.cat(values), torch.cat(indices)) if k else None,
+        )
 
     @torch.inference_mode()
     def decode(

@@ -128,6 +128,7 @@ class PD:
         gateway_id="",
         output_ids=(),
         cache_salt=None,
+        return_prompt_logprobs=False,
         **sampling,
     ):
         g = msg.GenerateReq(
@@ -145,6 +146,7 @@ class PD:
             gateway_id=gateway_id,
             output_ids=list(output_ids),
             cache_salt=cache_salt,
+            return_prompt_logprobs=return_prompt_logprobs,
         )
         if to_prefill:
             self.to_prefill.send(msg.encode(g))

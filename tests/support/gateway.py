@@ -55,6 +55,8 @@ def stream_tokens(
     def behave(gen: msg.GenerateReq, send: Send) -> None:
         limit = int(gen.sampling.get("max_new_tokens", len(token_ids)))
         out = token_ids[:limit]
+        if gen.return_prompt_logprobs:  # prompt token i+1 gets -(i+1)/10, itself on top
+            send(fake_prompt_logprobs(gen))
         for tid in out:
             lp = [-0.5] if logprobs or gen.return_logprob else None
             top = [[[tid, -0.5], [tid + 1, -1.5]]] if lp is not None else None
@@ -75,6 +77,16 @@ def stream_tokens(
             )
 
     return behave
+
+
+def fake_prompt_logprobs(gen: msg.GenerateReq) -> msg.PromptLogprobs:
+    follow = gen.input_ids[1:]
+    k = int(gen.sampling.get("top_logprobs", 0))
+    return msg.PromptLogprobs(
+        rid=gen.rid,
+        logprobs=[-(i + 1) / 10 for i in range(len(follow))],
+        top_logprobs=[[[t, -(i + 1) / 10]][:k] for i, t in enumerate(follow)],
+    )
 
 
 def fail_after(token_ids: list[int], status: int = 500, error: str = "decode blew up") -> Behaviour:

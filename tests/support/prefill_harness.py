@@ -78,6 +78,7 @@ class Harness:
                     arrival_time=time.time(),
                     return_logprob=False,
                     cache_salt=kw.pop("cache_salt", None),
+                    return_prompt_logprobs=kw.pop("return_prompt_logprobs", False),
                 )
             )
         )

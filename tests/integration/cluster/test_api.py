@@ -113,6 +113,67 @@ def test_n_seeded_samples_with_penalties_equal_the_single_process_runner(cluster
     assert chat.usage.prompt_tokens == len(ids)
 
 
+def test_echo_logprobs_equal_the_single_process_runner_with_the_prompt_cached(cluster):
+    """echo + logprobs through the official client: each prompt token's logprob and top 2
+    equal the single-process runner's over the whole prompt, though the prefill node has
+    the prompt cached (it computes it again), streamed and not; max_tokens 0 scores."""
+    from common.kv_pool import pages_needed
+    from common.model.default_model import default_model_dir
+    from common.model.runner import ExtendRequest, ModelRunner
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(default_model_dir())
+    runner = ModelRunner.from_path(None, progress=False, max_total_tokens=1024)
+    prompt = SYSTEM + " The quick brown fox jumps over the lazy dog, and then it rests."
+    ids = tok.encode(prompt)
+    pages = runner.pool.allocator.allocate(pages_needed(len(ids), runner.page_size))
+    ref = runner.extend([ExtendRequest(ids, 0, pages, logprob_targets=ids[1:], top_logprobs=2)])
+    want = ref.target_logprobs[0].tolist()
+    want_top = ref.top_logprobs[0][1][: len(ids) - 1].tolist()
+    cl = client(cluster)
+    cl.completions.create(model="default", prompt=prompt, max_tokens=1, temperature=0)
+    cached_before = cl.completions.create(
+        model="default", prompt=prompt, max_tokens=1, temperature=0
+    ).usage.prompt_tokens_details.cached_tokens
+    assert cached_before > 0  # the prompt is cached on its prefill node
+
+    def check(logprobs, n_out):
+        assert logprobs.tokens[: len(ids)] == [
+            tok.decode([t], skip_special_tokens=False) for t in ids
+        ]
+        got = logprobs.token_logprobs[: len(ids)]
+        assert got[0] is None and len(logprobs.token_logprobs) == len(ids) + n_out
+        assert got[1:] == pytest.approx(want, abs=2e-3)
+        for i, top in enumerate(logprobs.top_logprobs[1 : len(ids)]):
+            names = [tok.decode([t], skip_special_tokens=False) for t in want_top[i]]
+            assert set(top) <= set(names) and len(top) == len(set(names)), i
+
+    out = cl.completions.create(
+        model="default", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2
+    )
+    assert out.choices[0].text.startswith(prompt)
+    assert out.usage.prompt_tokens_details.cached_tokens == 0  # computed whole
+    check(out.choices[0].logprobs, out.usage.completion_tokens)
+    chunks = list(
+        cl.completions.create(
+            model="default",
+            prompt=prompt,
+            max_tokens=3,
+            temperature=0,
+            echo=True,
+            logprobs=2,
+            stream=True,
+        )
+    )
+    assert chunks[0].choices[0].text == prompt
+    check(chunks[0].choices[0].logprobs, 0)
+    scored = cl.completions.create(
+        model="default", prompt=prompt, max_tokens=0, echo=True, logprobs=2
+    )
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    check(scored.choices[0].logprobs, 0)
+
+
 def _stage_totals(url: str, stage_names: list[str]) -> dict[str, tuple[float, float]]:
     """(count, sum) of pdserve_request_stage_seconds per stage on one process."""
     return {

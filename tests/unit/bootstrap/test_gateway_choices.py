@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import openai
 import pytest
 
+from common import messages as msg
 from common.sampler import sample_seed
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
@@ -139,8 +141,135 @@ def test_echo_puts_the_prompt_before_the_output_streamed_and_not(
     ids = tokenizer.encode("Token ids")
     out = client(gw).completions.create(model="test-model", prompt=ids, max_tokens=3, echo=True)
     assert out.choices[0].text == "Token ids" + expected
-    with pytest.raises(openai.BadRequestError) as err:
-        client(gw).completions.create(
-            model="test-model", prompt="x", max_tokens=2, echo=True, logprobs=1
+
+
+def _prompt_logprobs_expected(tokenizer: Tokenizer, prompt: str) -> dict[str, Any]:
+    """What tests/support/gateway.py's fake prompt logprobs make of ``prompt``'s tokens."""
+    ids = tokenizer.encode(prompt)
+    tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None] + [-(i + 1) / 10 for i in range(len(ids) - 1)],
+        "top_logprobs": [None] + [{t: -(i + 1) / 10} for i, t in enumerate(tokens[1:])],
+        "text_offset": [sum(map(len, tokens[:i])) for i in range(len(ids))],
+    }
+
+
+def test_echo_with_logprobs_gives_the_prompts_tokens_then_the_outputs(
+    gw: Gateway, tokenizer: Tokenizer
+) -> None:
+    prompt = "Score this sentence."
+    want = _prompt_logprobs_expected(tokenizer, prompt)
+    out = client(gw).completions.create(
+        model="test-model", prompt=prompt, max_tokens=2, echo=True, logprobs=1
+    )
+    lp = out.choices[0].logprobs
+    assert lp is not None and out.choices[0].text == prompt + tokenizer.decode(
+        reply_ids(tokenizer)[:2]
+    )
+    n = len(want["tokens"])
+    assert lp.tokens[:n] == want["tokens"] and len(lp.tokens) == n + 2
+    assert lp.token_logprobs[:n] == want["token_logprobs"] and lp.token_logprobs[n:] == [-0.5] * 2
+    assert lp.top_logprobs[:n] == want["top_logprobs"]
+    assert lp.text_offset[:n] == want["text_offset"]
+    assert lp.text_offset[n] == len(prompt)  # the output's offsets go on after the prompt
+    (generate,) = [g for g in gw.nodes[-1].generates() if g.input_ids == tokenizer.encode(prompt)]
+    assert generate.return_prompt_logprobs
+    # max_tokens 0 with echo: the prompt and its logprobs alone (scoring)
+    zero = client(gw).completions.create(
+        model="test-model", prompt=prompt, max_tokens=0, echo=True, logprobs=0
+    )
+    assert zero.choices[0].text == prompt and zero.usage.completion_tokens == 0
+    assert zero.choices[0].logprobs.token_logprobs == want["token_logprobs"]
+    assert zero.choices[0].logprobs.top_logprobs == [None] + [{}] * (n - 1)
+    with pytest.raises(openai.BadRequestError):  # without echo, 0 is still refused
+        client(gw).completions.create(model="test-model", prompt=prompt, max_tokens=0)
+
+
+def test_echo_with_logprobs_streams_the_prompt_first_for_every_choice(
+    gw: Gateway, tokenizer: Tokenizer
+) -> None:
+    stream = client(gw).completions.create(
+        model="test-model",
+        prompt=["One", "Two words"],
+        max_tokens=2,
+        echo=True,
+        logprobs=1,
+        stream=True,
+    )
+    chunks: dict[int, list[Any]] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            chunks.setdefault(c.index, []).append(c)
+    for i, prompt in enumerate(["One", "Two words"]):
+        first, *rest = chunks[i]
+        assert first.text == prompt
+        want = _prompt_logprobs_expected(tokenizer, prompt)
+        assert first.logprobs.tokens == want["tokens"]
+        assert first.logprobs.token_logprobs == want["token_logprobs"]
+        outputs = [c for c in rest if c.logprobs is not None]
+        assert [c.logprobs.text_offset[0] for c in outputs][:1] == [len(prompt)]
+        assert "".join(c.text for c in chunks[i]) == prompt + tokenizer.decode(
+            reply_ids(tokenizer)[:2]
         )
-    assert err.value.body["param"] == "echo"  # type: ignore[index]
+
+
+def _seed_scored(tokenizer: Tokenizer) -> harness.Behaviour:
+    """A decode node whose output names its sample's seed, each token's logprob
+    -(seed % 1000) / 1000: best_of's ranking is known from the seeds."""
+
+    def behave(gen: Any, send: harness.Send) -> None:
+        seed = int(gen.sampling["seed"])
+        ids = tokenizer.encode(f" sample {seed % 1000}")[: int(gen.sampling["max_new_tokens"])]
+        lp = -(seed % 1000) / 1000
+        for tid in ids:
+            logprobs = [lp] if gen.return_logprob else None
+            send(msg.TokenChunk(rid=gen.rid, token_ids=[tid], logprobs=logprobs, top_logprobs=None))
+        send(
+            msg.ReqFinished(
+                rid=gen.rid,
+                finish_reason="length",
+                matched_stop=None,
+                num_prompt_tokens=len(gen.input_ids),
+                num_output_tokens=len(ids),
+                num_cached_tokens=0,
+            )
+        )
+
+    return behave
+
+
+def test_best_of_returns_the_n_samples_of_highest_logprob_per_token(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    gw = gateway_factory()
+    gw.node("prefill")
+    gw.node("decode", _seed_scored(tokenizer))
+    seeds = [sample_seed(5, i) for i in range(6)]
+    best = sorted(range(6), key=lambda i: (seeds[i] % 1000, i))[:2]
+    out = client(gw).completions.create(
+        model="test-model",
+        prompt=["Pick", "Pick again"],
+        max_tokens=8,
+        seed=5,
+        n=2,
+        best_of=6,
+        temperature=1.0,
+    )
+    want = [f" sample {seeds[i] % 1000}" for i in best]
+    assert [c.text for c in out.choices] == want + want  # per prompt, best first
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert all(c.logprobs is None for c in out.choices)  # not asked: not shown
+    lengths = [len(tokenizer.encode(f" sample {s % 1000}")) for s in seeds]
+    assert out.usage.completion_tokens == 2 * sum(lengths)  # every sample was generated
+    generates = gw.nodes[-1].generates()
+    assert len(generates) == 12 and all(g.return_logprob for g in generates)
+    shown = client(gw).completions.create(
+        model="test-model", prompt="Pick", max_tokens=8, seed=5, best_of=6, logprobs=0
+    )
+    assert shown.choices[0].text == want[0]
+    assert shown.choices[0].logprobs.token_logprobs[0] == -(seeds[best[0]] % 1000) / 1000
+    for bad in ({"best_of": 1, "n": 2}, {"best_of": 17}, {"best_of": 3, "stream": True}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client(gw).completions.create(model="test-model", prompt="x", max_tokens=2, **bad)
+        assert err.value.body["param"] == "best_of"  # type: ignore[index]

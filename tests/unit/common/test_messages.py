@@ -27,6 +27,7 @@ from common.messages import (
     PeerHello,
     PeerHelloAck,
     PeerReset,
+    PromptLogprobs,
     RegisterNode,
     ReqFailed,
     ReqFinished,
@@ -156,6 +157,18 @@ SAMPLES: list[Message] = [
         num_pages=512,
     ),
     KVSnapshotRequest(gateway_id="gateway-1"),
+    PromptLogprobs(rid="req-3", logprobs=[-1.5, -0.25], top_logprobs=[[[7, -0.5]], [[9, -0.25]]]),
+    TransferDone(
+        room=8,
+        node_id="prefill-0",
+        first_token_id=42,
+        first_logprob=None,
+        top_logprobs=[],
+        room_echo=8,
+        num_pages=1,
+        prompt_logprobs=[-3.0, -0.5],
+        prompt_top_logprobs=[[[3, -1.0]], [[4, -0.5]]],
+    ),
 ]
 
 
@@ -186,7 +199,7 @@ def _reason(data: bytes) -> str:
 
 def test_samples_cover_every_registered_type() -> None:
     assert {type(m) for m in SAMPLES} == set(message_types())
-    assert len(message_types()) == 19
+    assert len(message_types()) == 20
 
 
 def test_registry_is_consistent() -> None:
@@ -194,8 +207,9 @@ def test_registry_is_consistent() -> None:
     for tag, cls in MESSAGE_TYPES.items():
         assert cls.TAG == tag
         assert cls.__doc__
-    # 3: GenerateReq.cache_salt; 4: marks on TokenChunk, TransferDone; 5: KV events
-    assert PROTOCOL_VERSION == 5
+    # 3: GenerateReq.cache_salt; 4: marks on TokenChunk, TransferDone; 5: KV events;
+    # 6: prompt logprobs (GenerateReq, TransferDone, PromptLogprobs)
+    assert PROTOCOL_VERSION == 6
     assert is_supported_protocol(PROTOCOL_VERSION)
     assert not is_supported_protocol(PROTOCOL_VERSION + 1)
 

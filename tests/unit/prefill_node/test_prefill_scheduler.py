@@ -12,6 +12,8 @@ import torch
 
 from common import messages as msg
 from common.ipc import recv_messages
+from common.kv_pool import pages_needed
+from common.model.runner import ExtendRequest
 from prefill_node.req_state import PrefillState
 from tests.support.prefill_harness import Harness, check_landed, prompt
 from transfer.kv_poll import KVPoll
@@ -62,6 +64,39 @@ def test_shared_prefix_is_served_from_the_radix_cache(h):
     assert h.sched.processed_tokens - computed_before == len(second) - 32
     check_landed(h, r2, p2, second)
     h.sched.check_integrity()
+
+
+def test_prompt_logprobs_cover_the_whole_prompt_though_cached_and_chunked(model_dir):
+    """A request asking for its prompt's logprobs computes the whole prompt again (its
+    pages are cached by an earlier one), in chunks; the logprobs and top 2 that reach the
+    decode side equal one extend of the whole prompt, and its KV lands exactly."""
+    h = Harness(model_dir, chunked_prefill_size=8, max_prefill_tokens=8)
+    try:
+        ids = prompt(30, 7)
+        h.submit("warm", 31, ids)
+        r0, _ = h.receive(31, len(ids))
+        h.run_until(lambda: r0.poll() is KVPoll.Success and not h.sched.states)
+        computed = h.sched.processed_tokens
+        sampling = {"max_new_tokens": 8, "temperature": 0.0, "top_logprobs": 2}
+        h.submit("scored", 32, ids, sampling=sampling, return_prompt_logprobs=True)
+        r1, pages = h.receive(32, len(ids))
+        h.run_until(lambda: r1.poll() is KVPoll.Success and not h.sched.states)
+        assert h.sched.processed_tokens - computed == len(ids)  # nothing read from the cache
+        ref_pages = h.ref.pool.allocator.allocate(pages_needed(len(ids), PAGE))
+        ref = h.ref.extend(
+            [ExtendRequest(ids, 0, ref_pages, logprob_targets=ids[1:], top_logprobs=2)]
+        )
+        h.ref.pool.allocator.free(ref_pages)
+        aux = r1.aux
+        assert aux is not None and aux.prompt_logprobs is not None
+        assert aux.prompt_logprobs == pytest.approx(ref.target_logprobs[0].tolist(), abs=1e-4)
+        top_ids = [[t for t, _ in row] for row in aux.prompt_top_logprobs or []]
+        assert top_ids == ref.top_logprobs[0][1][: len(ids) - 1].tolist()
+        assert r0.aux is not None and r0.aux.prompt_logprobs is None  # not asked: not sent
+        check_landed(h, r1, pages, ids)
+        h.sched.check_integrity()
+    finally:
+        h.close()
 
 
 def test_abort_in_bootstrap_or_mid_chunk_or_from_decode_frees_everything(model_dir):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from common.kv_pool import pages_needed
+from common.model import runner as runner_module
 from common.model.cpu.gemm import PACKED, PANELS, ROW_MAJOR, WEIGHT_MAJOR, KernelChooser
 from common.model.cpu.paged_attention import paged_prefill_attention
 from common.model.runner import ExtendRequest, ModelRunner
@@ -88,6 +89,22 @@ def test_full_prompt_matches_reference(pair):
     )
     top_vals, top_ids = out.top_logprobs[0]
     assert top_ids.tolist() == ref_logp.topk(3, -1).indices.tolist()
+    runner.pool.allocator.free(pages)
+
+
+def test_prompt_logprobs_read_in_row_blocks_equal_one_pass(pair, monkeypatch):
+    """Logits are read LOGPROB_ROWS rows at a time; blocks that split the prompt (and
+    end inside the targets) give what one pass gives."""
+    _, runner = pair
+    ids = _prompt(23, 2)
+    pages = runner.pool.allocator.allocate(pages_needed(len(ids), PAGE))
+    whole = runner.extend([ExtendRequest(ids, 0, pages, logprob_targets=ids[1:], top_logprobs=2)])
+    monkeypatch.setattr(runner_module, "LOGPROB_ROWS", 5)
+    split = runner.extend([ExtendRequest(ids, 0, pages, logprob_targets=ids[1:], top_logprobs=2)])
+    torch.testing.assert_close(split.target_logprobs[0], whole.target_logprobs[0])
+    assert split.target_logprobs[0].shape == (22,)
+    assert split.top_logprobs[0][1].tolist() == whole.top_logprobs[0][1].tolist()
+    assert split.top_logprobs[0][0].shape == (23, 2)
     runner.pool.allocator.free(pages)
 
 
