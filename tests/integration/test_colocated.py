@@ -58,6 +58,27 @@ def test_greedy_output_equals_the_single_process_runner(colocated):
         assert chat.choices[0].message.content == offline.text
 
 
+def test_echo_logprobs_equal_the_single_process_runner(colocated):
+    """The prompt's logprobs travel from the prefill half to the decode half as in P/D."""
+    from common.kv_pool import pages_needed
+    from common.model.default_model import default_model_dir
+    from common.model.runner import ExtendRequest, ModelRunner
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(default_model_dir())
+    runner = ModelRunner.from_path(None, progress=False, max_total_tokens=1024, dtype="float32")
+    prompt = "Lighthouses guide ships along rocky coasts at night."
+    ids = tok.encode(prompt)
+    pages = runner.pool.allocator.allocate(pages_needed(len(ids), runner.page_size))
+    ref = runner.extend([ExtendRequest(ids, 0, pages, logprob_targets=ids[1:])])
+    out = _client(colocated).completions.create(
+        model="default", prompt=prompt, max_tokens=0, echo=True, logprobs=0
+    )
+    assert out.choices[0].text == prompt
+    got = out.choices[0].logprobs.token_logprobs
+    assert got[0] is None and got[1:] == pytest.approx(ref.target_logprobs[0].tolist(), abs=2e-3)
+
+
 def test_long_prompts_and_streams_mix_and_every_page_comes_back(colocated):
     cl = _client(colocated)
     results: list[object] = []
