@@ -185,6 +185,21 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
+# Prompt logprobs travel in one message (TransferDone, then PromptLogprobs): at ~15 bytes
+# an entry this keeps it near 30 MB, under common/ipc.py's 64 MiB frame.
+MAX_PROMPT_LOGPROB_ENTRIES = 2_000_000
+
+
+def _check_prompt_logprobs_fit(num_prompt: int, top: int) -> None:
+    entries = num_prompt * (top + 1)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise bad_request(
+            f"echo with logprobs={top} over {num_prompt} prompt tokens is {entries} entries, "
+            f"over {MAX_PROMPT_LOGPROB_ENTRIES:,}: ask for fewer logprobs or a shorter prompt",
+            "logprobs",
+        )
+
+
 def best_of(body: CompletionRequest, max_n: int = DEFAULT_MAX_N) -> int:
     """Samples drawn per prompt: ``best_of`` (OpenAI's: at least ``n``; the ``n`` whose
     output has the highest logprob per token are returned), else ``n``. Above ``n`` they
@@ -233,6 +248,8 @@ def prepare_completion(
             input_ids = list(prompt)
             _check_ids(input_ids, tokenizer.vocab_size, "prompt")
         _check_lengths(len(input_ids), max_tokens, context_length, "prompt")
+        if body.echo and body.logprobs is not None:
+            _check_prompt_logprobs_fit(len(input_ids), top)
         echo = ""
         if body.echo:
             echo = (

@@ -273,3 +273,24 @@ def test_best_of_returns_the_n_samples_of_highest_logprob_per_token(
         with pytest.raises(openai.BadRequestError) as err:
             client(gw).completions.create(model="test-model", prompt="x", max_tokens=2, **bad)
         assert err.value.body["param"] == "best_of"  # type: ignore[index]
+
+
+def test_prompt_logprobs_too_large_for_one_message_are_a_400(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bootstrap import prepare
+
+    monkeypatch.setattr(prepare, "MAX_PROMPT_LOGPROB_ENTRIES", 30)
+    with pytest.raises(openai.BadRequestError) as err:  # 5 tokens x 6 entries each > 30
+        client(gw).completions.create(
+            model="test-model",
+            prompt="one two three four five six",
+            max_tokens=1,
+            echo=True,
+            logprobs=5,
+        )
+    assert err.value.body["param"] == "logprobs"  # type: ignore[index]
+    fine = client(gw).completions.create(
+        model="test-model", prompt="one two", max_tokens=1, echo=True, logprobs=5
+    )
+    assert fine.choices[0].logprobs.token_logprobs[0] is None
