@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from common.sampling_params import (
     MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -267,7 +268,9 @@ class _OpenAISampling(_Body):
         "out (at most max_tokens)",
     )
     logit_bias: dict[str, float] | None = Field(
-        default=None, json_schema_extra=_served(maxProperties=0), description="not served"
+        default=None,
+        json_schema_extra=_served(maxProperties=MAX_LOGIT_BIAS),
+        description="token id (as a string) -> bias in [-100, 100], added to its logit",
     )
     user: str | None = None
     response_format: Any = Field(

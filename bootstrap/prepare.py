@@ -48,8 +48,6 @@ def _check_served(values: dict[str, Any], max_n: int = 1) -> None:
     n = values.get("n")
     if n is not None and not (isinstance(n, int) and 1 <= n <= max_n):
         raise bad_request(f"n must be an integer in [1, {max_n}] (--max-n), got {n!r:.20}", "n")
-    if values.get("logit_bias"):
-        raise bad_request("logit_bias is not served", "logit_bias")
 
 
 def _sampling(params: dict[str, Any], vocab_size: int, *, is_openai: bool) -> SamplingParams:
@@ -160,7 +158,23 @@ def _openai_sampling(
     else:
         params["logprobs"] = body.logprobs is not None
     params["top_logprobs"] = top_logprobs
+    params["logit_bias"] = _logit_bias(body.logit_bias)
     return _sampling(params, tokenizer.vocab_size, is_openai=True)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> list[list[int | float]]:
+    """OpenAI's {"token id": bias} as the wire's [id, bias] pairs; a key that is not an
+    integer is a 400 (ranges are checked with the other sampling parameters)."""
+    pairs: list[list[int | float]] = []
+    for key, value in (bias or {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids, got {key!r:.40}", "logit_bias"
+            ) from None
+        pairs.append([tid, value])
+    return pairs
 
 
 MAX_ROUTING_KEY_CHARS = 1024  # the body's routing_key has the same bound (openai_schema)

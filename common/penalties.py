@@ -1,14 +1,16 @@
-"""Repetition, frequency and presence penalties and min_tokens, applied to a batch of logits.
+"""Repetition, frequency and presence penalties, logit bias and min_tokens, applied to a batch
+of logits.
 
     repetition_penalty  (SGLang's, vLLM's, HF's) a token seen in the prompt or the output so
                         far has its logit divided by the penalty where positive, multiplied
                         where not (1: off)
     frequency_penalty   (OpenAI's) logit -= penalty * times the token was output so far
     presence_penalty    (OpenAI's) logit -= penalty if the token was output at all (0: off)
+    logit_bias          (OpenAI's) each listed id's logit += its bias (-100 .. 100)
     min_tokens          until that many tokens are output, the end-of-sequence ids and the
                         request's stop_token_ids cannot be sampled
 
-Applied in that order (vLLM's), to the raw logits, before grammar masks, temperature and
+Applied in that order (vLLM's for the penalties), to the raw logits, before grammar masks, temperature and
 the filters; the logprobs a request gets are of the penalised logits (what it sampled
 from). "Output" counts every token after the prompt, a migrated request's earlier ones
 included, so a request that moves to another node pair goes on with the same penalties.
@@ -34,6 +36,7 @@ def has_penalties(params: SamplingParams) -> bool:
         or params.presence_penalty != 0.0
         or params.repetition_penalty != 1.0
         or params.min_tokens > 0
+        or bool(params.logit_bias)
     )
 
 
@@ -61,6 +64,14 @@ class PenaltyState:
             self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             if prompt_ids:
                 self.prompt_seen[torch.tensor(list(prompt_ids), device=device)] = True
+        self.bias_ids: torch.Tensor | None = None
+        self.bias_values: torch.Tensor | None = None
+        if params.logit_bias:
+            biased = [tid for tid, _ in params.logit_bias]
+            self.bias_ids = torch.tensor(biased, dtype=torch.long, device=device)
+            self.bias_values = torch.tensor(
+                [bias for _, bias in params.logit_bias], dtype=torch.float32, device=device
+            )
         ends = set(params.stop_token_ids)
         if not params.ignore_eos:
             ends |= set(eos_token_ids)
@@ -76,7 +87,8 @@ class PenaltyState:
         output_ids: Sequence[int] = (),
         eos_token_ids: Iterable[int] = (),
     ) -> PenaltyState | None:
-        """The state of a request that asks for a penalty or min_tokens; None otherwise."""
+        """The state of a request that asks for a penalty, a logit bias or min_tokens; None
+        otherwise."""
         if not has_penalties(params):
             return None
         return cls(params, vocab_size, device, prompt_ids, output_ids, eos_token_ids)
@@ -116,6 +128,8 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[PenaltyState | None])
         pres = torch.tensor([s.presence for s in picked], device=device)[:, None]
         sub = sub - counts.to(sub.dtype) * freq - output_seen.to(sub.dtype) * pres
     for k, s in enumerate(picked):
+        if s.bias_ids is not None and s.bias_values is not None:
+            sub[k].index_add_(0, s.bias_ids, s.bias_values.to(sub.dtype))
         if s.blocks_ends:
             sub[k, s.ends] = float("-inf")
     out = logits.clone()

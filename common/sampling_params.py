@@ -12,6 +12,8 @@ MAX_SEED = 2**64 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 makes it (nearly) certain
 INT64_MAX = 2**63 - 1  # integers travel as msgpack int64 and become torch int64 tensors
 GREEDY_TEMPERATURE_EPS = 1e-5
 # A grammar travels with the request to both nodes and is compiled on each: bound its text.
@@ -45,6 +47,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    # OpenAI's logit_bias: (token id, bias) pairs, the bias added to that id's logit.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Structured output: the output must match this grammar (at most one is set).
     json_schema: str | None = None
     regex: str | None = None
@@ -94,6 +98,7 @@ class SamplingParams:
                 "min_tokens",
                 f"must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}",
             )
+        self._validate_logit_bias(vocab_size)
         if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             _fail("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -122,6 +127,22 @@ class SamplingParams:
             if len(text) > MAX_GRAMMAR_CHARS:
                 _fail(name, f"must be at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
 
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            _fail(
+                "logit_bias", f"must bias at most {MAX_LOGIT_BIAS} ids, got {len(self.logit_bias)}"
+            )
+        seen: set[int] = set()
+        for tid, bias in self.logit_bias:
+            if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                _fail(f"logit_bias[{tid}]", f"must name a token id in {bound}")
+            if tid in seen:
+                _fail(f"logit_bias[{tid}]", "is given twice")
+            seen.add(tid)
+            if not (math.isfinite(bias) and -MAX_BIAS <= bias <= MAX_BIAS):
+                _fail(f"logit_bias[{tid}]", f"must be in [-100, 100], got {bias}")
+
     def to_wire(self) -> dict[str, Any]:
         """Plain dict for msgpack (tuples become lists)."""
         return {
@@ -140,6 +161,7 @@ class SamplingParams:
             "presence_penalty": self.presence_penalty,
             "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,
+            "logit_bias": [[tid, bias] for tid, bias in self.logit_bias],
             **{name: getattr(self, name) for name in GRAMMAR_FIELDS},
         }
 
@@ -207,6 +229,17 @@ def _as_int_tuple(name: str, value: Any) -> tuple[int, ...]:
     return tuple(_as_int(f"{name}[{i}]", item) for i, item in enumerate(value))
 
 
+def _as_bias_pairs(name: str, value: Any) -> tuple[tuple[int, float], ...]:
+    if not isinstance(value, (list, tuple)):
+        _fail(name, f"must be a list of [token id, bias] pairs, got {type(value).__name__}")
+    pairs = []
+    for i, item in enumerate(value):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            _fail(f"{name}[{i}]", "must be a [token id, bias] pair")
+        pairs.append((_as_int(f"{name}[{i}][0]", item[0]), _as_float(f"{name}[{i}][1]", item[1])))
+    return tuple(pairs)
+
+
 _WIRE_CHECKS = {
     "max_new_tokens": _as_int,
     "temperature": _as_float,
@@ -223,5 +256,6 @@ _WIRE_CHECKS = {
     "presence_penalty": _as_float,
     "repetition_penalty": _as_float,
     "min_tokens": _as_int,
+    "logit_bias": _as_bias_pairs,
     **{name: _as_optional_str for name in GRAMMAR_FIELDS},
 }

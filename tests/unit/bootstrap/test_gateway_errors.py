@@ -76,6 +76,11 @@ BAD_CHAT = [
     ({"messages": OK_MESSAGES, "repetition_penalty": 0}, "repetition_penalty"),
     ({"messages": OK_MESSAGES, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ({"messages": OK_MESSAGES, "priority": "high"}, "priority"),
+    ({"messages": OK_MESSAGES, "logit_bias": {"ten": 1}}, "logit_bias"),
+    ({"messages": OK_MESSAGES, "logit_bias": {"10": 101}}, "logit_bias"),
+    ({"messages": OK_MESSAGES, "logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"messages": OK_MESSAGES, "logit_bias": {str(10**9): 1}}, "logit_bias"),
+    ({"messages": OK_MESSAGES, "logit_bias": {"10": "x"}}, "logit_bias"),
     # Past what the nodes hold (int64): a 400 here, not a crashed node or a plain 500.
     ({"messages": OK_MESSAGES, "priority": 10**30}, "priority"),
     ({"messages": OK_MESSAGES, "top_k": 2**63}, "top_k"),

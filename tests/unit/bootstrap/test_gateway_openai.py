@@ -123,6 +123,15 @@ def test_chat_logprobs(gw: Gateway) -> None:
     assert content[0].logprob == -0.5 and len(content[0].top_logprobs) == 2
 
 
+def test_logit_bias_reaches_both_nodes_as_id_bias_pairs(gw: Gateway) -> None:
+    client(gw).chat.completions.create(
+        model="test-model", messages=MESSAGES, max_tokens=2, logit_bias={"42": -100, "7": 2.5}
+    )
+    for node in gw.nodes:
+        (g,) = node.generates()
+        assert SamplingParams.from_wire(g.sampling).logit_bias == ((42, -100.0), (7, 2.5))
+
+
 def test_routing_key_header_and_priority_reach_both_nodes(gw: Gateway) -> None:
     client(gw).chat.completions.create(
         model="test-model",

@@ -26,6 +26,8 @@ def reference(logits: list[float], p: SamplingParams, prompt, output, eos=(EOS,)
             out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
     for t in set(output):
         out[t] -= output.count(t) * p.frequency_penalty + p.presence_penalty
+    for t, bias in p.logit_bias:
+        out[t] += bias
     if len(output) < p.min_tokens:
         ends = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
         for t in ends:
@@ -42,6 +44,10 @@ def _case(rng: random.Random) -> tuple[SamplingParams, list[int], list[int]]:
         min_tokens=rng.choice([0, 0, 3, 20]),
         stop_token_ids=tuple(rng.sample(range(VOCAB), rng.choice([0, 2]))),
         ignore_eos=rng.random() < 0.3,
+        logit_bias=tuple(
+            (t, rng.choice([-100.0, -2.5, 0.75, 100.0]))
+            for t in rng.sample(range(VOCAB), rng.choice([0, 0, 1, 4]))
+        ),
     )
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 12))]
     output = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 10))]
@@ -101,6 +107,17 @@ def test_greedy_with_a_frequency_penalty_moves_off_a_repeated_token() -> None:
     assert picks == [5, 5, 6, 5]
 
 
+def test_logit_bias_bans_and_forces_tokens_under_greedy_and_sampling() -> None:
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5] = 30.0
+    banned = SamplingParams(max_new_tokens=4, temperature=0.0, logit_bias=((5, -100.0),))
+    forced = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3, logit_bias=((9, 100.0),))
+    states = [PenaltyState.for_request(p, VOCAB, "cpu", [1]) for p in (banned, forced)]
+    out = Sampler().sample(logits, [banned, forced], [None, None], None, states)
+    assert out.token_ids[0] != 5 and out.token_ids[1] == 9
+    assert has_penalties(forced) and not has_penalties(SamplingParams())
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
@@ -118,6 +135,17 @@ def test_out_of_range_values_are_refused(field: str, value: float) -> None:
         SamplingParams(max_new_tokens=8, **{field: value}).validate()
 
 
+@pytest.mark.parametrize(
+    "bias",
+    [((5, 100.5),), ((5, math.nan),), ((-1, 1.0),), ((VOCAB, 1.0),), ((3, 1.0), (3, 2.0))],
+)
+def test_out_of_range_logit_biases_are_refused(bias: tuple[tuple[int, float], ...]) -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias).validate(VOCAB)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams.from_wire({"logit_bias": [[1, 2.0, 3]]})
+
+
 def test_the_wire_form_carries_them() -> None:
     p = SamplingParams(
         max_new_tokens=9,
@@ -125,5 +153,6 @@ def test_the_wire_form_carries_them() -> None:
         presence_penalty=-1.0,
         repetition_penalty=1.2,
         min_tokens=3,
+        logit_bias=((4, -100.0), (11, 2.5)),
     )
     assert SamplingParams.from_wire(p.to_wire()) == p

@@ -37,6 +37,7 @@ PENALTIES = [
     {"frequency_penalty": 1.5},
     {"presence_penalty": 1.0, "repetition_penalty": 1.4},
     {"repetition_penalty": 0.7, "frequency_penalty": -0.5},
+    {"logit_bias": ((3, 8.0), (11, -100.0)), "presence_penalty": 0.5},
 ]
 
 
