@@ -10,9 +10,9 @@ of logits.
     min_tokens          until that many tokens are output, the end-of-sequence ids and the
                         request's stop_token_ids cannot be sampled
 
-Applied in that order (vLLM's for the penalties), to the raw logits, before grammar masks, temperature and
-the filters; the logprobs a request gets are of the penalised logits (what it sampled
-from). "Output" counts every token after the prompt, a migrated request's earlier ones
+Applied in that order (vLLM's for the penalties), to the raw logits, before grammar masks,
+temperature and the filters; the logprobs a request gets are of the penalised logits (what
+it sampled from). "Output" counts every token after the prompt, a migrated request's earlier ones
 included, so a request that moves to another node pair goes on with the same penalties.
 
 A request with any of them holds a PenaltyState on the logits' device: its output counts
