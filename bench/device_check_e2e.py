@@ -172,13 +172,14 @@ def _get(url: str, timeout: float = 5.0) -> Any:
         return json.loads(resp.read())
 
 
-def _complete(api: int, timeout: float) -> dict[str, Any]:
+def _complete(api: int, timeout: float, **changes: Any) -> dict[str, Any]:
     body = {
         "model": "devcheck",
         "prompt": "The device check says",
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
+        **changes,
     }
     req = urllib.request.Request(
         f"http://127.0.0.1:{api}/v1/completions",
@@ -280,6 +281,22 @@ def _cluster(
             finish_reason=choice.get("finish_reason"),
             text=choice.get("text", "")[:80],
         )
+        # the prompt's logprobs (echo): computed on the prefill node's device for every
+        # position, through the transfer's control message to the gateway
+        scored = _complete(
+            api,
+            timeout=max(5.0, min(30.0, deadline.left() - 8)),
+            max_tokens=0,
+            echo=True,
+            logprobs=1,
+        )
+        values = scored["choices"][0]["logprobs"]["token_logprobs"]
+        out.update(
+            prompt_tokens=scored.get("usage", {}).get("prompt_tokens"),
+            prompt_logprobs=len(values),
+            prompt_logprobs_finite=values[0] is None
+            and all(isinstance(v, float) and -1e4 < v <= 0 for v in values[1:]),
+        )
     except Exception as exc:  # noqa: BLE001 - the result says what broke
         out["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -293,6 +310,8 @@ def _cluster(
         "error" not in out
         and out.get("completion_tokens") == MAX_TOKENS
         and out.get("finish_reason") == "length"
+        and out.get("prompt_logprobs") == out.get("prompt_tokens")
+        and out.get("prompt_logprobs_finite") is True
         and all(c == 0 for c in out["exit_codes"].values())
     )
     return out

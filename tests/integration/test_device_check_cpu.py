@@ -107,4 +107,6 @@ def test_nixl_moved_every_byte_and_one_request_went_end_to_end(results: list[dic
     [e2e] = _of(results, "e", "e2e")
     assert e2e["transfer_backend"] == ("nixl" if HAS_NIXL else "fake")
     assert e2e["completion_tokens"] == 16 and e2e["finish_reason"] == "length"
+    assert e2e["prompt_logprobs"] == e2e["prompt_tokens"] > 1
+    assert e2e["prompt_logprobs_finite"] is True
     assert e2e["exit_codes"] == {"decode-0": 0, "prefill-0": 0, "bootstrap": 0}
