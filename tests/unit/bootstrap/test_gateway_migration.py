@@ -278,3 +278,51 @@ def test_a_node_that_closes_its_connection_moves_its_streams_at_once(
     for _ in range(3):  # new requests go to the live node only
         assert stream_chat(gw, max_tokens=3)[0] == tokenizer.decode(ids[:3])
     assert len(gw.nodes[1].generates()) == 1
+
+
+def _scoring(ids: list[int], fail_at: int | None, asked: list[bool]) -> Any:
+    """A decode node for echo + logprobs: the prompt's logprobs when asked (recorded in
+    ``asked``), then ``ids`` from output_ids on with logprob -0.5, failing at ``fail_at``."""
+
+    def behave(gen: msg.GenerateReq, send: Send) -> None:
+        asked.append(gen.return_prompt_logprobs)
+        if fail_at == 0:  # before anything reached the gateway
+            send(msg.ReqFailed(gen.rid, 500, "KV transfer failed: peer gone", True))
+            return
+        if gen.return_prompt_logprobs:
+            send(harness.fake_prompt_logprobs(gen))
+        limit = int(gen.sampling["max_new_tokens"])
+        for pos in range(len(gen.output_ids), min(len(ids), limit)):
+            if fail_at is not None and pos == fail_at:
+                send(msg.ReqFailed(gen.rid, 500, "KV transfer failed: peer gone", True))
+                return
+            send(msg.TokenChunk(gen.rid, [ids[pos]], [-0.5], [[[ids[pos], -0.5]]]))
+        send(msg.ReqFinished(gen.rid, "length", None, 3, min(len(ids), limit), 0))
+
+    return behave
+
+
+@pytest.mark.parametrize("fail_at", [0, 3])
+def test_a_migrated_echo_request_gets_the_prompts_logprobs_once(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer, fail_at: int
+) -> None:
+    """Failing before anything came, the next pair is asked for the prompt's logprobs
+    again; failing after output was streamed, it is not (they came before it)."""
+    ids = reply_ids(tokenizer)
+    gw = gateway_factory()
+    gw.node("prefill")
+    first, second = [], []
+    by_load(gw, "decode", _scoring(ids, fail_at, first), _scoring(ids, None, second))
+    prompt = "Score me, then go on."
+    r = httpx.post(
+        gw.api_url + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 6, "echo": True, "logprobs": 1},
+        timeout=20,
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == prompt + tokenizer.decode(ids[:6])
+    n = len(tokenizer.encode(prompt))
+    logprobs = choice["logprobs"]["token_logprobs"]
+    assert logprobs == [None] + [-(i + 1) / 10 for i in range(n - 1)] + [-0.5] * 6
+    assert first == [True] and second == [fail_at == 0]
