@@ -14,6 +14,11 @@ the other choices are aborted on their nodes).
 ``keep`` (= n) whose output has the highest mean logprob per token are returned, best
 first (ties: the earlier sample); ``usage`` counts every sample's tokens (they were all
 generated). Their logprobs, which the ranking needs, are shown only when asked.
+
+echo + logprobs with several samples of a prompt: only the first sample's request asks
+the nodes for the prompt's logprobs (computing them reads no cache); the others show its
+copy. Streamed, such a sample's chunks wait until the first one's prompt logprobs (or its
+end) have come, so that its echo chunk goes first.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ class Choice:
     gen: Generation
     fmt: OutputFormat
     prompt: int  # which distinct prompt it samples (usage counts each prompt once)
+    # echo + logprobs on a sample after the first: it shows the first sample's copy of the
+    # prompt's logprobs (the nodes compute them once)
+    borrows_prompt: bool = False
 
 
 def merged_usage(choices: Sequence[Choice], finishes: Sequence[Finish]) -> dict[str, Any]:
@@ -103,6 +111,10 @@ class Choices:
         except APIError:
             self.abandon()
             raise
+        for k, c in enumerate(self.choices):
+            if c.borrows_prompt:
+                c.fmt.prompt = self._lender(k).fmt.prompt
+                parts[k] = c.fmt.response(finishes[k])
         body = dict(parts[0])
         returned = range(len(parts)) if self.keep is None else self._best(self.keep)
         body["choices"] = [_reindex(parts[j], i)["choices"][0] for i, j in enumerate(returned)]
@@ -111,6 +123,32 @@ class Choices:
                 choice["logprobs"] = None
         body["usage"] = merged_usage(self.choices, finishes)
         return body
+
+    def _lender(self, k: int) -> Choice:
+        """The sample of choice k's prompt that asked for the prompt's logprobs."""
+        prompt = self.choices[k].prompt
+        return next(c for c in self.choices if c.prompt == prompt and not c.borrows_prompt)
+
+    def _chunks(self, i: int, event: Delta | Finish, finishes: dict[int, Finish]) -> list[Any]:
+        fmt = self.choices[i].fmt
+        if isinstance(event, Finish):
+            finishes[i] = event
+        chunks = fmt.delta(event) if isinstance(event, Delta) else fmt.finish(event)
+        return [_reindex(chunk, i) for chunk in chunks]
+
+    def _release(
+        self, i: int, held: dict[int, list[Delta | Finish]], finishes: dict[int, Finish]
+    ) -> list[Any]:
+        """Chunks of the samples that borrow choice i's prompt logprobs: each one's echo
+        with them, then what it had sent meanwhile."""
+        out: list[Any] = []
+        lender = self.choices[i]
+        for k in [k for k in held if self.choices[k].prompt == lender.prompt]:
+            echo = Delta("", [], prompt=list(lender.fmt.prompt))
+            out += self._chunks(k, echo, finishes)
+            for event in held.pop(k):
+                out += self._chunks(k, event, finishes)
+        return out
 
     def _best(self, keep: int) -> list[int]:
         """Per prompt in order, its ``keep`` samples of the highest mean logprob per
@@ -141,6 +179,10 @@ class Choices:
 
         tasks = [asyncio.ensure_future(pump(i, c.gen)) for i, c in enumerate(self.choices)]
         finishes: dict[int, Finish] = {}
+        # a borrowing sample's events until its prompt's logprobs have come
+        held: dict[int, list[Delta | Finish]] = {
+            i: [] for i, c in enumerate(self.choices) if c.borrows_prompt
+        }
         try:
             for i, c in enumerate(self.choices):
                 for chunk in c.fmt.start():
@@ -151,12 +193,14 @@ class Choices:
                     self.abandon()
                     yield sse(event.body())
                     break
-                fmt = self.choices[i].fmt
-                if isinstance(event, Finish):
-                    finishes[i] = event
-                chunks = fmt.delta(event) if isinstance(event, Delta) else fmt.finish(event)
+                if i in held:
+                    held[i].append(event)
+                    continue
+                chunks = self._chunks(i, event, finishes)
+                if isinstance(event, Finish) or event.prompt is not None:
+                    chunks += self._release(i, held, finishes)
                 for chunk in chunks:
-                    yield sse(_reindex(chunk, i))
+                    yield sse(chunk)
             else:
                 if self.include_usage:
                     done = [finishes[i] for i in range(len(self.choices))]

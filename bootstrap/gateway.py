@@ -229,7 +229,10 @@ def build_api_app(service: BootstrapService) -> FastAPI:
             g.is_streamed = stream
         rid = gens[0].rid  # one response id for every choice
         choices = Choices(
-            [Choice(g, fmt_of(rid, p), idx) for g, (p, idx) in zip(gens, items, strict=True)],
+            [
+                Choice(g, fmt_of(rid, p), idx, p.echo_logprobs and not p.prompt_logprobs)
+                for g, (p, idx) in zip(gens, items, strict=True)
+            ],
             include_usage,
             keep,
             show_logprobs,
@@ -319,7 +322,7 @@ def build_api_app(service: BootstrapService) -> FastAPI:
                 service.tokenizer,
                 include_usage=include_usage and len(items) == 1,
                 echo=prepared.echo,
-                echo_logprobs=prepared.prompt_logprobs,
+                echo_logprobs=prepared.echo_logprobs,
             )
 
         if len(items) == 1:

@@ -54,7 +54,10 @@ class PreparedRequest:
     tool_names: frozenset[str] = frozenset()
     # Completions with echo: the prompt's text, put before the output.
     echo: str = ""
-    # Completions with echo and logprobs: the prompt's logprobs are computed and sent too.
+    # Completions with echo and logprobs: the echo shows the prompt's logprobs, and (this
+    # request, not the other samples of its prompt, which take its copy) the nodes compute
+    # and send them.
+    echo_logprobs: bool = False
     prompt_logprobs: bool = False
 
 

@@ -279,6 +279,7 @@ def prepare_completion(
                 _routing_key(body.routing_key, header_key),
                 body.cache_salt,
                 echo=echo,
+                echo_logprobs=bool(body.echo) and body.logprobs is not None,
                 prompt_logprobs=bool(body.echo) and body.logprobs is not None,
             )
         )
@@ -287,13 +288,18 @@ def prepare_completion(
 
 def samples(prepared: PreparedRequest, n: int) -> list[PreparedRequest]:
     """``n`` samples of one prompt; each seeded sample draws from its own stream (sample 0
-    from the request's seed, sample i from ``sample_seed(seed, i)``)."""
+    from the request's seed, sample i from ``sample_seed(seed, i)``). Only sample 0 asks
+    the nodes for the prompt's logprobs (echo): computing them reads no cache, and the
+    others show its copy (bootstrap/choices.py)."""
     seed = prepared.sampling.seed
-    if seed is None:
-        return [prepared] * n
+    follower = replace(prepared, prompt_logprobs=False)
     return [
-        prepared if i == 0 else replace(prepared, sampling=replace(prepared.sampling, seed=s))
-        for i, s in enumerate(sample_seed(seed, i) for i in range(n))
+        prepared
+        if i == 0
+        else follower
+        if seed is None
+        else replace(follower, sampling=replace(prepared.sampling, seed=sample_seed(seed, i)))
+        for i in range(n)
     ]
 
 

@@ -3,6 +3,7 @@ one request per choice, choices numbered in order, usage counting a prompt once.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -294,3 +295,48 @@ def test_prompt_logprobs_too_large_for_one_message_are_a_400(
         model="test-model", prompt="one two", max_tokens=1, echo=True, logprobs=5
     )
     assert fine.choices[0].logprobs.token_logprobs[0] is None
+
+
+def test_samples_of_one_prompt_compute_its_logprobs_once_and_all_show_them(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    """n = 3 with echo + logprobs: only the first sample asks the nodes for the prompt's
+    logprobs; every choice shows them. Streamed, the asking sample is answered last (its
+    node is slow), yet each choice's first chunk is its echo with the prompt's logprobs."""
+    ids = reply_ids(tokenizer)
+    plain = stream_tokens(ids, logprobs=True)
+
+    def slow_asker(gen: msg.GenerateReq, send: harness.Send) -> None:
+        if gen.return_prompt_logprobs:
+            threading.Timer(0.4, plain, (gen, send)).start()
+        else:
+            plain(gen, send)
+
+    gw = gateway_factory()
+    gw.node("prefill")
+    gw.node("decode", slow_asker)
+    prompt = "Three samples of one prompt"
+    want = _prompt_logprobs_expected(tokenizer, prompt)
+    n = len(want["tokens"])
+    body = {
+        "model": "test-model",
+        "prompt": prompt,
+        "max_tokens": 2,
+        "echo": True,
+        "logprobs": 1,
+        "n": 3,
+    }
+    out = client(gw).completions.create(**body)
+    asked = [g.return_prompt_logprobs for g in gw.nodes[-1].generates()]
+    assert sorted(asked) == [False, False, True]
+    for c in out.choices:
+        assert c.text.startswith(prompt)
+        assert c.logprobs.token_logprobs[:n] == want["token_logprobs"], c.index
+        assert c.logprobs.top_logprobs[:n] == want["top_logprobs"], c.index
+    firsts: dict[int, Any] = {}
+    for chunk in client(gw).completions.create(**body, stream=True):
+        for c in chunk.choices:
+            firsts.setdefault(c.index, c)
+    assert sorted(firsts) == [0, 1, 2]
+    for c in firsts.values():
+        assert c.text == prompt and c.logprobs.token_logprobs == want["token_logprobs"]
