@@ -23,14 +23,15 @@ from prefill_node.req_state import PrefillReq
 def extend_request(c: PrefillChunk, s: PrefillReq) -> ExtendRequest:
     """Chunk ``c`` of ``s`` as the runner takes it, with its prompt targets when asked."""
     ids = c.req.origin_input_ids
-    new = ids[c.start : c.end]
-    if not s.generate.return_prompt_logprobs:
-        return ExtendRequest(new, c.start, s.pages)
-    targets = ids[c.start + 1 : min(c.end + 1, len(s.generate.input_ids))]
-    if not targets:
-        return ExtendRequest(new, c.start, s.pages)
+    targets = []
+    if s.generate.return_prompt_logprobs:
+        targets = ids[c.start + 1 : min(c.end + 1, len(s.generate.input_ids))]
     return ExtendRequest(
-        new, c.start, s.pages, logprob_targets=targets, top_logprobs=s.sampling.top_logprobs
+        ids[c.start : c.end],
+        c.start,
+        s.pages,
+        logprob_targets=targets or None,
+        top_logprobs=s.sampling.top_logprobs if targets else 0,
     )
 
 
