@@ -29,7 +29,11 @@ def _fill_with_low_priority(h, ref_runner):
     lows = {"low1": prompt(17, 61), "low2": prompt(17, 62)}
     for i, (rid, ids) in enumerate(lows.items()):
         h.submit(rid, 300 + i, ids, priority=0, max_new_tokens=12)
-    h.run_until(lambda: all(len(h.tokens(r)) >= 4 for r in lows))
+    # Counted on the decode node, not at the reply socket: replies can lag the steps on a
+    # loaded machine, and the lows had then decoded to their end (CI saw no preemption).
+    h.run_until(
+        lambda: all(r in h.decode.reqs and len(h.decode.reqs[r].output_ids) >= 4 for r in lows)
+    )
     return lows
 
 
