@@ -10,8 +10,9 @@ instead of calling Python per request:
 
 Like SGLang 0.5.23, lpm and hrrn key on the match capped at the prompt less its last token,
 in tokens (``sort_prefix_len``; SGLang's ``num_matched_prefix_tokens``): that token is
-computed even when the whole prompt is cached. dfs-weight places a request where its
-whole match ends (SGLang's ``last_node``). Admission starts from whole pages
+computed even when the whole prompt is cached; both count host-tier hits. dfs-weight places
+a request where its whole device match ends (SGLang's ``last_node``: a match continuing
+into host-only nodes hangs on the device node above them). Admission starts from whole pages
 (``usable_prefix_len``), a different number when the whole prompt is cached.
 """
 
@@ -165,7 +166,9 @@ class DfsWeightOrder:
     the node its whole match ends in, then by how deep in that node it ends, deepest
     first (a split chain has one child per part, so the weights that order siblings do
     not change). The whole match, not the one capped for the last token: a fully cached
-    prompt ends at its node's end, as deep as one that continues past it."""
+    prompt ends at its node's end, as deep as one that continues past it. The device part
+    of the match: one that continues into host-only nodes is placed at the device node
+    above them, as SGLang's ``last_node`` (its host part is loaded back once admitted)."""
 
     def __init__(self, tree: RadixCache) -> None:
         self.tree = tree
@@ -186,8 +189,8 @@ class DfsWeightOrder:
         """The node the request's match ends in and the tokens of it that it covers."""
         match = r.match
         assert match is not None
-        end = r.prefix_len
-        node = match.end_node
+        end = r.device_prefix_len
+        node = match.last_node
         # Where node starts: the tokens of its ancestors' keys.
         start, up = 0, node.parent
         while up is not None:

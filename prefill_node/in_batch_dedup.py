@@ -83,7 +83,13 @@ class InBatchDedup:
 
     def _follow(self, r: Req, is_arrival: bool) -> None:
         key = None
-        if r.reads_cache and r.prefix_len <= self.check_threshold and len(r.key) >= self._key_bytes:
+        # Like SGLang, the check reads the device part of the match: requests that share a
+        # prefix on the host tier are deduplicated too, so it is loaded back once.
+        if (
+            r.reads_cache
+            and r.device_prefix_len <= self.check_threshold
+            and len(r.key) >= self._key_bytes
+        ):
             # Requests of different cache salts share no pages: never one group.
             key = (r.namespace, r.key[: self._key_bytes])
         if self._group_of.get(r) == key:

@@ -91,6 +91,12 @@ class Req:
     num_cached_tokens = prefix_len
 
     @property
+    def device_prefix_len(self) -> int:
+        """The device tier's part of ``prefix_len`` (SGLang's ``req.prefix_len``): what the
+        in-batch dedup checks and where dfs-weight places the request."""
+        return self.match.num_tokens if self.match is not None and self.reads_cache else 0
+
+    @property
     def last_node(self) -> Any:
         """The deepest radix node holding matched pages: what inc_lock_ref takes."""
         return self.match.last_node if self.match is not None else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from common.config import PrefillConfig
 from common.kv_pool import PageAllocator
 from common.radix_cache import RadixCache
+from prefill_node.hiradix_cache import HiRadixCache
 from prefill_node.request import Req
 from prefill_node.schedule_policy import SchedulePolicy
 from tests.unit.prefill_node.test_schedule_policy import PAGE, make_tree, req, rids
@@ -123,6 +124,57 @@ def test_dfs_weight_dedup_flag_reaches_the_policy():
         )._dedup
         is not None
     )
+
+
+# --- host-tier hits (SGLang 0.5.23's UnifiedRadixCache with HiCache's tree) --------------
+
+
+class _NoCopyHost:
+    def __init__(self) -> None:
+        self.allocator = PageAllocator(64)
+
+    def backup(self, device_pages: list[int], host_pages: list[int]) -> None:
+        pass
+
+    def load(self, host_pages: list[int], device_pages: list[int]) -> None:
+        pass
+
+
+def _page1_tiers(*cached: list[int], evict: int) -> HiRadixCache:
+    """Page 1, every node written through to the host; the least recently inserted
+    ``evict`` device pages then moved to the host."""
+    alloc = PageAllocator(64)
+    tree = HiRadixCache(1, alloc, _NoCopyHost(), "write_through")
+    for tokens in cached:
+        tree.insert(tokens, alloc.allocate(len(tokens)))
+    assert tree.evict(evict) == evict
+    return tree
+
+
+def test_the_in_batch_dedup_checks_the_device_part_of_a_match():
+    # 40 shared tokens, all on the host: SGLang checks req.prefix_len (device only, 0), so
+    # mate matches lead's 40 tokens in the queue's tree and goes last; pdserve used to
+    # check the match with its host part (40, past the 32-token threshold) and let both
+    # go, each loading the same pages back.
+    shared = list(range(100, 140))
+    tree = _page1_tiers(shared, evict=40)
+    queue = [req("lead", shared + [1]), req("mate", shared + [2]), req("plain", [7, 8])]
+    SchedulePolicy("lpm", tree).calc_priority(queue)
+    assert rids(queue) == ["lead", "plain", "mate"] and queue[2].is_deprioritized
+    assert [r.prefix_len for r in queue] == [40, 0, 40]  # host hits count for the sort
+
+
+def test_dfs_weight_places_a_host_hit_at_its_last_device_node():
+    # Cache [1, 2, 3] (inserted first, then evicted to the host) and [5, 6, 7] (device).
+    # SGLang hangs "host" (a host hit of 3, nothing on the device) on its last device node,
+    # the root, visited after its children: device, host. pdserve used to place it at the
+    # host-only node, which ties with [5, 6, 7] and came first (inserted first).
+    tree = _page1_tiers([1, 2, 3], [5, 6, 7], evict=3)
+    queue = [req("host", [1, 2, 3, 9]), req("device", [5, 6, 7, 9])]
+    SchedulePolicy("dfs-weight", tree, dfs_weight_dedup=False).calc_priority(queue)
+    assert [r.prefix_len for r in queue] == [3, 3]
+    assert [r.device_prefix_len for r in queue] == [3, 0]
+    assert rids(queue) == ["device", "host"]
 
 
 # --- cache salts ---------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def _sglang_dedup(queue: list[Req], check: int, deprioritize: int) -> set[str]:
     inserted: list[list[int]] = []
     out = set()
     for r in queue:
-        if r.prefix_len <= check:
+        if r.device_prefix_len <= check:
             best = max((len(commonprefix([r.origin_input_ids, s])) for s in inserted), default=0)
             if best >= deprioritize:
                 out.add(r.rid)
