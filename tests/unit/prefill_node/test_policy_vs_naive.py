@@ -9,9 +9,11 @@ from os.path import commonprefix
 
 import pytest
 
+from common.kv_pool import PageAllocator
 from common.radix_cache import RadixCache
 from common.token_keys import token_key
 from prefill_node.cache_aware_orders import HrrnOrder
+from prefill_node.hiradix_cache import HiRadixCache
 from prefill_node.request import Req
 from prefill_node.schedule_policy import SchedulePolicy, prefill_work
 from tests.unit.prefill_node.test_schedule_policy import (
@@ -68,8 +70,10 @@ def _sglang_dfs_weight(reqs: list[Req], tree: RadixCache) -> list[Req]:
     """SGLang's dfs-weight on a tree split at every request's (whole) match end, naively: a trie
     with one node per page (fully split), children heaviest first, ties in the order the
     real tree got them; a node's own requests after its children's, in queue order."""
-    path = {
-        r: tuple(tuple(r.origin_input_ids[i : i + PAGE]) for i in range(0, r.prefix_len, PAGE))
+    path = {  # the device part: a host hit hangs on its last device node
+        r: tuple(
+            tuple(r.origin_input_ids[i : i + PAGE]) for i in range(0, r.device_prefix_len, PAGE)
+        )
         for r in reqs
     }
     weight: Counter[tuple] = Counter()
@@ -116,12 +120,30 @@ def _reference_order(name: str, before: list[Req], tree: RadixCache, deprio: set
     return ahead + behind  # fcfs with in-batch dedup
 
 
+class _NoCopyHost:
+    def __init__(self, num_pages: int) -> None:
+        self.allocator = PageAllocator(num_pages)
+
+    def backup(self, device_pages: list[int], host_pages: list[int]) -> None:
+        pass
+
+    def load(self, host_pages: list[int], device_pages: list[int]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tiers", ["device", "host"])
 @pytest.mark.parametrize("name", [*CACHE_AWARE, "fcfs", "lpm+fallback", "hrrn+numpy"])
-def test_incremental_policy_equals_naive_rematching_on_random_workloads(name: str, monkeypatch):
-    rng = random.Random(name)
+def test_incremental_policy_equals_naive_rematching_on_random_workloads(
+    name: str, tiers: str, monkeypatch
+):
+    """tiers "host": a write-through host tier under the tree (small enough that it drops
+    copies too), so evictions leave host-only nodes that matches continue into."""
+    rng = random.Random(name + tiers)
     if name == "hrrn+numpy":  # the vectorized sort, used from 256 waiting requests
         monkeypatch.setattr(HrrnOrder, "VECTOR_MIN", 0)
     tree, alloc = make_tree(1 << 15)
+    if tiers == "host":
+        tree = HiRadixCache(PAGE, alloc, _NoCopyHost(48), "write_through")
     check, deprioritize = rng.choice([(4, 4), (8, 6), (-1, 4), (6, 0), (32, 32)])
     is_fallback_case = name == "lpm+fallback"
     name = name.split("+")[0]
@@ -149,13 +171,16 @@ def test_incremental_policy_equals_naive_rematching_on_random_workloads(name: st
 
     queue = [new_req(i) for i in range(40)]
     num_reqs, locked, processed = 40, [], 400
+    num_host_hits = 0
     for _ in range(80):
         before = list(queue)
         processed += rng.randrange(0, 50)
         result = policy.calc_priority(queue, None, processed)
         for r in queue:  # every cached match equals a fresh one
             fresh = tree.match_prefix(r.origin_input_ids)
-            assert (r.prefix_indices, r.prefix_len, r.last_node) == fresh[:3]
+            assert (r.prefix_indices, r.device_prefix_len, r.last_node) == fresh[:3]
+            assert r.prefix_len == fresh.total_tokens
+            num_host_hits += r.prefix_len > r.device_prefix_len
         if result.is_fallback:
             assert not any(r.is_deprioritized for r in queue)
             # SGLang's fallback fcfs keeps the queue's order even with priorities on:
@@ -185,6 +210,7 @@ def test_incremental_policy_equals_naive_rematching_on_random_workloads(name: st
         tree.check_integrity()
     assert policy._matcher is not None
     assert policy._matcher.num_tracked <= len(queue) + 4
+    assert (num_host_hits > 0) == (tiers == "host")
 
 
 @pytest.mark.parametrize("name", ["fcfs", "lof", "random", "routing-key", *CACHE_AWARE])
