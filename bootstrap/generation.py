@@ -59,6 +59,9 @@ class PreparedRequest:
     # and send them.
     echo_logprobs: bool = False
     prompt_logprobs: bool = False
+    # The samples of one prompt (GenerateReq.sample_group; "": none) and how many there are.
+    sample_group: str = ""
+    num_group_samples: int = 1
 
 
 @dataclass(frozen=True)

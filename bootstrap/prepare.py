@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import replace
 from typing import Any
 
@@ -290,7 +291,10 @@ def samples(prepared: PreparedRequest, n: int) -> list[PreparedRequest]:
     """``n`` samples of one prompt; each seeded sample draws from its own stream (sample 0
     from the request's seed, sample i from ``sample_seed(seed, i)``). Only sample 0 asks
     the nodes for the prompt's logprobs (echo): computing them reads no cache, and the
-    others show its copy (bootstrap/choices.py)."""
+    others show its copy (bootstrap/choices.py). n > 1: they share a fresh sample group
+    (GenerateReq.sample_group), so the nodes compute and move the prompt once."""
+    if n > 1:
+        prepared = replace(prepared, sample_group=uuid.uuid4().hex, num_group_samples=n)
     seed = prepared.sampling.seed
     follower = replace(prepared, prompt_logprobs=False)
     return [

@@ -348,6 +348,9 @@ class BootstrapService:
             output_ids=output_ids,
             # a migrated request with output has had them (they come before its first token)
             return_prompt_logprobs=prepared.prompt_logprobs and not output_ids,
+            # a migrated sample's prompt differs from its group's (its output is added)
+            sample_group="" if output_ids else prepared.sample_group,
+            num_group_samples=1 if output_ids else prepared.num_group_samples,
         )
         try:
             req = self.dispatcher.dispatch(gen, prefill.request_endpoint, decode.request_endpoint)

@@ -208,6 +208,13 @@ class KVPool:
         idx = torch.tensor(list(pages), dtype=torch.long, device=self.device)
         self.buffer[idx] = data.to(device=self.device, dtype=self.buffer.dtype)
 
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy whole pages (all layers) on the device, src[i] into dst[i]."""
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source pages for {len(dst)} destinations")
+        idx = torch.tensor([*src, *dst], dtype=torch.long, device=self.device)
+        self.buffer[idx[len(src) :]] = self.buffer[idx[: len(src)]]
+
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
 

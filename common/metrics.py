@@ -88,6 +88,11 @@ PREFILL_TOKENS: Final = _counter(
 PREFIX_CACHE_HIT_TOKENS: Final = _counter(
     "pdserve_prefix_cache_hit_tokens_total", "Prompt tokens served from the radix cache."
 )
+GROUP_SAMPLE_TOKENS: Final = _counter(
+    "pdserve_group_sample_tokens_total",
+    "Prompt tokens a sample of an n > 1 request took from another sample of its prompt "
+    "(prefill: not computed; decode: KV copied on the node, not transferred).",
+)
 CALC_PRIORITY_SECONDS: Final = _histogram(
     "pdserve_calc_priority_seconds",
     "Time of one sort of the waiting queue.",

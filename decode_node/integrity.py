@@ -72,7 +72,11 @@ def hit_by_late_write(reqs: Iterable[DecodeReq], room: int, pages: list[int]) ->
     ``room`` that landed after its fence may be: their KV may be wrong, so they fail (500)
     instead of streaming wrong tokens."""
     hit = set(pages)
-    return [r for r in reqs if r.room != room and hit.intersection(r.pages)]
+    return [
+        r
+        for r in reqs
+        if r.room != room and (hit.intersection(r.pages) or hit.intersection(r.copied_from))
+    ]
 
 
 def check_requests(s: DecodeQueues) -> None:

@@ -75,6 +75,8 @@ class DecodePrefixCache:
         self.retain = retain
         self.tree = PageTree(page_size, allocator)
         self.num_hit_pages = 0  # pages requests found here instead of receiving
+        # prompt tokens samples copied from another sample of their prompt (sample_groups)
+        self.num_copied_tokens = 0
         self.num_evicted_pages = 0
 
     def match(self, r: DecodeReq) -> None:

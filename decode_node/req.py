@@ -87,6 +87,9 @@ class DecodeReq:
     pages: list[int] = field(default_factory=list)
     num_prefix_pages: int = 0
     prefix_node: TreeNode | None = None
+    # The pages another sample of its prompt held when r copied them (sample_groups.py):
+    # a late write into one of them may have reached r's copy too.
+    copied_from: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     last_token_at: float | None = None
     num_retractions: int = 0

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from common.kv_pool import PageAllocator, PageSource, pages_needed
+from common.kv_pool import KVPool, PageAllocator, PageSource, pages_needed
 from common.radix_node import TreeNode
 from decode_node.integrity import hit_by_late_write
 from decode_node.prefix_cache import CacheYieldingAllocator, DecodePrefixCache, first_page
 from decode_node.req import DecodeReq
+from decode_node.sample_groups import find_donor, is_group_mate
 from decode_node.transfer_queue import ReleaseQueue
 from transfer.kv_receiver import KVReceiver
 
@@ -29,34 +30,53 @@ class RequestPages:
     pool the prefill half shares)."""
 
     def __init__(
-        self, raw: PageAllocator, page_size: int, prefix_cache: bool, share: bool = True
+        self,
+        raw: PageAllocator,
+        page_size: int,
+        prefix_cache: bool,
+        share: bool = True,
+        pool: KVPool | None = None,
     ) -> None:
+        """``pool``: where a sample copies its prompt's KV from another sample of it
+        (decode_node/sample_groups.py); None: samples receive theirs."""
         self.page_size = page_size
+        self.pool = pool
         self.cache: DecodePrefixCache | None = None
         self.allocator: PageSource = raw
         if prefix_cache or share:
             self.cache = DecodePrefixCache(raw, page_size, retain=prefix_cache)
             self.allocator = CacheYieldingAllocator(raw, self.cache)
 
-    def preallocate(self, r: DecodeReq) -> list[int]:
+    def preallocate(self, r: DecodeReq, donor: DecodeReq | None = None) -> tuple[list[int], int]:
         """Give r pages for its prompt: its cached prefix (locked first: allocating may
-        evict) and own pages for the rest, which it returns (the transfer's destination)."""
+        evict) and own pages for the rest. Returns the transfer's destination pages and how
+        many leading pages r holds already. ``donor``: a request holding the same prompt's KV
+        (a sample of its group): the own pages get a copy of its pages, r holds them all."""
         if self.cache is not None:
             self.cache.match(r)
-        need = pages_needed(r.num_input_tokens, self.page_size) - r.num_prefix_pages
-        own = self.allocator.allocate(need)
+        total = pages_needed(r.num_input_tokens, self.page_size)
+        own = self.allocator.allocate(total - r.num_prefix_pages)
         r.pages += own
-        return own
+        if donor is None or self.cache is None or self.pool is None:
+            return own, r.num_prefix_pages
+        source = donor.pages[r.num_prefix_pages : total]
+        self.pool.copy_pages(source, own)
+        r.copied_from = source
+        self.cache.num_copied_tokens += r.num_input_tokens - r.num_prefix_pages * self.page_size
+        return [], total
 
     def transferred(self, r: DecodeReq) -> None:
         """r's prompt KV arrived: with a cache, its whole pages become cached ones now."""
         if self.cache is not None:
             self.cache.cache_transferred(r)
 
-    def waits_for(self, in_transfer: Sequence[DecodeReq]) -> Waits | None:
+    def waits_for(
+        self, in_transfer: Sequence[DecodeReq], live: Iterable[DecodeReq] = ()
+    ) -> Waits | None:
         """With a cache: whether a prealloc request waits for a request in transfer (or
         admitted before it this round) that brings its prompt; it then receives only what
-        that one does not. None: none waits."""
+        that one does not. ``live``: the node's requests (where a sample finds another of
+        its group to copy from). None: none waits."""
         cache = self.cache
         if cache is None:
             return None
@@ -68,7 +88,12 @@ class RequestPages:
             same = by_first.get(first_page(r, self.page_size), [])
             if not same and not admitted:
                 return False
-            return cache.shares_transfer(r, [*same, *admitted])
+            coming = [*same, *admitted]
+            if r.generate.sample_group and any(is_group_mate(r, t) for t in coming):
+                # It copies the prompt's KV from a sample of its group here: now if one
+                # holds it, else once one that receives it has it (sample_groups.py).
+                return find_donor(r, live) is None
+            return cache.shares_transfer(r, coming)
 
         return waits
 

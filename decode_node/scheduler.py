@@ -53,6 +53,7 @@ from decode_node.request_pages import RequestPages
 from decode_node.retract import NewTokenRatio
 from decode_node.retracted_queue import RetractedQueue
 from decode_node.running_batch import RunningBatch
+from decode_node.sample_groups import find_donor
 from decode_node.stats import DecodeStats
 from decode_node.transfer_queue import DecodeTransferQueue, ReleaseQueue
 from transfer.kv_manager import KVManager
@@ -100,7 +101,7 @@ class DecodeScheduler:
         self.page_size = runner.page_size
         cache = config.disaggregation_decode_enable_radix_cache
         self.pages = RequestPages(  # colocated: the prefill half uses this pool, no sharing
-            runner.pool.allocator, self.page_size, cache, not shares_pool_with_prefill
+            runner.pool.allocator, self.page_size, cache, not shares_pool_with_prefill, runner.pool
         )
         self.prefix_cache = self.pages.cache  # None: nothing shared (colocated)
         self.allocator = self.pages.allocator
@@ -252,7 +253,7 @@ class DecodeScheduler:
             resumed = self.retracted_queue.resume(resume_retracted(self._budget()))
             self.waiting_queue += resumed
         if not self.retracted_queue:  # no new admission while a request waits in host memory
-            waits = self.pages.waits_for(self.transfer_queue.queue)
+            waits = self.pages.waits_for(self.transfer_queue.queue, self.reqs.values())
             for r in self.prealloc_queue.pop_preallocated(self._budget(), waits):
                 self._preallocate(r)
         if self.config.is_priority_preemption_on:
@@ -260,9 +261,9 @@ class DecodeScheduler:
 
     def _preallocate(self, r: DecodeReq) -> None:
         assert r.receiver is not None
-        own = self.pages.preallocate(r)
+        dst, held = self.pages.preallocate(r, find_donor(r, self.reqs.values()))
         r.advance(DecodeState.TRANSFER)
-        r.receiver.send_metadata(own, aux_slot=0, num_held_pages=r.num_prefix_pages)
+        r.receiver.send_metadata(dst, aux_slot=0, num_held_pages=held)
         r.marks[stages.DECODE_PREALLOCATED] = time.time()
         self.transfer_queue.add(r)
 
@@ -332,8 +333,7 @@ class DecodeScheduler:
             self.waiting_queue.append(r)
 
     def _fail_bad_grammars(self) -> None:
-        """A request whose grammar failed fails now, before its KV arrives (the prefill
-        node fails it too; either answer reaches the gateway)."""
+        """A failed grammar fails its request before the KV arrives (the prefill's too)."""
         waiting_for_kv = [*self.prealloc_queue.queue, *self.transfer_queue.queue]
         for r, exc in failed_grammars(self.grammar, waiting_for_kv):
             self._fail(r, exc.status, str(exc))

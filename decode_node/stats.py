@@ -91,6 +91,7 @@ class DecodeStats:
         self.num_decode_tokens = 0
         self._cache_hit_tokens = 0
         self._cache_evicted = 0
+        self._copied_tokens = 0
 
     def update(self) -> None:
         s = self.s
@@ -118,6 +119,10 @@ class DecodeStats:
         if hits > self._cache_hit_tokens:
             metrics.PREFIX_CACHE_HIT_TOKENS.labels(role=ROLE).inc(hits - self._cache_hit_tokens)
             self._cache_hit_tokens = hits
+        if cache.num_copied_tokens > self._copied_tokens:
+            copied = cache.num_copied_tokens - self._copied_tokens
+            metrics.GROUP_SAMPLE_TOKENS.labels(role=ROLE).inc(copied)
+            self._copied_tokens = cache.num_copied_tokens
         if cache.num_evicted_pages > self._cache_evicted:
             evicted = cache.num_evicted_pages - self._cache_evicted
             metrics.PREFIX_CACHE_EVICTED_PAGES.labels(role=ROLE).inc(evicted)

@@ -11,7 +11,9 @@ import torch
 from common.grammar.backend import GrammarError, GrammarState
 from common.penalties import PenaltyState
 from common.sampler import SampleOutput, Sampler, make_generator, seed_for_position
+from prefill_node import prompt_logprobs
 from prefill_node.req_state import PrefillReq
+from transfer.kv_sender import AuxData
 
 
 def sample_first_token(
@@ -35,3 +37,18 @@ def sample_first_token(
     if grammar is not None and not grammar.accept(sample.token_ids[0]):
         raise GrammarError(500, f"the grammar refused its own first token {sample.token_ids[0]}")
     return sample
+
+
+def first_token_aux(s: PrefillReq, sample: SampleOutput) -> AuxData:
+    """What goes to the decode node with the last chunk: the sampled token, its logprobs,
+    the request's marks and cached tokens, the prompt's logprobs when asked for."""
+    top = sample.top_logprobs[0] if sample.top_logprobs else []
+    return AuxData(
+        first_token_id=sample.token_ids[0],
+        room_echo=s.req.room,
+        first_logprob=sample.logprobs[0] if sample.logprobs else None,
+        top_logprobs=list(top),
+        marks=dict(s.marks),
+        num_cached_tokens=s.num_cached_tokens,
+        **prompt_logprobs.aux_fields(s),
+    )

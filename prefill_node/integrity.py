@@ -91,7 +91,10 @@ def _check_pages(r: PrefillReq, page_size: int) -> None:
         if r.pages or r.duplicate_pages or r.locked_node is not None:
             raise AssertionError(f"request {r.rid} ({r.state.value}) holds pages")
         return
-    if len(r.pages) != pages_needed(r.num_computed, page_size):
+    if r.is_group_sample:
+        if r.pages or r.duplicate_pages or r.locked_node is not None:
+            raise AssertionError(f"request {r.rid} (a group sample) holds pages")
+    elif len(r.pages) != pages_needed(r.num_computed, page_size):
         raise AssertionError(
             f"request {r.rid} holds {len(r.pages)} pages for {r.num_computed} tokens"
         )

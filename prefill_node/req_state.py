@@ -94,6 +94,10 @@ class PrefillReq:
     # (prefill_node/prompt_logprobs.py)
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[Any]] = field(default_factory=list)
+    # Computed nothing and holds no page: its decode node holds the prompt's KV (another
+    # sample of it there) and its first token came from that sample's logits
+    # (prefill_node/sample_groups.py).
+    is_group_sample: bool = False
 
     @property
     def rid(self) -> str:

@@ -37,10 +37,10 @@ from common.node.scheduling import RequestFailures
 from common.radix_cache import RadixCache
 from common.sampler import Sampler
 from common.token_keys import TOKEN_BYTES
-from common.work_done import WorkDone
+from common.work_done import COMPLETED, WorkDone
 from prefill_node import prompt_logprobs
 from prefill_node.cache_aware_orders import usable_prefix_len
-from prefill_node.first_token import sample_first_token
+from prefill_node.first_token import first_token_aux, sample_first_token
 from prefill_node.integrity import check_requests
 from prefill_node.kv_events import KVEventPublisher
 from prefill_node.prefill_adder import AddReqResult, PrefillAdder, PrefillChunk
@@ -49,10 +49,10 @@ from prefill_node.queues import BootstrapQueue, GrammarQueue, InflightQueue, pol
 from prefill_node.req_state import PrefillReq, PrefillState
 from prefill_node.request import Req
 from prefill_node.request_check import NodeLimits, Rejection, check_request
+from prefill_node.sample_groups import SampleGroups
 from prefill_node.schedule_policy import SchedulePolicy
 from prefill_node.stats import PrefillStats
 from transfer.kv_manager import KVManager
-from transfer.kv_sender import AuxData
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class PrefillScheduler:
         self.events = None if config.disable_radix_cache else events
         self.stats = PrefillStats(self)
         self.cache = PrefillCache(config, runner.pool, self.events, self.stats)
+        self.groups = SampleGroups()  # the last logits of prompts with samples to come
         self.policy = SchedulePolicy.from_config(config, self.tree)
         self.limits = NodeLimits(
             runner.context_length,
@@ -156,6 +157,17 @@ class PrefillScheduler:
 
     def _enter_waiting(self, s: PrefillReq) -> None:
         s.advance(PrefillState.WAITING)
+        logits = self.groups.take(s, self.clock())
+        if logits is not None:  # another sample of its prompt was computed: nothing to do
+            s.advance(PrefillState.PREFILLING)
+            s.num_computed = s.num_cached_tokens = s.req.num_input_tokens
+            s.is_group_sample = True
+            self.stats.group_sample_tokens(s.num_computed)
+            try:
+                self._send_last(s, logits, COMPLETED)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                self.failures.isolate(s.rid, s.generate.reply_endpoint, "sampling it", exc)
+            return
         s.req.enter_waiting_queue(self.clock(), self.processed_tokens)
         self.waiting_queue.append(s.req)
 
@@ -381,27 +393,17 @@ class PrefillScheduler:
         if not c.is_last:
             s.sender.send(s.pages, c.end, ready=done)
             return
+        self.groups.keep(s, logits, self.clock())
+        self._send_last(s, logits, done)
+
+    def _send_last(self, s: PrefillReq, logits: torch.Tensor, done: WorkDone) -> None:
+        """Sample s's first token from ``logits`` and send it with the pages left."""
         sample = sample_first_token(
             self.sampler, s, logits, self.runner.spec.vocab_size, self.eos_token_ids
         )
-        top = sample.top_logprobs[0] if sample.top_logprobs else []
-        logprob = sample.logprobs[0] if sample.logprobs else None
         s.marks[stages.PREFILL_COMPUTED] = time.time()
         self.stats.stages(stages.stage_seconds(s.marks, stages.PREFILL_STAGES))
-        s.sender.send(
-            s.pages,
-            c.end,
-            AuxData(
-                first_token_id=sample.token_ids[0],
-                room_echo=s.req.room,
-                first_logprob=logprob,
-                top_logprobs=list(top),
-                marks=dict(s.marks),
-                num_cached_tokens=s.num_cached_tokens,
-                **prompt_logprobs.aux_fields(s),
-            ),
-            ready=done,
-        )
+        s.sender.send(s.pages, s.num_computed, first_token_aux(s, sample), ready=done)
         s.advance(PrefillState.TRANSFERRING)
         self.inflight_queue.add(s)
 

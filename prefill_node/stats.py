@@ -90,6 +90,10 @@ class PrefillStats:
         if n:
             self._hits.inc(n)
 
+    def group_sample_tokens(self, n: int) -> None:
+        """A sample of an n > 1 request took its prompt from another sample of it."""
+        metrics.GROUP_SAMPLE_TOKENS.labels(role=self.role).inc(n)
+
     def host_loaded(self, num_tokens: int, seconds: float) -> None:
         """A request's host-tier prefix was copied back to the device."""
         metrics.HOST_CACHE_HIT_TOKENS.labels(role=self.role).inc(num_tokens)

@@ -110,17 +110,18 @@ class KVSender:
         num_held_pages: int = 0,
     ) -> None:
         """The decode side is ready: it sent destination pages for this room, for the pages
-        after the first ``num_held_pages`` (which it holds already: its prefix cache)."""
+        after the first ``num_held_pages`` (which it holds already: its prefix cache, or
+        every page when it copied them from another sample of the prompt)."""
         if self.status.state is not KVPoll.Bootstrapping:
             return
         total = pages_needed(self.num_tokens, self.manager.page_size)
-        # At least the page of the last token moves: a held page is a whole page of prompt.
-        max_held = (self.num_tokens - 1) // self.manager.page_size
-        if not 0 <= num_held_pages <= max_held:
+        # All of them: the decode node copied the prompt's KV from another sample of it
+        # there; only the aux data (first token) moves.
+        if not 0 <= num_held_pages <= total:
             self.fail(
                 FailureReason.BAD_REQUEST,
                 f"decode holds {num_held_pages} pages of {self.num_tokens} tokens "
-                f"(at most {max_held})",
+                f"(at most {total})",
                 now,
             )
             return

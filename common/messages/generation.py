@@ -36,6 +36,13 @@ class GenerateReq(Message):
     # alternatives at each position): the prefill node computes the whole prompt, cached or
     # not, and the decode node sends them on in PromptLogprobs (completions' echo).
     return_prompt_logprobs: bool = False
+    # The samples of one prompt (n > 1, best_of) share a group id and are sent to one pair
+    # (empty: no group). The prefill node computes the prompt once: the others sample their
+    # first token from the first one's last logits when the decode node copies that one's
+    # last page instead of receiving it (prefill_node/sample_groups.py,
+    # decode_node/sample_groups.py).
+    sample_group: str = ""
+    num_group_samples: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,6 +129,8 @@ class PD:
         output_ids=(),
         cache_salt=None,
         return_prompt_logprobs=False,
+        sample_group="",
+        num_group_samples=1,
         **sampling,
     ):
         g = msg.GenerateReq(
@@ -147,6 +149,8 @@ class PD:
             output_ids=list(output_ids),
             cache_salt=cache_salt,
             return_prompt_logprobs=return_prompt_logprobs,
+            sample_group=sample_group,
+            num_group_samples=num_group_samples,
         )
         if to_prefill:
             self.to_prefill.send(msg.encode(g))
@@ -160,6 +164,7 @@ class PD:
         for m in recv_messages(self.reply_sock):
             self.replies[m.rid].append(m)
         self.decode.check_integrity()
+        self.prefill.check_integrity()
 
     def run_until(self, cond, timeout=30.0):
         deadline = time.monotonic() + timeout

@@ -92,6 +92,19 @@ def test_n_seeded_samples_with_penalties_equal_the_single_process_runner(cluster
     ids = tok.apply_chat_template(messages)
     penalties = {"frequency_penalty": 0.6, "presence_penalty": 0.3}
     extra = {"repetition_penalty": 1.2, "min_tokens": 6}
+
+    def totals(name: str) -> dict[str, float]:
+        return {
+            role: sum(
+                metric_or_0(p.ready["http_url"], name, role=role)
+                for node, p in cluster["nodes"].items()
+                if node.startswith(role)
+            )
+            for role in ("prefill", "decode")
+        }
+
+    group_before = totals("pdserve_group_sample_tokens_total")
+    computed_before = totals("pdserve_prefill_tokens_total")["prefill"]
     chat = client(cluster).chat.completions.create(
         model="default",
         max_tokens=16,
@@ -111,6 +124,15 @@ def test_n_seeded_samples_with_penalties_equal_the_single_process_runner(cluster
         assert isinstance(offline, OfflineResult)
         assert choice.message.content == offline.text, i
     assert chat.usage.prompt_tokens == len(ids)
+    # The prompt was computed and moved once: samples 1 and 2 sampled from sample 0's
+    # logits on the prefill node and copied its last page on the decode node.
+    group = totals("pdserve_group_sample_tokens_total")
+    assert group["prefill"] - group_before["prefill"] == 2 * len(ids)
+    page = runner.page_size
+    assert group["decode"] - group_before["decode"] == 2 * (
+        len(ids) - (len(ids) - 1) // page * page
+    )
+    assert totals("pdserve_prefill_tokens_total")["prefill"] - computed_before <= len(ids)
 
 
 def test_echo_logprobs_equal_the_single_process_runner_with_the_prompt_cached(cluster):

@@ -92,6 +92,19 @@ def test_read_and_write_pages_copy_bytes_exactly():
     assert torch.count_nonzero(pool.buffer[[0, 2, 3, 5]]) == 0
 
 
+def test_copy_pages_copies_whole_pages_on_the_device_and_nothing_else(device):
+    pool = KVPool(LAYOUT, num_pages=6, device=device)
+    data = torch.randn(2, *LAYOUT.page_shape, device=device)
+    pool.write_pages([4, 1], data)
+    pool.copy_pages([4, 1], [0, 5])
+    assert torch.equal(pool.read_pages([0, 5]), data)
+    assert torch.equal(pool.read_pages([4, 1]), data)
+    assert torch.count_nonzero(pool.buffer[[2, 3]]) == 0
+    assert pool.buffer.device.type == device.type
+    with pytest.raises(ValueError):
+        pool.copy_pages([1], [2, 3])
+
+
 def test_sizing_from_tokens_or_memory_budget():
     assert KVPool.num_pages_for(LAYOUT, 17, None) == 3
     assert KVPool.num_pages_for(LAYOUT, None, LAYOUT.bytes_per_page * 7 + 5) == 7

@@ -208,8 +208,9 @@ def test_registry_is_consistent() -> None:
         assert cls.TAG == tag
         assert cls.__doc__
     # 3: GenerateReq.cache_salt; 4: marks on TokenChunk, TransferDone; 5: KV events;
-    # 6: prompt logprobs (GenerateReq, TransferDone, PromptLogprobs)
-    assert PROTOCOL_VERSION == 6
+    # 6: prompt logprobs (GenerateReq, TransferDone, PromptLogprobs); 7: sample groups
+    # (GenerateReq), and a decode node may hold every page of a room (an aux-only transfer)
+    assert PROTOCOL_VERSION == 7
     assert is_supported_protocol(PROTOCOL_VERSION)
     assert not is_supported_protocol(PROTOCOL_VERSION + 1)
 

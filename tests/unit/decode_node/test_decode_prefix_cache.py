@@ -192,6 +192,80 @@ def test_samples_of_one_prompt_wait_for_its_transfer_and_move_only_their_last_pa
         h.close()
 
 
+@pytest.mark.parametrize("flags", [CACHE, {}], ids=["cache", "no-cache"])
+def test_samples_of_one_group_compute_and_move_the_prompt_once(model_dir, ref, flags):
+    """n = 4 as the gateway sends it (one sample group): the first sample's prefill is the
+    only one; the others copy its last page on the decode node, hold every page of their
+    room and receive only their first token, sampled from its logits. Greedy outputs equal
+    the single-request run; seeded ones equal an ungrouped request of the same seed."""
+    h = PD(model_dir, **flags)
+    sent = _spy_transfer_requests(h)
+    computed = []
+    count = h.prefill.stats.prefill_tokens
+    h.prefill.stats.prefill_tokens = lambda n: (computed.append(n), count(n))
+    steps, step = [0], h.decode.step
+    h.decode.step = lambda: (steps.__setitem__(0, steps[0] + 1), step())[1]
+    when: dict[int, int] = {}
+    send = h.dkv.send_transfer_request
+    h.dkv.send_transfer_request = lambda r: (when.setdefault(r.room, steps[0]), send(r))
+    try:
+        ids = prompt(30, 91)  # 8 pages, the last partial
+        group = {"sample_group": "g1", "num_group_samples": 4}
+        for i in range(4):
+            h.submit(f"s{i}", 380 + i, ids, max_new_tokens=6, **group)
+        h.run_until(lambda: h.done(*[f"s{i}" for i in range(4)]), timeout=60)
+        for i in range(4):
+            assert h.tokens(f"s{i}") == greedy(ref, ids, 6), i
+        assert sorted((held, dst) for _, held, dst in sent) == [(0, 8), (8, 0), (8, 0), (8, 0)]
+        assert computed == [30]
+        # The copies go in one step, not one after another's transfer.
+        assert when[381] == when[382] == when[383] > when[380]
+        # 7 pages shared, the 8th (2 tokens) copied, per sample.
+        assert h.decode.prefix_cache.num_copied_tokens == 3 * 2
+        assert len(h.prefill.groups) == 0  # every sample took the logits
+        seeded = {"temperature": 0.9, "max_new_tokens": 8}
+        seeds = [11, 12, 13]
+        group = {"sample_group": "g2", "num_group_samples": 3}
+        for i, seed in enumerate(seeds):
+            h.submit(f"z{i}", 390 + i, ids, seed=seed, **seeded, **group)
+        h.run_until(lambda: h.done("z0", "z1", "z2"), timeout=60)
+        assert computed == [30, 2]  # the prompt's last page (the rest cached)
+        for i, seed in enumerate(seeds):
+            _run(h, f"u{i}", 395 + i, ids, seeded["max_new_tokens"], seed=seed, temperature=0.9)
+            assert h.tokens(f"z{i}") == h.tokens(f"u{i}"), i
+        assert h.tokens("z0") != h.tokens("z1") or h.tokens("z1") != h.tokens("z2")
+        _assert_only_cache_holds_pages(h)
+    finally:
+        h.close()
+
+
+def test_a_sample_whose_first_sample_has_finished_receives_its_pages(model_dir, ref):
+    """The first sample ends with its first token (max_tokens 1), before the others are
+    preallocated: nothing to copy from, so the next one receives its pages and the prefill
+    node computes what it needs (its last page), as without a group; the third copies
+    from that one."""
+    h = PD(model_dir)
+    sent = _spy_transfer_requests(h)
+    computed = []
+    count = h.prefill.stats.prefill_tokens
+    h.prefill.stats.prefill_tokens = lambda n: (computed.append(n), count(n))
+    try:
+        ids = prompt(30, 92)
+        group = {"sample_group": "g3", "num_group_samples": 3}
+        h.submit("f0", 385, ids, max_new_tokens=1, **group)
+        h.run_until(lambda: h.done("f0"), timeout=60)
+        for i in (1, 2):
+            h.submit(f"f{i}", 385 + i, ids, max_new_tokens=5, **group)
+        h.run_until(lambda: h.done("f1", "f2"), timeout=60)
+        for i in (1, 2):
+            assert h.tokens(f"f{i}") == greedy(ref, ids, 5), i
+        assert sent == [(385, 0, 8), (386, 0, 8), (387, 8, 0)]
+        assert computed == [30, 2]
+        assert h.decode.prefix_cache.num_copied_tokens == 2
+    finally:
+        h.close()
+
+
 def test_without_the_flag_nothing_is_kept(model_dir, ref):
     h = PD(model_dir)
     sent = _spy_transfer_requests(h)

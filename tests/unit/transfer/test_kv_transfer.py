@@ -330,9 +330,25 @@ def test_a_partial_transfer_writes_only_the_pages_after_the_held_ones(pair):
     assert sender.num_bytes == 3 * LAYOUT.bytes_per_page
 
 
+def test_a_room_whose_every_page_is_held_moves_only_the_first_token(pair):
+    """The decode side copied the whole prompt from another sample of it: no destination
+    page, no page written, the TransferDone (first token) still arrives."""
+    prefill, decode = pair
+    room, tokens = 203, 21  # 6 pages
+    sender = prefill.create_sender(room, tokens)
+    receiver = decode.create_receiver(room, prefill.control_endpoint)
+    drive([prefill, decode], lambda: receiver.poll() is KVPoll.WaitingForInput)
+    receiver.send_metadata([], num_held_pages=6)
+    drive([prefill, decode], lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.send([], tokens, AuxData(first_token_id=7, room_echo=room))
+    drive([prefill, decode], lambda: receiver.poll() is KVPoll.Success)
+    assert receiver.aux is not None and receiver.aux.first_token_id == 7
+    assert sender.num_bytes == 0 and torch.count_nonzero(decode.pool.buffer) == 0
+
+
 @pytest.mark.parametrize(
     ("held", "num_dst"),
-    [(6, 0), (5, 0), (-1, 7), (2, 3)],  # 21 tokens: at most 5 held, and 6 - held destinations
+    [(7, 0), (5, 0), (-1, 7), (2, 3)],  # 21 tokens: at most 6 held, and 6 - held destinations
 )
 def test_a_transfer_request_with_impossible_held_pages_fails_the_room(pair, held, num_dst):
     prefill, decode = pair
