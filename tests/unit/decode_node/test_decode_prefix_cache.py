@@ -239,6 +239,34 @@ def test_samples_of_one_group_compute_and_move_the_prompt_once(model_dir, ref, f
         h.close()
 
 
+@pytest.mark.parametrize("flags", [CACHE, {}], ids=["cache", "no-cache"])
+def test_samples_of_one_group_survive_retraction_and_abort_in_a_small_pool(model_dir, ref, flags):
+    """n = 6 in a pool too small for all of them to finish: samples that copied the first
+    one's KV are retracted (their own pages to host memory, the shared prefix back to the
+    cache) and resumed; one is aborted mid-way. Outputs exact, every page accounted for
+    after every step (the harness) and at the end."""
+    h = PD(model_dir, decode_pages=30, num_reserved_decode_tokens=4, **flags)
+    sent = _spy_transfer_requests(h)
+    try:
+        ids = prompt(22, 93)  # 6 pages, the last partial
+        group = {"sample_group": "g4", "num_group_samples": 6}
+        for i in range(6):
+            h.submit(f"k{i}", 400 + i, ids, max_new_tokens=28, **group)
+        h.run_until(lambda: len(h.tokens("k3")) >= 4, timeout=60)
+        h.decode.abort("k3", None, "client gone")
+        h.run_until(lambda: h.done(*[f"k{i}" for i in range(6)]), timeout=90)
+        assert h.decode.stats.num_retractions > 0
+        assert sum(held == 6 for _, held, _ in sent) >= 4  # copies
+        for i in (0, 1, 2, 4, 5):
+            assert isinstance(h.result(f"k{i}"), msg.ReqFinished), i
+            assert h.tokens(f"k{i}") == greedy(ref, ids, 28), i
+        assert isinstance(h.result("k3"), msg.ReqFailed)
+        h.run_until(lambda: h.decode.is_idle(), timeout=10)
+        _assert_only_cache_holds_pages(h)
+    finally:
+        h.close()
+
+
 def test_a_sample_whose_first_sample_has_finished_receives_its_pages(model_dir, ref):
     """The first sample ends with its first token (max_tokens 1), before the others are
     preallocated: nothing to copy from, so the next one receives its pages and the prefill
