@@ -7,8 +7,11 @@ common.tokenizer must load it, round-trip a text and render the template. Then b
 prefill_node and decode_node run as `pdserve launch` runs them (one process each, the
 cluster token in the environment), on `--device`, KV over NIXL when it is importable (else
 the fake backend, which moves no bytes: said in the result). One HTTP completion with
-max_tokens 16 and ignore_eos must return 16 tokens (finish_reason "length"), and each
-process must exit 0 on SIGTERM.
+max_tokens 16 and ignore_eos must return 16 tokens (finish_reason "length"); the same
+prompt with n = 3, greedy, three equal choices (the other samples copy the first one's
+last page on the decode device and sample from its logits on the prefill one); the prompt
+scored (echo, logprobs, max_tokens 0), a finite logprob per token after the first; and
+each process must exit 0 on SIGTERM.
 """
 
 from __future__ import annotations
@@ -281,6 +284,11 @@ def _cluster(
             finish_reason=choice.get("finish_reason"),
             text=choice.get("text", "")[:80],
         )
+        # n = 3 greedy: one prefill and one transfer; the other samples copy the first's
+        # last page on the decode device and take their first token from its logits
+        samples = _complete(api, timeout=max(5.0, min(30.0, deadline.left() - 8)), n=3)
+        texts = [c.get("text") for c in samples["choices"]]
+        out["n_choices_equal"] = len(texts) == 3 and all(t == choice.get("text") for t in texts)
         # the prompt's logprobs (echo): computed on the prefill node's device for every
         # position, through the transfer's control message to the gateway
         scored = _complete(
@@ -312,6 +320,7 @@ def _cluster(
         and out.get("finish_reason") == "length"
         and out.get("prompt_logprobs") == out.get("prompt_tokens")
         and out.get("prompt_logprobs_finite") is True
+        and out.get("n_choices_equal") is True
         and all(c == 0 for c in out["exit_codes"].values())
     )
     return out

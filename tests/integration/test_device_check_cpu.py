@@ -109,4 +109,5 @@ def test_nixl_moved_every_byte_and_one_request_went_end_to_end(results: list[dic
     assert e2e["completion_tokens"] == 16 and e2e["finish_reason"] == "length"
     assert e2e["prompt_logprobs"] == e2e["prompt_tokens"] > 1
     assert e2e["prompt_logprobs_finite"] is True
+    assert e2e["n_choices_equal"] is True
     assert e2e["exit_codes"] == {"decode-0": 0, "prefill-0": 0, "bootstrap": 0}
