@@ -362,6 +362,8 @@ class BootstrapService:
                 + len(output_ids)
                 - (0 if decision is None else decision.cached_pages) * self.router.page_size
             )
+            if decision is None and gen.sample_group:
+                uncached = 0  # a later sample: the first computes the prompt for the group
             self.kv_events.note_dispatched(
                 prefill.node_id, max(1, uncached), prepared.page_hashes or (), self.router.page_size
             )

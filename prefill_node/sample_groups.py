@@ -62,6 +62,11 @@ class SampleGroups:
             key, logits.detach().clone(), g.num_group_samples - 1, now
         )
 
+    def covers(self, s: PrefillReq) -> bool:
+        """Whether s's group logits are here (for its prompt): s will likely compute nothing."""
+        kept = self._groups.get(s.generate.sample_group) if s.generate.sample_group else None
+        return kept is not None and kept.key == (s.req.namespace, s.req.key)
+
     def take(self, s: PrefillReq, now: float) -> torch.Tensor | None:
         """The logits s samples its first token from, when it needs no prefill: its decode
         node holds every page of its room and its group's logits are here, for the same

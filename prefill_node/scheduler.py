@@ -182,14 +182,16 @@ class PrefillScheduler:
 
     def queued_tokens(self) -> int:
         """Prompt tokens this node has still to compute (the precise router's load): a
-        request not started yet counts its prompt less the prefix the cache holds now, one
-        under way what it has left. Recomputed at most every QUEUED_TOKENS_TTL_S."""
+        request not started yet counts its prompt less the prefix the cache holds now (none
+        when a sample of its group computed it), one under way what it has left.
+        Recomputed at most every QUEUED_TOKENS_TTL_S."""
         now = self.clock()
         if now - self._queued_at >= QUEUED_TOKENS_TTL_S or now < self._queued_at:
             total = 0
             for s in self.states.values():
                 left = s.req.num_input_tokens - s.num_computed
                 if left > 0 and s.num_computed == 0 and not s.pages:
+                    left -= s.req.num_input_tokens if self.groups.covers(s) else 0
                     left -= self.cache.cached_prefix(s.req)
                 total += max(0, left)
             self._queued, self._queued_at = total, now

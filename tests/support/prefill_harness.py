@@ -79,13 +79,20 @@ class Harness:
                     return_logprob=False,
                     cache_salt=kw.pop("cache_salt", None),
                     return_prompt_logprobs=kw.pop("return_prompt_logprobs", False),
+                    sample_group=kw.pop("sample_group", ""),
+                    num_group_samples=kw.pop("num_group_samples", 1),
                 )
             )
         )
 
-    def receive(self, room, num_tokens):
+    def receive(self, room, num_tokens, *, holds_all=False):
+        """A decode side for the room; ``holds_all``: it holds every page already (a copy
+        from another sample of the prompt) and asks for the first token alone."""
         r = self.decode.create_receiver(room, self.kv.control_endpoint)
         self.run_until(lambda: r.poll() is KVPoll.WaitingForInput)
+        if holds_all:
+            r.send_metadata([], num_held_pages=pages_needed(num_tokens, PAGE))
+            return r, []
         pages = self.dpool.allocator.allocate(pages_needed(num_tokens, PAGE))
         r.send_metadata(pages)
         return r, pages

@@ -52,6 +52,44 @@ def test_chat_n_samples_one_prompt_each_with_its_own_seed(gw: Gateway) -> None:
     assert out.usage is not None
     assert out.usage.prompt_tokens == len(gens[0].input_ids)  # the prompt once
     assert out.usage.completion_tokens == 15
+    # One sample group, so the nodes compute and move the prompt once.
+    assert len({g.sample_group for g in gens}) == 1 and gens[0].sample_group
+    assert all(g.num_group_samples == 3 for g in gens)
+
+
+def test_the_precise_router_counts_a_groups_prompt_once_in_its_prefill_nodes_queue(
+    gateway_factory: Callable[..., Gateway], tokenizer: Tokenizer
+) -> None:
+    """The later samples of a group compute nothing (the first computes the prompt for
+    them): the gateway counts them as 1 token each in the node's queue, not the prompt."""
+    gw = gateway_factory(prefill_router="precise")
+    prefill = gw.node("prefill")
+    gw.node("decode", stream_tokens(reply_ids(tokenizer), delay_s=0.002))
+    sent: list[int] = []
+    subscriber = gw.service.kv_events
+    assert subscriber is not None
+    note = subscriber.note_dispatched
+
+    def spy(node_id: str, tokens: int, *rest: Any) -> None:
+        sent.append(tokens)
+        note(node_id, tokens, *rest)
+
+    subscriber.note_dispatched = spy  # type: ignore[method-assign]
+    client(gw).completions.create(model="test-model", prompt="Shared " * 20, max_tokens=2, n=4)
+    gens = prefill.wait_generates(4)
+    assert sorted(sent) == [1, 1, 1, len(gens[0].input_ids)]
+
+
+def test_each_prompt_of_a_batch_has_its_own_sample_group_and_a_lone_sample_none(
+    gw: Gateway,
+) -> None:
+    client(gw).completions.create(model="test-model", prompt=["One", "Two"], max_tokens=2, n=2)
+    gens = gw.nodes[1].wait_generates(4)
+    groups = Counter(g.sample_group for g in gens)
+    assert len(groups) == 2 and all(v == 2 for v in groups.values()) and "" not in groups
+    client(gw).completions.create(model="test-model", prompt="Alone", max_tokens=2)
+    lone = gw.nodes[1].wait_generates(5)[-1]
+    assert lone.sample_group == "" and lone.num_group_samples == 1
 
 
 def test_a_batch_of_prompts_streams_every_choice_with_its_index(

@@ -248,6 +248,37 @@ def test_queued_tokens_count_what_is_left_to_compute_less_the_cached_prefix(h):
     assert h.sched.queued_tokens() == (len(hit) - 32) + len(miss)
 
 
+def test_a_sample_whose_decode_side_holds_every_page_samples_from_the_first_ones_logits(h):
+    """n = 3 (one sample group): the first sample is prefilled; the second's decode side
+    holds every page (it copied them) and asks for the first token alone: nothing is
+    computed, its token is the greedy one; the third's asks for pages and is computed as
+    usual (the KV it sends must exist). A sample waiting in the bootstrap queue whose
+    group's logits are here counts no queued token."""
+    ids = prompt(23, 24)
+    group = {"sample_group": "g", "num_group_samples": 3}
+    h.submit("s0", 41, ids, **group)
+    r0, p0 = h.receive(41, len(ids))
+    h.run_until(lambda: r0.poll() is KVPoll.Success and not h.sched.states)
+    check_landed(h, r0, p0, ids)
+    computed = h.sched.processed_tokens
+    h.submit("s1", 42, ids, **group)
+    h.run_until(lambda: len(h.sched.states) == 1)
+    h.sched._queued_at = -float("inf")
+    assert h.sched.queued_tokens() == 0
+    r1, _ = h.receive(42, len(ids), holds_all=True)
+    h.run_until(lambda: r1.poll() is KVPoll.Success and not h.sched.states)
+    assert h.sched.processed_tokens == computed
+    assert r1.aux.first_token_id == r0.aux.first_token_id
+    assert r1.aux.num_cached_tokens == len(ids)
+    h.submit("s2", 43, ids, **group)
+    r2, p2 = h.receive(43, len(ids))
+    h.run_until(lambda: r2.poll() is KVPoll.Success and not h.sched.states)
+    assert h.sched.processed_tokens == computed + len(ids) - 20  # the last partial page
+    check_landed(h, r2, p2, ids)
+    assert len(h.sched.groups) == 1  # s2 did not take the logits: they stay for keep_s
+    h.sched.check_integrity()
+
+
 class _Pending:
     """A forward's completion marker that says "still running" until `finish()`."""
 
