@@ -267,6 +267,29 @@ def test_samples_of_one_group_survive_retraction_and_abort_in_a_small_pool(model
         h.close()
 
 
+def test_a_late_write_into_a_page_a_sample_copied_fails_that_sample_too(model_dir, ref):
+    """A late write may have landed in the first sample's last page before another sample
+    copied it: both fail (500, retryable), not only the one holding the page."""
+    h = PD(model_dir)
+    try:
+        ids = prompt(30, 94)
+        group = {"sample_group": "g5", "num_group_samples": 2}
+        for i in range(2):
+            h.submit(f"w{i}", 410 + i, ids, max_new_tokens=40, **group)
+        h.run_until(lambda: all(len(h.tokens(f"w{i}")) >= 2 for i in range(2)), timeout=60)
+        donor, copy = h.decode.reqs["w0"], h.decode.reqs["w1"]
+        assert copy.copied_from == [donor.pages[7]] and donor.pages[7] not in copy.pages
+        h.dkv.on_late_write(999, [donor.pages[7]])
+        h.run_until(lambda: h.done("w0", "w1"))
+        for rid in ("w0", "w1"):
+            end = h.result(rid)
+            assert isinstance(end, msg.ReqFailed) and end.status == 500 and end.retryable, rid
+        h.run_until(lambda: h.decode.is_idle(), timeout=10)
+        assert h.runner.pool.allocator.num_used_pages == 0
+    finally:
+        h.close()
+
+
 def test_a_sample_whose_first_sample_has_finished_receives_its_pages(model_dir, ref):
     """The first sample ends with its first token (max_tokens 1), before the others are
     preallocated: nothing to copy from, so the next one receives its pages and the prefill
