@@ -18,6 +18,7 @@ from common import page_hash
 from common.ipc import bind_pull, close_pull, recv_messages
 from common.radix_cache import RadixCache
 from prefill_node.kv_events import KVEventPublisher
+from tests.support.host_pages import NoCopyHost
 
 PS = 16
 
@@ -156,28 +157,13 @@ def test_queued_tokens_are_the_last_report_plus_what_was_sent_since():
         node.close()
 
 
-class _Host:
-    """Host pages without KV: the tier's bookkeeping is what the events follow."""
-
-    def __init__(self, num_pages: int) -> None:
-        from common.kv_pool import PageAllocator
-
-        self.allocator = PageAllocator(num_pages)
-
-    def backup(self, device_pages: list[int], host_pages: list[int]) -> None:
-        pass
-
-    def load(self, host_pages: list[int], device_pages: list[int]) -> None:
-        pass
-
-
 def test_the_index_knows_which_pages_a_node_holds_on_its_host_tier_alone():
     from common.kv_pool import PageAllocator
     from prefill_node.hiradix_cache import HiRadixCache
 
     node = Node("p0")
     alloc = PageAllocator(64)
-    node.cache = HiRadixCache(PS, alloc, _Host(64), "write_through", events=node.events)
+    node.cache = HiRadixCache(PS, alloc, NoCopyHost(64), "write_through", events=node.events)
     node.events.host_load_cost = 0.25
     sub = KVEventSubscriber("gw", snapshot_retry_s=0.2)
     try:

@@ -8,6 +8,7 @@ from common.radix_cache import RadixCache
 from prefill_node.hiradix_cache import HiRadixCache
 from prefill_node.request import Req
 from prefill_node.schedule_policy import SchedulePolicy
+from tests.support.host_pages import NoCopyHost
 from tests.unit.prefill_node.test_schedule_policy import PAGE, make_tree, req, rids
 
 # --- SGLang's exact orders on the smallest cases where pdserve used to differ ------------
@@ -129,22 +130,11 @@ def test_dfs_weight_dedup_flag_reaches_the_policy():
 # --- host-tier hits (SGLang 0.5.23's UnifiedRadixCache with HiCache's tree) --------------
 
 
-class _NoCopyHost:
-    def __init__(self) -> None:
-        self.allocator = PageAllocator(64)
-
-    def backup(self, device_pages: list[int], host_pages: list[int]) -> None:
-        pass
-
-    def load(self, host_pages: list[int], device_pages: list[int]) -> None:
-        pass
-
-
 def _page1_tiers(*cached: list[int], evict: int) -> HiRadixCache:
     """Page 1, every node written through to the host; the least recently inserted
     ``evict`` device pages then moved to the host."""
     alloc = PageAllocator(64)
-    tree = HiRadixCache(1, alloc, _NoCopyHost(), "write_through")
+    tree = HiRadixCache(1, alloc, NoCopyHost(64), "write_through")
     for tokens in cached:
         tree.insert(tokens, alloc.allocate(len(tokens)))
     assert tree.evict(evict) == evict

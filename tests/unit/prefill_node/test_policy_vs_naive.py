@@ -9,13 +9,13 @@ from os.path import commonprefix
 
 import pytest
 
-from common.kv_pool import PageAllocator
 from common.radix_cache import RadixCache
 from common.token_keys import token_key
 from prefill_node.cache_aware_orders import HrrnOrder
 from prefill_node.hiradix_cache import HiRadixCache
 from prefill_node.request import Req
 from prefill_node.schedule_policy import SchedulePolicy, prefill_work
+from tests.support.host_pages import NoCopyHost
 from tests.unit.prefill_node.test_schedule_policy import (
     CACHE_AWARE,
     INF,
@@ -120,17 +120,6 @@ def _reference_order(name: str, before: list[Req], tree: RadixCache, deprio: set
     return ahead + behind  # fcfs with in-batch dedup
 
 
-class _NoCopyHost:
-    def __init__(self, num_pages: int) -> None:
-        self.allocator = PageAllocator(num_pages)
-
-    def backup(self, device_pages: list[int], host_pages: list[int]) -> None:
-        pass
-
-    def load(self, host_pages: list[int], device_pages: list[int]) -> None:
-        pass
-
-
 @pytest.mark.parametrize("tiers", ["device", "host"])
 @pytest.mark.parametrize("name", [*CACHE_AWARE, "fcfs", "lpm+fallback", "hrrn+numpy"])
 def test_incremental_policy_equals_naive_rematching_on_random_workloads(
@@ -143,7 +132,7 @@ def test_incremental_policy_equals_naive_rematching_on_random_workloads(
         monkeypatch.setattr(HrrnOrder, "VECTOR_MIN", 0)
     tree, alloc = make_tree(1 << 15)
     if tiers == "host":
-        tree = HiRadixCache(PAGE, alloc, _NoCopyHost(48), "write_through")
+        tree = HiRadixCache(PAGE, alloc, NoCopyHost(48), "write_through")
     check, deprioritize = rng.choice([(4, 4), (8, 6), (-1, 4), (6, 0), (32, 32)])
     is_fallback_case = name == "lpm+fallback"
     name = name.split("+")[0]
