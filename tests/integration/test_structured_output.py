@@ -118,7 +118,14 @@ def test_every_output_matches_its_schema_under_retraction_chunking_and_cache_hit
             time.sleep(0.2)
 
 
-def reference_text(prompt_ids: list[int], kind: str, text: str, max_tokens: int) -> str:
+def reference_text(
+    prompt_ids: list[int],
+    kind: str,
+    text: str,
+    max_tokens: int,
+    temperature: float = 0,
+    seed: int | None = None,
+) -> str:
     from common.grammar.backend import GrammarBackend, GrammarState
     from common.launch.offline import generate_stream
     from common.model.default_model import default_model_dir
@@ -132,7 +139,9 @@ def reference_text(prompt_ids: list[int], kind: str, text: str, max_tokens: int)
     ticket = backend.submit(kind, text)
     while (compiled := backend.poll(ticket)) is None:
         time.sleep(0.001)
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=0, **{kind: text})
+    params = SamplingParams(
+        max_new_tokens=max_tokens, temperature=temperature, seed=seed, **{kind: text}
+    )
     stream = generate_stream(runner, tok, prompt_ids, params, GrammarState(compiled))
     return list(stream)[-1].text  # type: ignore[union-attr]
 
@@ -160,6 +169,34 @@ def test_greedy_output_under_a_grammar_equals_the_single_process_reference(pd):
     ids = Tokenizer.from_pretrained(default_model_dir()).encode(prompt)
     assert body["text"] == reference_text(ids, "json_schema", schema, 80)
     jsonschema.validate(json.loads(body["text"]), PERSON)
+
+
+def test_n_seeded_samples_under_a_grammar_equal_the_single_process_reference(pd):
+    """n = 3 under a JSON schema: the later samples' first tokens come from the first
+    sample's logits on the prefill node (their own seeds, each its own grammar matcher),
+    their prompt KV is copied on the decode node, and each choice equals the single-process
+    run seeded sample_seed(seed, i) under the same grammar."""
+    from common.model.default_model import default_model_dir
+    from common.sampler import sample_seed
+    from common.tokenizer import Tokenizer
+
+    resp = client(pd).chat.completions.create(
+        model="default",
+        messages=ask(5),
+        response_format=person_format(),
+        max_tokens=96,
+        temperature=0.8,
+        seed=77,
+        n=3,
+    )
+    ids = Tokenizer.from_pretrained(default_model_dir()).apply_chat_template(ask(5))
+    schema = json.dumps(PERSON)
+    texts = [c.message.content for c in resp.choices]
+    for i, text in enumerate(texts):
+        expected = reference_text(ids, "json_schema", schema, 96, 0.8, sample_seed(77, i))
+        assert text == expected, i
+        jsonschema.validate(json.loads(text or ""), PERSON)
+    assert len(set(texts)) > 1, "three seeds gave one output: the samples were not their own"
 
 
 def test_generate_takes_regex_and_ebnf(pd):
