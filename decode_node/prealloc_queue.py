@@ -181,13 +181,18 @@ class DecodePreallocQueue:
             return True
         return False
 
-    def most_urgent_ready(self) -> DecodeReq | None:
+    def most_urgent_ready(
+        self, waits: Callable[[DecodeReq, Sequence[DecodeReq]], bool] | None = None
+    ) -> DecodeReq | None:
         """The first request in priority order (FIFO among equals) whose receiver waits
-        for its pages; None if there is none."""
+        for its pages and that ``waits`` does not hold back (as in pop_preallocated: its
+        prompt's KV is arriving for another request); None if there is none."""
         ready = [
             r
             for r in self.queue
-            if r.receiver is not None and r.receiver.poll() is KVPoll.WaitingForInput
+            if r.receiver is not None
+            and r.receiver.poll() is KVPoll.WaitingForInput
+            and (waits is None or not waits(r, ()))
         ]
         if not ready:
             return None

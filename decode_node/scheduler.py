@@ -250,8 +250,7 @@ class DecodeScheduler:
                 r, 500, f"KV bootstrap with the prefill node failed: {reason}", retryable=True
             )
         if self.retracted_queue:
-            resumed = self.retracted_queue.resume(resume_retracted(self._budget()))
-            self.waiting_queue += resumed
+            self.waiting_queue += self.retracted_queue.resume(resume_retracted(self._budget()))
         if not self.retracted_queue:  # no new admission while a request waits in host memory
             waits = self.pages.waits_for(self.transfer_queue.queue, self.reqs.values())
             for r in self.prealloc_queue.pop_preallocated(self._budget(), waits):
@@ -270,7 +269,8 @@ class DecodeScheduler:
     def _preempt_for_priority(self) -> None:
         """Admit the most urgent ready prealloc request now if retracting running requests
         less urgent by the threshold makes room (decode_node/preemption.py)."""
-        head = self.prealloc_queue.most_urgent_ready()
+        waits = self.pages.waits_for(self.transfer_queue.queue, self.reqs.values())
+        head = self.prealloc_queue.most_urgent_ready(waits)
         if head is None or head.priority is None:
             return
         running = list(self.running)

@@ -198,6 +198,19 @@ class PD:
         self.dkv.close()
 
 
+def spy_transfer_requests(h):
+    """(room, held pages, destination pages) of each TransferRequest the decode node sends."""
+    sent = []
+    send = h.dkv.send_transfer_request
+
+    def spy(receiver):
+        sent.append((receiver.room, receiver.num_held_pages, len(receiver.dst_pages)))
+        send(receiver)
+
+    h.dkv.send_transfer_request = spy
+    return sent
+
+
 def assert_all_free(h):
     h.decode.check_integrity()
     assert h.decode.is_idle() and h.decode.stats.num_held_pages() == 0

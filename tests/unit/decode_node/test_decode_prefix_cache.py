@@ -8,22 +8,9 @@ from __future__ import annotations
 import pytest
 
 from common import messages as msg
-from tests.support.decode_harness import PAGE, PD, greedy, prompt
+from tests.support.decode_harness import PAGE, PD, greedy, prompt, spy_transfer_requests
 
 CACHE = {"disaggregation_decode_enable_radix_cache": True}
-
-
-def _spy_transfer_requests(h):
-    """(room, held pages, destination pages) of each TransferRequest the decode node sends."""
-    sent = []
-    send = h.dkv.send_transfer_request
-
-    def spy(receiver):
-        sent.append((receiver.room, receiver.num_held_pages, len(receiver.dst_pages)))
-        send(receiver)
-
-    h.dkv.send_transfer_request = spy
-    return sent
 
 
 def _run(h, rid, room, ids, max_new, **kw):
@@ -45,7 +32,7 @@ def _assert_only_cache_holds_pages(h):
 
 def test_a_chats_next_turn_receives_only_its_new_pages(model_dir, ref):
     h = PD(model_dir, **CACHE)
-    sent = _spy_transfer_requests(h)
+    sent = spy_transfer_requests(h)
     try:
         turn1 = prompt(14, 1)
         out1 = _run(h, "t1", 301, turn1, 10)
@@ -65,7 +52,7 @@ def test_a_chats_next_turn_receives_only_its_new_pages(model_dir, ref):
 
 def test_another_cache_salt_gets_no_hit(model_dir, ref):
     h = PD(model_dir, **CACHE)
-    sent = _spy_transfer_requests(h)
+    sent = spy_transfer_requests(h)
     try:
         turn1 = prompt(14, 3)
         out1 = _run(h, "s1", 311, turn1, 6, cache_salt="alice")
@@ -97,7 +84,7 @@ def test_requests_sharing_a_cached_prefix_survive_retraction(model_dir, ref):
     retracted (their prefix goes back to the cache, their KV to host memory) and resumed
     with pages of their own; outputs exact, every page accounted for."""
     h = PD(model_dir, decode_pages=28, num_reserved_decode_tokens=4, **CACHE)
-    sent = _spy_transfer_requests(h)
+    sent = spy_transfer_requests(h)
     try:
         base = prompt(17, 40)
         out = _run(h, "base", 330, base, 8)
@@ -171,7 +158,7 @@ def test_samples_of_one_prompt_wait_for_its_transfer_and_move_only_their_last_pa
     (the prefill node computes the prompt once: its radix cache has the rest). Without the
     flag too: prompts in use are shared, nothing is kept after."""
     h = PD(model_dir, **flags)
-    sent = _spy_transfer_requests(h)
+    sent = spy_transfer_requests(h)
     computed = []
     count = h.prefill.stats.prefill_tokens
     h.prefill.stats.prefill_tokens = lambda n: (computed.append(n), count(n))
@@ -199,7 +186,7 @@ def test_samples_of_one_group_compute_and_move_the_prompt_once(model_dir, ref, f
     room and receive only their first token, sampled from its logits. Greedy outputs equal
     the single-request run; seeded ones equal an ungrouped request of the same seed."""
     h = PD(model_dir, **flags)
-    sent = _spy_transfer_requests(h)
+    sent = spy_transfer_requests(h)
     computed = []
     count = h.prefill.stats.prefill_tokens
     h.prefill.stats.prefill_tokens = lambda n: (computed.append(n), count(n))
@@ -246,7 +233,7 @@ def test_samples_of_one_group_survive_retraction_and_abort_in_a_small_pool(model
     cache) and resumed; one is aborted mid-way. Outputs exact, every page accounted for
     after every step (the harness) and at the end."""
     h = PD(model_dir, decode_pages=30, num_reserved_decode_tokens=4, **flags)
-    sent = _spy_transfer_requests(h)
+    sent = spy_transfer_requests(h)
     try:
         ids = prompt(22, 93)  # 6 pages, the last partial
         group = {"sample_group": "g4", "num_group_samples": 6}
@@ -296,7 +283,7 @@ def test_a_sample_whose_first_sample_has_finished_receives_its_pages(model_dir, 
     node computes what it needs (its last page), as without a group; the third copies
     from that one."""
     h = PD(model_dir)
-    sent = _spy_transfer_requests(h)
+    sent = spy_transfer_requests(h)
     computed = []
     count = h.prefill.stats.prefill_tokens
     h.prefill.stats.prefill_tokens = lambda n: (computed.append(n), count(n))
@@ -319,7 +306,7 @@ def test_a_sample_whose_first_sample_has_finished_receives_its_pages(model_dir, 
 
 def test_without_the_flag_nothing_is_kept(model_dir, ref):
     h = PD(model_dir)
-    sent = _spy_transfer_requests(h)
+    sent = spy_transfer_requests(h)
     try:
         ids = prompt(14, 70)
         out = _run(h, "n1", 360, ids, 6)
