@@ -30,12 +30,28 @@ from collections.abc import Iterable, Sequence
 
 from common.kv_pool import PageAllocator
 from common.radix_cache import RadixCache, TreeNode
+from common.radix_node import MatchResult
 from common.token_keys import TOKEN_BYTES, salt_key, token_key
 from decode_node.req import DecodeReq
 
 
 class PageTree(RadixCache):
     """The radix tree with what the decode node asks of it by page (late writes)."""
+
+    def lock_match(self, m: MatchResult) -> TreeNode:
+        """Lock exactly the pages of ``m`` and return the node to unlock later. A match
+        that ends inside a node splits it there first (as SGLang's match does): a lock on
+        the whole node would also protect its pages past the match, which the admission
+        budget counted as free, and the allocation after it would come up short."""
+        node = m.last_node
+        if m.is_partial:
+            above, parent = 0, node.parent
+            while parent is not None:
+                above, parent = above + len(parent.value), parent.parent
+            assert 0 < len(m.page_ids) - above < len(node.value), "a partial match's node"
+            node = self._split(node, len(m.page_ids) - above)
+        self.inc_lock_ref(node)
+        return node
 
     def device_pages(self) -> list[int]:
         """Every device page the tree holds."""
@@ -89,9 +105,8 @@ class DecodePrefixCache:
         m = self.tree.match_prefix(tokens, salt_key(r.generate.cache_salt))
         if not m.page_ids:
             return
-        self.tree.inc_lock_ref(m.last_node)
-        self.tree.touch(m.last_node)
-        r.prefix_node = m.last_node
+        r.prefix_node = self.tree.lock_match(m)
+        self.tree.touch(r.prefix_node)
         r.num_prefix_pages = len(m.page_ids)
         r.pages = list(m.page_ids)
         self.num_hit_pages += len(m.page_ids)
@@ -112,12 +127,12 @@ class DecodePrefixCache:
         assert len(m.page_ids) == num_full, "the tree holds what was just inserted"
         # r's pages another request had cached first are duplicates: r reads the tree's.
         duplicates = r.pages[r.num_prefix_pages : max(found, r.num_prefix_pages)]
-        self.tree.inc_lock_ref(m.last_node)
+        node = self.tree.lock_match(m)
         if r.prefix_node is not None:
             self.tree.dec_lock_ref(r.prefix_node)
         self.raw.free(duplicates)
         r.pages = [*m.page_ids, *r.pages[num_full:]]
-        r.prefix_node, r.num_prefix_pages = m.last_node, num_full
+        r.prefix_node, r.num_prefix_pages = node, num_full
 
     def shares_transfer(self, r: DecodeReq, in_transfer: Iterable[DecodeReq]) -> bool:
         """Whether a request in transfer brings more of r's prompt than the tree holds now:

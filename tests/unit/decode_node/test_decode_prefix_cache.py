@@ -319,3 +319,55 @@ def test_without_the_flag_nothing_is_kept(model_dir, ref):
 
 
 assert PAGE == 4  # the page counts above are for 4-token pages
+
+
+def _bare_req(rid: str, ids: list[int]):
+    from common.sampling_params import SamplingParams
+    from common.stop import StopChecker
+    from decode_node.req import DecodeReq
+
+    g = msg.GenerateReq(
+        rid=rid,
+        room=1,
+        input_ids=ids,
+        sampling={},
+        priority=None,
+        routing_key=None,
+        prefill_node_id="p",
+        decode_node_id="d",
+        reply_endpoint="inproc://x",
+        arrival_time=0.0,
+        return_logprob=False,
+    )
+    stop = StopChecker(SamplingParams(), ())
+    return DecodeReq(generate=g, sampling=SamplingParams(), stop=stop, max_new_tokens=8)
+
+
+def test_a_match_ending_inside_a_cached_node_locks_only_its_pages():
+    """A pool of 8 pages, all in one cached node of 8; a prompt sharing its first 2 pages.
+    The budget counts the 8 as free; after the match 6 must still be (locking the whole
+    node left none, and the allocation of the prompt's other 2 pages failed: a decode
+    node's step raised OutOfPages)."""
+    from common.kv_pool import PageAllocator
+    from decode_node.prefix_cache import CacheYieldingAllocator, DecodePrefixCache
+
+    raw = PageAllocator(8)
+    cache = DecodePrefixCache(raw, PAGE)
+    allocator = CacheYieldingAllocator(raw, cache)
+    cached = list(range(100, 100 + 8 * PAGE))
+    cache.tree.insert(cached, raw.allocate(8))
+    assert allocator.num_free_pages == 8
+    r = _bare_req("r", cached[: 2 * PAGE] + [1, 2, 3, 4, 5, 6])  # 14 tokens: 4 pages
+    cache.match(r)
+    assert r.num_prefix_pages == 2 and allocator.num_free_pages == 6
+    other = _bare_req("o", cached[: 5 * PAGE] + [7])  # into the split node's lower part
+    cache.match(other)
+    assert other.num_prefix_pages == 5 and allocator.num_free_pages == 3
+    r.pages += allocator.allocate(2)  # evicts the unread 3 pages (a whole leaf)
+    cache.check_integrity()
+    cache.unlock(r)
+    cache.unlock(other)
+    allocator.free(r.pages)
+    cache.check_integrity()
+    assert allocator.num_free_pages == 8 and cache.tree.num_protected_pages == 0
+    assert cache.num_pages == 5
