@@ -46,6 +46,7 @@ class ControlHost(Protocol):
     receivers: dict[int, KVReceiver]
     early_requests: dict[int, tuple[msg.TransferRequest, float]]
     early_aborts: dict[int, float]
+    ended_rooms: dict[int, tuple[str, float]]
     renewals: RenewalLog
     on_late_write: Callable[[int, list[int]], None]
 
@@ -168,7 +169,8 @@ class ControlDispatcher:
 
     def _on_TransferRequest(self, req: msg.TransferRequest, now: float) -> None:
         m = self.m
-        if self._known(req.node_id, req.instance_id) is None:
+        peer = self._known(req.node_id, req.instance_id)
+        if peer is None:
             # Most often we restarted and the decode node still trusts our old process:
             # tell it to shake hands again (it resends the request afterwards).
             m.metrics.dropped("unknown_peer")
@@ -184,10 +186,18 @@ class ControlDispatcher:
                 )
             return
         sender = m.senders.get(req.room)
-        if sender is None:
+        ended = m.ended_rooms.pop(req.room, None) if sender is None else None
+        if ended is not None:  # failed here before this came: the decode side lets go now
+            m.send(
+                peer.endpoint,
+                msg.TransferFailed(
+                    room=req.room, node_id=m.node_id, reason=ended[0], instance_id=m.instance_id
+                ),
+            )
+        elif sender is None:
             m.early_requests[req.room] = (req, now)
-            return
-        self.attach_request(sender, req, now)
+        else:
+            self.attach_request(sender, req, now)
 
     def attach_request(self, sender: KVSender, req: msg.TransferRequest, now: float) -> None:
         sender.on_transfer_request(

@@ -16,7 +16,9 @@ Control traffic (zmq PUSH/PULL, messages from common/messages.py):
                                         socket for backends that carry none)
   decode ──AbortReq───────▶ prefill     stop writing; prefill acks with TransferFailed
   decode ◀─TransferFailed── prefill     the room failed on the prefill side (or abort ack):
-                                        nothing of it is in flight any more
+                                        nothing of it is in flight any more; also the answer
+                                        to a TransferRequest for a room that failed and was
+                                        cleared here before it came (``ended_rooms``)
   decode ◀─LateWrite─────── prefill     a write may have landed after its fence
 
 Every message carries the sender's node id and instance id; a peer is trusted only as
@@ -90,6 +92,10 @@ class KVManager:
         # Prefill: TransferRequests / aborts that arrived before their sender exists.
         self.early_requests: dict[int, tuple[msg.TransferRequest, float]] = {}
         self.early_aborts: dict[int, float] = {}
+        # Prefill: rooms that failed and were cleared here before their TransferRequest came
+        # (an abort, a grammar error): one that comes later hears TransferFailed at once,
+        # not after the bootstrap timeout (its decode side holds pages until it hears).
+        self.ended_rooms: dict[int, tuple[str, float]] = {}
         # Receiver side: called with (room, pages) when a writer reports a late write.
         self.on_late_write: Callable[[int, list[int]], None] = lambda room, pages: None
         self._leases = LeaseRenewer(node_id, self.instance_id, lease_s, self._ctx, clock)
@@ -139,6 +145,9 @@ class KVManager:
         if self.senders.get(sender.room) is sender:
             del self.senders[sender.room]
             self.unlease_room(sender.room)
+            if sender.status.state is KVPoll.Failed and sender.peer_node is None:
+                reason = sender.failure_reason or "failed"
+                self.ended_rooms[sender.room] = (reason, self.clock())
         self._writer.forget(sender)
 
     def remove_receiver(self, receiver: KVReceiver) -> None:
@@ -274,6 +283,9 @@ class KVManager:
         for room, at in list(self.early_aborts.items()):
             if now - at > self.bootstrap_timeout_s:
                 del self.early_aborts[room]
+        for room, (_, at) in list(self.ended_rooms.items()):
+            if now - at > self.bootstrap_timeout_s:  # a TransferRequest would be as late
+                del self.ended_rooms[room]
 
     def lease_room(self, room: int, endpoint: str) -> None:
         self._leases.lease(room, endpoint)

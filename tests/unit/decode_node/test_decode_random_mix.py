@@ -18,6 +18,12 @@ from common import messages as msg
 from tests.support.decode_harness import PD, greedy, prompt
 
 CACHE = {"disaggregation_decode_enable_radix_cache": True}
+SAMPLING = ("max_new_tokens", "temperature", "seed", "frequency_penalty", "presence_penalty")
+
+
+def _needs_a_run_alone(r: dict) -> bool:
+    """Sampled or penalized: the single-request greedy reference does not apply."""
+    return "seed" in r or "frequency_penalty" in r
 
 
 def _requests(rng: random.Random) -> list[dict]:
@@ -25,17 +31,19 @@ def _requests(rng: random.Random) -> list[dict]:
     bases = [prompt(24, 700 + i) for i in range(3)]
     reqs: list[dict] = []
     for p in range(rng.randint(6, 9)):
-        ids = rng.choice(bases)[: rng.choice([8, 12, 16, 24])] + prompt(rng.randint(1, 9), 800 + p)
+        head = rng.choice(bases)[: rng.choice([0, 4, 8, 12, 16, 24])]
+        ids = head + prompt(rng.choice([1, 2, 4, 5, 9]), 800 + p)
         n = rng.choice([1, 1, 2, 3, 4])
-        seeded = rng.random() < 0.5
-        priority = rng.choice([None, 0, 50, 100])
-        max_new = rng.randint(4, 20)
+        sampling: dict = {"max_new_tokens": rng.randint(4, 20)}
+        if rng.random() < 0.5:
+            sampling |= {"temperature": 0.9, "seed": 1000 * p}
+        if rng.random() < 0.25:
+            sampling |= {"frequency_penalty": 0.5, "presence_penalty": 0.3}
+        extra = {"priority": rng.choice([None, 0, 50, 100]), "cache_salt": rng.choice([None, "t"])}
         for i in range(n):
-            sampling = {"max_new_tokens": max_new}
-            if seeded:
-                sampling |= {"temperature": 0.9, "seed": 1000 * p + i}
             group = {"sample_group": f"g{p}", "num_group_samples": n} if n > 1 else {}
-            reqs.append({"rid": f"r{p}.{i}", "ids": ids, "priority": priority, **sampling, **group})
+            own = dict(sampling, seed=sampling["seed"] + i) if "seed" in sampling else sampling
+            reqs.append({"rid": f"r{p}.{i}", "ids": ids, **own, **extra, **group})
     return reqs
 
 
@@ -54,7 +62,10 @@ def test_a_random_mix_of_groups_priorities_aborts_and_retraction(model_dir, ref,
         aborted = set(rng.sample([r["rid"] for r in reqs], k=rng.randint(0, 2)))
         rooms = {r["rid"]: 2000 + k for k, r in enumerate(reqs)}
         pending = list(reqs)
-        abort_at = {rid: rng.randint(0, 12) for rid in aborted}  # steps after its submission
+        # steps after its submission, and which node hears it (the gateway tells both)
+        abort_at = {
+            rid: (rng.randint(0, 12), rng.choice(["decode", "prefill", "both"])) for rid in aborted
+        }
         submitted: dict[str, int] = {}
         step = 0
         while pending or not h.done(*rooms):
@@ -63,12 +74,19 @@ def test_a_random_mix_of_groups_priorities_aborts_and_retraction(model_dir, ref,
                 fields = {k: v for k, v in r.items() if k not in ("rid", "ids")}
                 h.submit(r["rid"], rooms[r["rid"]], r["ids"], **fields)
                 submitted[r["rid"]] = step
-            for rid in aborted:
-                if submitted.get(rid) is not None and step - submitted[rid] == abort_at[rid]:
-                    h.decode.abort(rid, None, "client gone")
+            for rid, (at, where) in abort_at.items():
+                if submitted.get(rid) is not None and step - submitted[rid] == at:
+                    if where != "prefill":
+                        h.decode.abort(rid, None, "client gone")
+                    if where != "decode":
+                        h.prefill.abort(rid, None, "client gone")
             h.step()
             step += 1
-            assert step < 5000, "the mix did not finish"
+            assert step < 5000, (
+                "the mix did not finish",
+                abort_at,
+                [(r, h.state(r), h.prefill.states.get(r)) for r in rooms if not h.done(r)],
+            )
         h.run_until(lambda: h.decode.is_idle(), timeout=10)
         d = h.decode
         assert d.stats.num_held_pages() == 0 and h.prefill.stats.num_held_pages() == 0
@@ -82,12 +100,12 @@ def test_a_random_mix_of_groups_priorities_aborts_and_retraction(model_dir, ref,
             if r["rid"] in aborted and isinstance(end, msg.ReqFailed):
                 continue
             assert isinstance(end, msg.ReqFinished), (r["rid"], end)
-            if "seed" not in r:
+            if not _needs_a_run_alone(r):
                 assert h.tokens(r["rid"]) == greedy(ref, r["ids"], r["max_new_tokens"]), r["rid"]
-        for k, r in enumerate(x for x in reqs if "seed" in x and x["rid"] not in aborted):
+        for k, r in enumerate(x for x in reqs if _needs_a_run_alone(x) and x["rid"] not in aborted):
             alone = f"alone-{r['rid']}"
-            sampling = {key: r[key] for key in ("max_new_tokens", "temperature", "seed")}
-            h.submit(alone, 5000 + k, r["ids"], **sampling)
+            sampling = {key: v for key, v in r.items() if key in SAMPLING}
+            h.submit(alone, 5000 + k, r["ids"], cache_salt=r["cache_salt"], **sampling)
             h.run_until(lambda alone=alone: h.done(alone), timeout=60)
             assert h.tokens(r["rid"]) == h.tokens(alone), r["rid"]
     finally:

@@ -189,6 +189,39 @@ def test_transfer_request_before_sender_exists_is_kept(pair):
     assert sender.poll() is KVPoll.WaitingForInput and sender.dst_pages == [3, 4]
 
 
+def test_a_transfer_request_for_a_room_that_failed_and_was_cleared_fails_at_once():
+    """The prefill node aborted a room (and its scheduler cleared it) before the decode
+    node's TransferRequest came: the decode side hears TransferFailed at once, not after
+    the bootstrap timeout (60 s here; it held its pages all that time before)."""
+    prefill, decode = make_pair(bootstrap_timeout_s=60.0)
+    try:
+        sender = prefill.create_sender(13, 8)
+        sender.abort("client went away")
+        sender.clear()
+        assert 13 in prefill.ended_rooms
+        receiver = decode.create_receiver(13, prefill.control_endpoint)
+        drive([prefill, decode], lambda: receiver.poll() is KVPoll.WaitingForInput)
+        receiver.send_metadata([0, 1])
+        drive([prefill, decode], lambda: receiver.poll() is KVPoll.Failed)
+        assert "client went away" in receiver.failure_reason and receiver.is_release_safe()
+        assert 13 not in prefill.ended_rooms and 13 not in prefill.early_requests
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_an_ended_room_nobody_asks_for_is_forgotten_after_the_bootstrap_timeout():
+    prefill, decode = make_pair(bootstrap_timeout_s=0.2)
+    try:
+        sender = prefill.create_sender(14, 8)
+        sender.abort()
+        sender.clear()
+        drive([prefill], lambda: 14 not in prefill.ended_rooms)
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_incompatible_pools_are_refused_with_a_clear_reason():
     other = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=8, dtype="float32")
     prefill, decode = make_pair(decode_layout=other)
