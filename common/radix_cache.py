@@ -201,7 +201,7 @@ class RadixCache(ChangeLog):
             if child.is_host_only:  # computed again by the caller: its pages come back
                 adopted = pos if adopted is None else adopted
                 if not key.startswith(ck, pos):
-                    child = self._split(child, _common_pages(key, pos, end, ck, pb))
+                    child = self.split(child, _common_pages(key, pos, end, ck, pb))
                     ck = child.key
                 self._revive(child, list(page_ids[pos // pb : (pos + len(ck)) // pb]))
                 node = child
@@ -214,7 +214,7 @@ class RadixCache(ChangeLog):
             n = _common_pages(key, pos, end, ck, pb)
             if pos + n * pb == end:
                 break  # the whole key lies inside child: nothing to add
-            node = self._split(child, n)
+            node = self.split(child, n)
             pos += n * pb
         return (end if adopted is None else adopted) // TOKEN_BYTES
 
@@ -274,7 +274,21 @@ class RadixCache(ChangeLog):
         """Whether an evicted device node keeps a host copy (then it stays, host-only)."""
         return False
 
-    def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
+    def cut(self, node: TreeNode, num_pages: int) -> TreeNode:
+        """The node of node's path that ends ``num_pages`` pages deep, the one spanning that
+        depth split there: what a lock on exactly those pages takes (SGLang's match splits
+        where it ends; a lock on a longer node also holds pages the budget counts as free)."""
+        depth = 0
+        above: TreeNode | None = node
+        while above is not None:
+            depth, above = depth + above.num_pages, above.parent
+        while node.num_pages and depth - node.num_pages >= num_pages:  # not past a salt root
+            depth, node = depth - node.num_pages, node.parent  # type: ignore[assignment]
+        if depth > num_pages > depth - node.num_pages:
+            node = self.split(node, num_pages - (depth - node.num_pages))
+        return node
+
+    def split(self, child: TreeNode, num_pages: int) -> TreeNode:
         """Cut child after num_pages pages; the new upper node takes its place (and serial)."""
         pb = self._page_bytes
         parent = child.parent

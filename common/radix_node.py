@@ -90,6 +90,11 @@ class TreeNode:
         self.hit_count = 0  # inserts that found this node (write_through_selective)
 
     @property
+    def num_pages(self) -> int:
+        """Pages of its tokens, on either tier (0: the root, a salt root)."""
+        return len(self.value) if self.value else len(self.host_value or ())
+
+    @property
     def is_host_only(self) -> bool:
         """Pages in the host tier only (salt roots and the root have no pages at all)."""
         return not self.value and bool(self.key)

@@ -39,17 +39,11 @@ class PageTree(RadixCache):
     """The radix tree with what the decode node asks of it by page (late writes)."""
 
     def lock_match(self, m: MatchResult) -> TreeNode:
-        """Lock exactly the pages of ``m`` and return the node to unlock later. A match
-        that ends inside a node splits it there first (as SGLang's match does): a lock on
-        the whole node would also protect its pages past the match, which the admission
-        budget counted as free, and the allocation after it would come up short."""
-        node = m.last_node
-        if m.is_partial:
-            above, parent = 0, node.parent
-            while parent is not None:
-                above, parent = above + len(parent.value), parent.parent
-            assert 0 < len(m.page_ids) - above < len(node.value), "a partial match's node"
-            node = self._split(node, len(m.page_ids) - above)
+        """Lock exactly the pages of ``m`` and return the node to unlock later (``cut``: a
+        lock on the whole node a match ends inside would also protect its pages past the
+        match, which the admission budget counted as free, and the allocation after it
+        would come up short)."""
+        node = self.cut(m.last_node, len(m.page_ids))
         self.inc_lock_ref(node)
         return node
 

@@ -131,7 +131,7 @@ class HiRadixCache(RadixCache):
         while done < num:
             assert node is not None and node.host_value is not None and node.is_host_only
             if done + len(node.host_value) > num:
-                node = self._split(node, num - done)
+                node = self.split(node, num - done)
             assert node.host_value is not None
             pages = device_pages[done : done + len(node.host_value)]
             self.host.load(node.host_value, pages)

@@ -36,6 +36,7 @@ class AddReqResult(Enum):
 
 
 class LockingCache(Protocol):
+    def cut(self, node: TreeNode, num_pages: int) -> TreeNode: ...
     def inc_lock_ref(self, node: TreeNode) -> None: ...
     def dec_lock_ref(self, node: TreeNode) -> None: ...
     def evictable_size(self) -> int: ...
@@ -129,9 +130,11 @@ class PrefillAdder:
         extend = req.num_input_tokens - prefix_len
         reserved = min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
         total = admission_tokens(extend, req.max_new_tokens, self.page_size)
-        locked = last_node if self.tree_cache is not None and last_node is not None else None
-        if locked is not None and self.tree_cache is not None:
-            # Locked first: its pages must not count as evictable room for itself.
+        locked = None
+        if self.tree_cache is not None and last_node is not None:
+            # Locked first: its pages must not count as evictable room for itself. Only
+            # the prefix's: the node it ends inside is cut there (the rest stays evictable).
+            locked = self.tree_cache.cut(last_node, prefix_len // self.page_size)
             self.tree_cache.inc_lock_ref(locked)
         if total > self.rem_total_tokens:
             self._unlock(locked)

@@ -67,7 +67,9 @@ class PrefillCache:
             self.stats.host_skipped(prefix - match.num_tokens)
             return match
         need = (prefix - match.num_tokens) // self.page_size
-        tree.inc_lock_ref(match.last_node)  # the device part stays while room is made
+        # The device part (and no more: cut) stays while room is made.
+        locked = tree.cut(match.last_node, match.num_tokens // self.page_size)
+        tree.inc_lock_ref(locked)
         try:
             short = need - self.allocator.num_free_pages
             if short > 0:
@@ -77,7 +79,7 @@ class PrefillCache:
             loaded, unused = tree.load_back(req.key, req.namespace, pages)
             seconds = time.perf_counter() - start
         finally:
-            tree.dec_lock_ref(match.last_node)
+            tree.dec_lock_ref(locked)
         self.allocator.free(unused)
         num_loaded = len(pages) - len(unused)
         if not num_loaded:  # no device page to load into, or the host part left meanwhile
@@ -116,11 +118,12 @@ class PrefillCache:
             )
             if own != cached
         ]
-        self.tree.inc_lock_ref(match.last_node)
+        locked = self.tree.cut(match.last_node, num_whole)  # not a longer node's tail
+        self.tree.inc_lock_ref(locked)
         if s.locked_node is not None:
             self.tree.dec_lock_ref(s.locked_node)
         s.pages[:num_whole] = match.page_ids
-        s.num_prefix_pages, s.locked_node = num_whole, match.last_node
+        s.num_prefix_pages, s.locked_node = num_whole, locked
 
     def cached_prefix(self, req: Req) -> int:
         """The prefix of a request not admitted yet that its prefill would start from

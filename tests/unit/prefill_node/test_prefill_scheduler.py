@@ -66,6 +66,29 @@ def test_shared_prefix_is_served_from_the_radix_cache(h):
     h.sched.check_integrity()
 
 
+def test_a_prompt_sharing_the_start_of_a_long_cached_node_is_admitted(model_dir):
+    """A pool of 16 pages, 10 of them one cached prompt's node; a prompt sharing its first
+    2 pages needs 5 more and its reserve. Locking the whole node left 6 pages of room, too
+    few, and nothing would ever evict the node: the request waited forever with the node
+    idle. The lock now holds the 2 shared pages; the node's other 8 make room."""
+    h = Harness(model_dir, num_pages=16)
+    try:
+        first = prompt(40, 1)
+        h.submit("one", 21, first)
+        r1, p1 = h.receive(21, len(first))
+        h.run_until(lambda: r1.poll() is KVPoll.Success and not h.sched.states)
+        h.dpool.allocator.free(p1)  # the test's decode side is done with them
+        assert h.sched.tree.num_pages == 10
+        second = first[:8] + prompt(20, 2)
+        h.submit("two", 22, second)
+        r2, p2 = h.receive(22, len(second))
+        h.run_until(lambda: r2.poll() is KVPoll.Success and not h.sched.states)
+        check_landed(h, r2, p2, second)
+        h.sched.check_integrity()
+    finally:
+        h.close()
+
+
 def test_prompt_logprobs_cover_the_whole_prompt_though_cached_and_chunked(model_dir):
     """A request asking for its prompt's logprobs computes the whole prompt again (its
     pages are cached by an earlier one), in chunks; the logprobs and top 2 that reach the

@@ -180,6 +180,33 @@ def test_split_of_a_locked_node_keeps_both_halves_locked():
     tree.check_integrity()
 
 
+def test_cut_gives_the_node_ending_at_a_depth_splitting_the_one_spanning_it():
+    from common.token_keys import salt_key
+
+    tree, alloc = make_tree(16)
+    cache(tree, alloc, [1, 2, 3, 4, 5, 6, 7, 8])  # one node of 4 pages
+    cache(tree, alloc, [1, 2, 3, 4, 5, 6, 7, 8, 9, 9])  # and a child of 1
+    deep = tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9, 9]).last_node
+    whole = tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).last_node
+    assert tree.cut(deep, 5) is deep and tree.cut(deep, 4) is whole  # ends there: no split
+    upper = tree.cut(deep, 1)  # inside the 4-page node: split after its first page
+    assert upper.parent is tree.root and len(upper.value) == 1 and upper.children
+    assert tree.match_prefix([1, 2, 9]).last_node is upper
+    tree.inc_lock_ref(upper)  # a lock on the 1 page only: the 4 below stay evictable
+    assert tree.num_protected_pages == 1 and tree.num_evictable_pages == 4
+    assert tree.evict(4) == 4
+    tree.dec_lock_ref(upper)
+    tree.check_integrity()
+    assert tree.cut(upper, 0) is tree.root
+    salted = salt_key("s")
+    tree.insert([5, 5, 6, 6], alloc.allocate(2), salted)
+    node = tree.match_prefix([5, 5, 6, 6], salted).last_node
+    salt_root = node.parent
+    assert tree.cut(node, 0) is salt_root  # never above a salt's root
+    assert len(tree.cut(node, 1).value) == 1
+    tree.check_integrity()
+
+
 def test_check_integrity_catches_broken_invariants():
     tree, alloc = make_tree()
     cache(tree, alloc, [1, 2, 3, 4])
