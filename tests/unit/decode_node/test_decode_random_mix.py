@@ -83,7 +83,18 @@ def test_a_random_mix_of_groups_priorities_aborts_and_retraction(model_dir, ref,
     grammars = rng.random() < 0.3
     tokenizer = FakeTokenizer(eos=(EOS,)) if grammars else None
     pages = rng.randint(24, 40)
-    h = PD(model_dir, pages, tokenizer=tokenizer, num_reserved_decode_tokens=4, **flags)
+    # The prefill node's pool: roomy, or small enough that its cache evicts and locks matter.
+    prefill_pages = rng.choice([128, 24, 32])
+    chunks = {"chunked_prefill_size": rng.choice([64, 8]), "max_prefill_tokens": 256}
+    h = PD(
+        model_dir,
+        pages,
+        prefill_pages,
+        tokenizer=tokenizer,
+        prefill_cfg=chunks,
+        num_reserved_decode_tokens=4,
+        **flags,
+    )
     if grammars:
         with_grammar(h, tiny_backend())
     try:
