@@ -198,6 +198,20 @@ class PD:
         self.dkv.close()
 
 
+def bare_req(rid, ids, priority=None, max_new_tokens=16):
+    """A DecodeReq outside any loop, for unit tests of the queues and caches."""
+    from common.sampling_params import SamplingParams
+    from common.stop import StopChecker
+    from decode_node.req import DecodeReq
+    from tests.support.generate_req import generate_req
+
+    g = generate_req(rid=rid, room=hash(rid) & 0xFFFF, input_ids=ids, priority=priority)
+    stop = StopChecker(SamplingParams(), ())
+    return DecodeReq(
+        generate=g, sampling=SamplingParams(), stop=stop, max_new_tokens=max_new_tokens
+    )
+
+
 def spy_transfer_requests(h):
     """(room, held pages, destination pages) of each TransferRequest the decode node sends."""
     sent = []

@@ -6,10 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from common import messages as msg
 from common.node.scheduling import IllegalTransition
-from common.sampling_params import SamplingParams
-from common.stop import StopChecker
 from decode_node.prealloc_queue import (
     BudgetReq,
     DecodeBudget,
@@ -17,7 +14,8 @@ from decode_node.prealloc_queue import (
     admit_preallocated,
     resume_retracted,
 )
-from decode_node.req import DecodeReq, DecodeState
+from decode_node.req import DecodeState
+from tests.support.decode_harness import bare_req
 from transfer.kv_poll import KVPoll
 
 PAGE = 4
@@ -131,25 +129,7 @@ class _Receiver:
 
 
 def _req(rid, n, priority=None, ready=True):
-    g = msg.GenerateReq(
-        rid=rid,
-        room=hash(rid) & 0xFFFF,
-        input_ids=[1] * n,
-        sampling={},
-        priority=priority,
-        routing_key=None,
-        prefill_node_id="p",
-        decode_node_id="d",
-        reply_endpoint="inproc://x",
-        arrival_time=0.0,
-        return_logprob=False,
-    )
-    r = DecodeReq(
-        generate=g,
-        sampling=SamplingParams(),
-        stop=StopChecker(SamplingParams(), ()),
-        max_new_tokens=16,
-    )
+    r = bare_req(rid, [1] * n, priority)
     r.receiver = _Receiver(KVPoll.WaitingForInput if ready else KVPoll.Bootstrapping)  # type: ignore[assignment]
     return r
 

@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 
 from common import messages as msg
-from tests.support.decode_harness import PAGE, PD, greedy, prompt, spy_transfer_requests
+from tests.support.decode_harness import (
+    PAGE,
+    PD,
+    bare_req,
+    greedy,
+    prompt,
+    spy_transfer_requests,
+)
 
 CACHE = {"disaggregation_decode_enable_radix_cache": True}
 
@@ -321,28 +328,6 @@ def test_without_the_flag_nothing_is_kept(model_dir, ref):
 assert PAGE == 4  # the page counts above are for 4-token pages
 
 
-def _bare_req(rid: str, ids: list[int]):
-    from common.sampling_params import SamplingParams
-    from common.stop import StopChecker
-    from decode_node.req import DecodeReq
-
-    g = msg.GenerateReq(
-        rid=rid,
-        room=1,
-        input_ids=ids,
-        sampling={},
-        priority=None,
-        routing_key=None,
-        prefill_node_id="p",
-        decode_node_id="d",
-        reply_endpoint="inproc://x",
-        arrival_time=0.0,
-        return_logprob=False,
-    )
-    stop = StopChecker(SamplingParams(), ())
-    return DecodeReq(generate=g, sampling=SamplingParams(), stop=stop, max_new_tokens=8)
-
-
 def test_a_match_ending_inside_a_cached_node_locks_only_its_pages():
     """A pool of 8 pages, all in one cached node of 8; a prompt sharing its first 2 pages.
     The budget counts the 8 as free; after the match 6 must still be (locking the whole
@@ -357,10 +342,10 @@ def test_a_match_ending_inside_a_cached_node_locks_only_its_pages():
     cached = list(range(100, 100 + 8 * PAGE))
     cache.tree.insert(cached, raw.allocate(8))
     assert allocator.num_free_pages == 8
-    r = _bare_req("r", cached[: 2 * PAGE] + [1, 2, 3, 4, 5, 6])  # 14 tokens: 4 pages
+    r = bare_req("r", cached[: 2 * PAGE] + [1, 2, 3, 4, 5, 6])  # 14 tokens: 4 pages
     cache.match(r)
     assert r.num_prefix_pages == 2 and allocator.num_free_pages == 6
-    other = _bare_req("o", cached[: 5 * PAGE] + [7])  # into the split node's lower part
+    other = bare_req("o", cached[: 5 * PAGE] + [7])  # into the split node's lower part
     cache.match(other)
     assert other.num_prefix_pages == 5 and allocator.num_free_pages == 3
     r.pages += allocator.allocate(2)  # evicts the unread 3 pages (a whole leaf)

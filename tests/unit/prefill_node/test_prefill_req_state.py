@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from common import messages as msg
 from common.node.scheduling import IllegalTransition
 from common.sampling_params import SamplingParams
 from prefill_node.req_state import PrefillReq, PrefillState
 from prefill_node.request import Req
+from tests.support.generate_req import generate_req
 
 S = PrefillState
 LEGAL = {
@@ -31,19 +31,7 @@ LEGAL = {
 
 
 def _req(rid: str = "x", state: PrefillState = S.BOOTSTRAP) -> PrefillReq:
-    g = msg.GenerateReq(
-        rid=rid,
-        room=7,
-        input_ids=[1, 2, 3],
-        sampling={},
-        priority=None,
-        routing_key=None,
-        prefill_node_id="p",
-        decode_node_id="d",
-        reply_endpoint="tcp://127.0.0.1:1",
-        arrival_time=0.0,
-        return_logprob=False,
-    )
+    g = generate_req(rid=rid, room=7)
     sender: Any = object()  # the state machine never touches its sender
     r = PrefillReq(
         Req(rid=rid, room=7, origin_input_ids=[1, 2, 3], max_new_tokens=1),

@@ -7,26 +7,14 @@ import pytest
 from common import messages as msg
 from common.config import ModelConfig, PrefillConfig
 from prefill_node.request_check import NodeLimits, Rejection, check_request
+from tests.support.generate_req import generate_req
 
 LIMITS = NodeLimits(context_length=64, pool_pages=8, page_size=4, vocab_size=100)
 
 
 def generate(**kw) -> msg.GenerateReq:
-    fields = dict(
-        rid="r",
-        room=1,
-        input_ids=[5] * 10,
-        sampling={"max_new_tokens": 8, "temperature": 0.0},
-        priority=None,
-        routing_key=None,
-        prefill_node_id="p",
-        decode_node_id="d",
-        reply_endpoint="tcp://127.0.0.1:1",
-        arrival_time=0.0,
-        return_logprob=False,
-    )
-    fields.update(kw)
-    return msg.GenerateReq(**fields)
+    defaults = {"input_ids": [5] * 10, "sampling": {"max_new_tokens": 8, "temperature": 0.0}}
+    return generate_req(**{**defaults, **kw})
 
 
 def check(g: msg.GenerateReq, config: PrefillConfig | None = None, **flags):
