@@ -43,22 +43,40 @@ class AttentionBatch:
 
     write_slots: per new token, its slot in the pool's token view (KVPool.tokens) for layer 0's K;
     layer l's K slot is that + 2 * l * page_size and its V slot + (2 * l + 1) * page_size.
-    read_rows: per request (extend) or padded per batch (decode), the pool rows of layer 0's K.
-    Layer l's K row is row + 2 * l and its V row is row + 2 * l + 1.
+    read_rows: per request (extend; host tensors) or padded per batch (decode, when given),
+    the pool rows of layer 0's K. Layer l's K row is row + 2 * l and its V row is row + 2 * l
+    + 1. A decode batch names its sequences by slot instead (common.model.decode_slots):
+    `page_table` [slots, W] int32 page ids on the device, `slots` [B] each sequence's row of
+    it; a backend that reads gathered rows builds them from those (`max_pages` wide).
     """
 
     write_slots: torch.Tensor
-    read_rows: list[torch.Tensor] | torch.Tensor
+    read_rows: list[torch.Tensor] | torch.Tensor | None
     # extend: per request (first new token index, new tokens, total tokens, cached prefix)
     spans: list[tuple[int, int, int, int]] | None = None
     # decode: tokens per sequence [B] (set for decode only)
     seq_lens: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    splits: torch.Tensor | None = None  # [B] int: each sequence's attention splits (Triton)
+    max_pages: int = 0  # pages of the longest sequence (0: not known; a CUDA graph)
+    merge: bool = True  # whether a sequence has more than one split (Triton)
     # what a backend's `prepare` builds once for all layers (masks, padded tables, buffers)
     meta: dict[str, Any] | None = None
 
     @property
     def is_decode(self) -> bool:
         return self.seq_lens is not None
+
+    def decode_rows(self, layer_rows: int) -> torch.Tensor:
+        """Decode: the pool rows of each sequence's pages, [B, max_pages] contiguous (given,
+        or gathered from the slots' page table)."""
+        if isinstance(self.read_rows, torch.Tensor):
+            return self.read_rows
+        assert self.page_table is not None and self.slots is not None and self.max_pages > 0
+        pages = self.page_table[self.slots, : self.max_pages]
+        self.read_rows = pages.long().mul_(layer_rows).contiguous()
+        return self.read_rows
 
 
 class AttentionBackend(ABC):
@@ -73,6 +91,7 @@ class AttentionBackend(ABC):
         self.num_groups = spec.num_heads // spec.num_kv_heads  # query heads per KV head
         self.q_size = spec.num_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
+        self.layer_rows = 2 * spec.num_layers  # pool rows per page
 
     @property
     def fills_out(self) -> bool:
@@ -123,13 +142,13 @@ class TorchAttention(AttentionBackend):
             # the spans' page rows (host tensors) on the device, once for all layers
             batch.meta["rows"] = [r.to(self.device) for r in batch.read_rows]
             return
-        assert isinstance(batch.read_rows, torch.Tensor)
+        rows = batch.decode_rows(self.layer_rows)
         # SDPA over gathered pages masks the padding past each sequence's length
-        width = batch.read_rows.shape[1] * pool.page_size
+        width = rows.shape[1] * pool.page_size
         padding = torch.arange(width, device=self.device)[None, :] >= batch.seq_lens[:, None]
         bias = torch.zeros(padding.shape, dtype=self.dtype, device=self.device)
         batch.meta["decode_bias"] = bias.masked_fill_(padding, float("-inf"))[:, None, None, :]
-        n = batch.read_rows.numel()
+        n = rows.numel()
         # buffers reused across layers keep the gathered KV in cache (4x faster than fresh ones)
         batch.meta["gather_out"] = (
             pool.rows.new_empty(n, pool.rows.shape[1]),
@@ -311,6 +330,8 @@ class CpuKernelAttention(TorchAttention):
         kernel = self.decode_kernel if batch.is_decode else self.prefill_kernel
         if kernel is not None:
             batch.meta = {}  # the kernels read the host-side rows as they are
+            if batch.is_decode:
+                batch.decode_rows(self.layer_rows)
             return
         super().prepare(pool, batch)
 
@@ -369,14 +390,21 @@ class TritonAttention(AttentionBackend):
     def prepare(self, pool: KVPool, batch: AttentionBatch) -> None:
         batch.meta = {}
         if batch.seq_lens is not None:
+            assert batch.page_table is not None and batch.slots is not None
+            # the splits' buffers, shared by every layer of this step (stream order)
+            bsz = batch.seq_lens.shape[0]
+            batch.meta["partials"] = self._kernels.split_buffers(
+                bsz, self.spec.num_heads, self.spec.head_dim, self.device
+            )
             return
         assert batch.spans is not None and isinstance(batch.read_rows, list)
-        # one padded page table and the spans' offsets for all layers, copied to the device
-        # once per forward (the extend kernel runs every span in one launch)
+        # one padded table of page ids and the spans' offsets for all layers, copied to the
+        # device once per forward (the extend kernel runs every span in one launch)
         width = max(r.shape[0] for r in batch.read_rows)
-        table = torch.zeros((len(batch.spans), width), dtype=torch.long)
+        table = torch.zeros((len(batch.spans), width), dtype=torch.int32)
         for i, rows in enumerate(batch.read_rows):
-            table[i, : rows.shape[0]] = rows  # host tensors: no copy back from the device
+            # host tensors of layer-0 K rows: their page ids, no copy back from the device
+            table[i, : rows.shape[0]] = torch.div(rows, self.layer_rows, rounding_mode="floor")
         spans = torch.tensor([[s[0], s[1], s[3]] for s in batch.spans], dtype=torch.long)
         pin = self.device.type == "cuda"
         if pin:
@@ -389,16 +417,23 @@ class TritonAttention(AttentionBackend):
     def decode(
         self, q: torch.Tensor, pool: KVPool, batch: AttentionBatch, layer: int
     ) -> torch.Tensor:
-        assert isinstance(batch.read_rows, torch.Tensor) and batch.seq_lens is not None
+        assert batch.page_table is not None and batch.slots is not None
+        assert batch.seq_lens is not None and batch.splits is not None
+        assert batch.meta is not None
         return self._kernels.paged_decode_attention(
             pool.rows,
-            batch.read_rows,
+            batch.page_table,
+            batch.slots,
             batch.seq_lens,
+            batch.splits,
             layer,
             q,
             pool.page_size,
+            self.spec.num_layers,
             self.scale,
             self.spec.num_kv_heads,
+            partials=batch.meta["partials"],
+            merge=batch.merge,
         )
 
     def extend(
@@ -425,18 +460,20 @@ class TritonAttention(AttentionBackend):
             layer,
             q,
             pool.page_size,
+            self.spec.num_layers,
             self.scale,
             self.spec.num_kv_heads,
             out=out,
         )
 
 
-def triton_usable() -> bool:
-    """Whether the Triton kernels can run here: Triton imports, and there is CUDA or its
-    interpreter (imported only when asked: the CPU backends never load Triton)."""
-    from common.model.triton_attention import triton_available
+def triton_usable(device: torch.device) -> bool:
+    """Whether the Triton kernels can serve on `device`: Triton imports, and there is CUDA,
+    its interpreter, or a dry run's meta device (imported only when asked: the CPU
+    backends never load Triton)."""
+    from common.model.triton_attention import triton_runs_on
 
-    return triton_available()
+    return triton_runs_on(device)
 
 
 def make_attention_backend(
@@ -449,15 +486,16 @@ def make_attention_backend(
 ) -> AttentionBackend:
     """The backend `name` (one of ATTENTION_BACKENDS) for this model on `device`.
 
-    auto: triton on CUDA (torch there when Triton is missing, with a warning), cpu on the CPU
-    (torch with cpu_kernels off). An explicit name that cannot run here is an error."""
+    auto: triton on CUDA and on `meta` (a dry run; torch there when Triton is missing, with a
+    warning), cpu on the CPU (torch with cpu_kernels off). An explicit name that cannot run
+    here is an error."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; expected one of {list(ATTENTION_BACKENDS)}"
         )
     if name == "auto":
-        if device.type == "cuda":
-            if triton_usable():
+        if device.type in ("cuda", "meta"):
+            if triton_usable(device):
                 name = "triton"
             else:
                 logger.warning(
@@ -468,7 +506,7 @@ def make_attention_backend(
         else:
             name = "cpu" if cpu_kernels else "torch"
     if name == "triton":
-        if not triton_usable():
+        if not triton_usable(device):
             raise ValueError(
                 "--attention-backend triton needs Triton (and CUDA, or "
                 "TRITON_INTERPRET=1 for tests)"

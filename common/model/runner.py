@@ -19,6 +19,7 @@ from common.model.cpu.gemm import (
 )
 from common.model.cpu.library import report_variant
 from common.model.cuda_graph import DecodeGraphs
+from common.model.decode_slots import DecodeSlots, default_num_slots
 from common.model.llama import LlamaModel
 from common.model.loader import load_spec, load_state_dict, resolve_model_dir
 from common.model.memory import DEFAULT_CUDA_FRACTION, device_memory, kv_pool_bytes
@@ -87,6 +88,7 @@ class ModelRunner:
         decodes: bool = True,
         warmup_tokens: int = DEFAULT_WARMUP_TOKENS,
         kernel_cache_dir: str | None = None,
+        max_decode_slots: int | None = None,
     ) -> None:
         """`pack_weights`: on the CPU, also keep packed weights (twice the weight memory:
         oneDNN's layout, or in bfloat16 with AMX and the C kernels the AMX tiles' layout;
@@ -108,12 +110,12 @@ class ModelRunner:
         `decodes`: False for a runner that never decodes in batches (a prefill node): no
         graph buffers, and the sizing's warm-up runs no decode step.
         `kernel_cache_dir`: on the CPU, where warm-up's kernel choice is kept and found
-        again (common.model.cpu.choice_cache); None: measured at every start."""
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was given but torch sees no CUDA device")
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        again (common.model.cpu.choice_cache); None: measured at every start.
+        `max_decode_slots`: requests a decode step can hold at once (common.model.decode_slots;
+        None: the pool's default max running requests, decode_slots.default_num_slots).
+        On CUDA the device (`cuda:N`) is made this process's current one first: Triton,
+        CUDA graphs, events and streams all launch on the current device."""
+        self.device = use_device(device)
         self.spec = spec
         self.dtype_name = dtype
         self.context_length = min(context_length or spec.context_length, spec.context_length)
@@ -134,7 +136,7 @@ class ModelRunner:
         self.decodes = decodes
         self.warmup_tokens = warmup_tokens
         self.kernel_cache_dir = kernel_cache_dir
-        self.graphs: DecodeGraphs | None = None
+        self.max_decode_slots = max_decode_slots
         if num_pages is None:
             if max_total_tokens is None and kv_memory_bytes is None:
                 if mem_fraction_static is not None or self.device.type == "cuda":
@@ -154,10 +156,37 @@ class ModelRunner:
             self.pool.nbytes / (1 << 30),
             self.device,
         )
-        if self.device.type == "cuda" and self.model.attention.name == "triton" and decodes:
-            # graphs or not, a step's inputs travel in one copy from pinned memory (the
-            # torch backend gathers every page of the graph's wide table: not with it)
-            self.graphs = DecodeGraphs(self, cuda_graph_max_bs, capture=not disable_cuda_graph)
+        # graphs or not, a step's inputs travel in one copy from pinned memory; graphs need
+        # the Triton kernels (the torch backend gathers pages by the step's width)
+        capture = decodes and not disable_cuda_graph and self.model.attention.name == "triton"
+        self.slots, self.graphs = self._decode_state(self.pool, capture)
+        if capture and self.slots.num_slots > self.graphs.max_bs:
+            logger.info(
+                "decode batches of up to %d requests run as CUDA graphs; larger ones (up to "
+                "%d) run eagerly (--cuda-graph-max-bs)",
+                self.graphs.max_bs,
+                self.slots.num_slots,
+            )
+
+    def _decode_state(self, pool: KVPool, capture: bool) -> tuple[DecodeSlots, DecodeGraphs]:
+        """The decode slots of `pool` (one page row per request, common.model.decode_slots)
+        and the step's buffers (graphs when `capture`, on CUDA)."""
+        num_slots = self.max_decode_slots
+        if num_slots is None:
+            num_slots = default_num_slots(pool.num_pages, self.page_size) if self.decodes else 1
+        if self.model.chooser is not None:  # the CPU's warm-up decodes its row buckets
+            num_slots = max(num_slots, max(DECODE_BUCKETS))
+        slots = DecodeSlots(
+            num_slots,
+            pages_needed(self.context_length, self.page_size),
+            self.page_size,
+            pool.num_pages,
+            pool.spare_page_ids[0],
+            self.device,
+        )
+        self.slots = slots  # the graphs read it from their host
+        bs = self.cuda_graph_max_bs if self.decodes else 1
+        return slots, DecodeGraphs(self, bs, capture=capture)
 
     def _bytes_by_fraction(self, fraction: float) -> int:
         """The pool's bytes by --mem-fraction-static, after a warm-up forward at the largest
@@ -167,7 +196,11 @@ class ModelRunner:
             tokens = max(1, min(self.warmup_tokens, self.context_length - 2))
             bs = self.cuda_graph_max_bs
             pages = pages_needed(tokens + 1, self.page_size) + 1
-            self.pool = KVPool(self.layout, pages, self.device)
+            self.pool = KVPool(self.layout, pages, self.device, spare_pages=1)
+            saved_slots = self.max_decode_slots
+            self.max_decode_slots = max(bs, 1)
+            self.slots, self.graphs = self._decode_state(self.pool, capture=False)
+            self.max_decode_slots = saved_slots
             torch.cuda.synchronize(self.device)
             base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -177,7 +210,7 @@ class ModelRunner:
                 self.decode([0] * bs, [1] * bs, [[ids[-1]]] * bs)  # every row on one page
             torch.cuda.synchronize(self.device)
             activation = torch.cuda.max_memory_allocated(self.device) - base
-            del self.pool
+            del self.pool, self.slots, self.graphs
             torch.cuda.empty_cache()
         memory = device_memory(self.device)
         chosen = kv_pool_bytes(memory, fraction, activation)
@@ -284,11 +317,21 @@ class ModelRunner:
 
     def _to_device(self, *columns: list[int]) -> list[torch.Tensor]:
         """Integer lists as device tensors through one copy (pinned and non-blocking on
-        CUDA, where four small copies each waited for the device)."""
-        flat = torch.tensor([x for c in columns for x in c], dtype=torch.long)
+        CUDA, where four small copies each waited for the device). Each column starts on a
+        16-byte boundary, so a kernel's compile never depends on a column's length
+        (common.model.triton_launch: alignment is specialised)."""
+        padded = [-(-len(c) // 2) * 2 for c in columns]
+        flat = torch.zeros(sum(padded), dtype=torch.long)
+        at = 0
+        for c, size in zip(columns, padded):
+            flat[at : at + len(c)] = torch.tensor(c, dtype=torch.long)
+            at += size
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
-        return list(flat.split([len(c) for c in columns]))
+        elif self.device.type != "cpu":
+            flat = flat.to(self.device)
+        parts = flat.split(padded)
+        return [p[: len(c)] for p, c in zip(parts, columns)]
 
     def _write_slots(self, page_ids: Sequence[int], start: int, stop: int) -> list[int]:
         """Slots in the pool's token view of layer 0's K for positions start..stop-1."""
@@ -382,32 +425,51 @@ class ModelRunner:
         seq_lens: Sequence[int],
         page_tables: Sequence[Sequence[int]],
     ) -> torch.Tensor:
-        """One step for many requests: token i sits at position seq_lens[i] - 1 (its KV is written
-        there) and page_tables[i] covers seq_lens[i] tokens. Returns [B, vocab] float32 logits."""
+        """One step for many requests given whole: token i sits at position seq_lens[i] - 1
+        (its KV is written there) and page_tables[i] covers seq_lens[i] tokens. Returns
+        [B, vocab] float32 logits (a view of a graph's buffer: read it before the next step).
+        Takes free decode slots for the step (a decode node keeps its requests in slots
+        across steps instead: `decode_slots`)."""
         ps = self.page_size
-        bsz = len(token_ids)
-        if self.graphs is not None and self.graphs.fits(bsz, seq_lens):
-            for n, pages in zip(seq_lens, page_tables):
-                self._check_span(n - 1, 1, pages)
-            self.graphs.capture()  # once; a no-op with --disable-cuda-graph
-            # a view of the bucket's static logits: read it before the next step
-            return self.graphs.run(token_ids, seq_lens, page_tables)
-        width = max(pages_needed(n, ps) for n in seq_lens)
-        table = torch.zeros((bsz, width), dtype=torch.long)
-        write_slots = []
-        for i, (n, pages) in enumerate(zip(seq_lens, page_tables)):
-            self._check_span(n - 1, 1, pages)
-            used = pages_needed(n, ps)
-            table[i, :used] = torch.as_tensor(pages[:used])
-            table[i, used:] = pages[0]  # padding: any valid page, masked out below
-            write_slots += self._write_slots(pages, n - 1, n)
-        lens = torch.tensor(seq_lens, device=self.device)
-        batch = AttentionBatch(
-            write_slots=torch.tensor(write_slots, device=self.device),
-            read_rows=self._rows(table),
-            seq_lens=lens,
+        if self.slots.num_free_slots < len(token_ids):
+            raise ValueError(
+                f"{len(token_ids)} sequences need decode slots; {self.slots.num_free_slots} free"
+            )
+        taken: list[int] = []
+        try:
+            for token, n, pages in zip(token_ids, seq_lens, page_tables):
+                slot = self.slots.acquire()
+                taken.append(slot)
+                self.slots.set_pages(slot, list(pages[: pages_needed(max(n, 1), ps)]))
+                self.slots.set_token(slot, int(token))
+            return self.decode_slots(taken, seq_lens)
+        finally:
+            for slot in taken:
+                self.slots.release(slot)
+
+    @torch.inference_mode()
+    def decode_slots(self, slots: Sequence[int], seq_lens: Sequence[int]) -> torch.Tensor:
+        """One step of the requests in decode `slots` (common.model.decode_slots: their pages
+        and next tokens set there), each at seq_lens[i] tokens: [B, vocab] float32 logits (a
+        view of a graph's buffer when one ran: read it before the next step)."""
+        self.graphs.capture()  # once; a no-op without graphs
+        return self.graphs.run(slots, seq_lens)
+
+
+def use_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch device with its index; a CUDA one becomes this process's current
+    device (torch.cuda.set_device), so every launch that names no device (Triton kernels,
+    CUDA graphs, events, streams, NIXL's registration) goes to it, not to device 0."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--device {device} was given but torch sees no CUDA device")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.index >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)"
         )
-        hidden = self.model.forward(
-            torch.tensor(list(token_ids), device=self.device), lens - 1, self.pool, batch, None
-        )
-        return self.model.logits(hidden)
+    torch.cuda.set_device(dev)
+    return dev

@@ -1,6 +1,6 @@
 """Paged extend attention in Triton for CUDA: flash attention over every span of a batch in
-one launch, keys read through the page table where they lie (the layout and the shared
-pieces: common/model/triton_attention.py). Softmax and sums in float32 in every dtype;
+one launch, keys read through a page table of page ids where they lie (the layout and the
+shared pieces: common/model/triton_attention.py). Softmax and sums in float32 in every dtype;
 under TRITON_INTERPRET=1 the kernel runs on CPU tensors (the tests)."""
 
 from __future__ import annotations
@@ -20,11 +20,24 @@ from common.model.triton_attention import (
     triton_jit,
     unit_last,
 )
+from common.model.triton_launch import launch
 
 EXTEND_BLOCK_M, EXTEND_BLOCK_N = 64, 64  # query rows and keys per step of an extend program
+# strides and the layer vary between calls of one model: one compile serves them all
+EXTEND_GENERIC = [
+    "row_stride",
+    "table_stride",
+    "starts_stride",
+    "num_new_stride",
+    "prefixes_stride",
+    "q_st",
+    "q_sh",
+    "out_st",
+    "layer",
+]
 
 
-@triton_jit
+@triton_jit(do_not_specialize=EXTEND_GENERIC)
 def _extend_kernel(
     pool_ptr,
     row_stride,
@@ -47,6 +60,7 @@ def _extend_kernel(
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
+    LAYER_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -90,7 +104,6 @@ def _extend_kernel(
             q_pos,
             pool_ptr,
             table_row_ptr,
-            1,
             row_stride,
             layer,
             pos,
@@ -100,6 +113,7 @@ def _extend_kernel(
             KV_HEADS,
             HEAD_DIM,
             PAGE,
+            LAYER_ROWS,
             BLOCK_D,
             False,
             PREC,
@@ -115,7 +129,6 @@ def _extend_kernel(
             q_pos,
             pool_ptr,
             table_row_ptr,
-            1,
             row_stride,
             layer,
             pos,
@@ -125,6 +138,7 @@ def _extend_kernel(
             KV_HEADS,
             HEAD_DIM,
             PAGE,
+            LAYER_ROWS,
             BLOCK_D,
             True,
             PREC,
@@ -136,7 +150,7 @@ def _extend_kernel(
 
 def paged_extend_attention(
     pool_rows: torch.Tensor,
-    read_rows: torch.Tensor,
+    page_table: torch.Tensor,
     q_starts: torch.Tensor,
     num_new: torch.Tensor,
     prefixes: torch.Tensor,
@@ -144,6 +158,7 @@ def paged_extend_attention(
     layer: int,
     q: torch.Tensor,
     page_size: int,
+    num_layers: int,
     scale: float,
     num_kv_heads: int,
     out: torch.Tensor | None = None,
@@ -153,25 +168,29 @@ def paged_extend_attention(
     Span s's new tokens are rows q_starts[s] .. q_starts[s] + num_new[s] - 1 of q [T, heads,
     head_dim] (rows of any stride), at positions prefixes[s] .. prefixes[s] + num_new[s] - 1;
     its keys, positions 0 .. prefixes[s] + num_new[s] - 1, are all read from its pages
-    read_rows[s] ([S, W] int, padded; the new tokens' K and V are in the pages already).
+    page_table[s] ([S, W] int32 page ids, padded; the new tokens' K and V are in the pages
+    already).
     q_starts, num_new, prefixes: [S] int (any stride); max_new: the largest num_new, known
     to the host. Returns [T, heads * head_dim] in q's dtype (into `out` if given); rows of
     q that belong to no span are left unwritten."""
     tokens, heads, head_dim = q.shape
     groups = checked_groups(pool_rows, q, page_size, num_kv_heads)
     q = unit_last(q)
-    read_rows = unit_last(read_rows)
+    assert page_table.dtype == torch.int32
+    page_table = unit_last(page_table)
     out = checked_out(out, tokens, heads * head_dim, q)
     num_spans = num_new.shape[0]
     if num_spans == 0 or max_new <= 0:
         return out
     prec, upcast = dot_settings(q)
     grid = (num_spans, triton.cdiv(max_new, EXTEND_BLOCK_M), heads)
-    _extend_kernel[grid](
+    launch(
+        _extend_kernel,
+        grid,
         pool_rows,
         pool_rows.stride(0),
-        read_rows,
-        read_rows.stride(0),
+        page_table,
+        page_table.stride(0),
         q_starts,
         q_starts.stride(0),
         num_new,
@@ -189,6 +208,7 @@ def paged_extend_attention(
         KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         PAGE=page_size,
+        LAYER_ROWS=2 * num_layers,
         BLOCK_M=EXTEND_BLOCK_M,
         BLOCK_N=EXTEND_BLOCK_N,
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),

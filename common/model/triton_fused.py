@@ -18,14 +18,15 @@ from common.model.triton_attention import (
     round_to,
     tl,
     triton,
-    triton_available,
     triton_jit,
+    triton_runs_on,
 )
+from common.model.triton_launch import launch
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@triton_jit
+@triton_jit(do_not_specialize=["y_rs", "y_cs"])
 def _add_rms_norm_kernel(
     x_ptr,
     y_ptr,
@@ -56,7 +57,7 @@ def _add_rms_norm_kernel(
     tl.store(h_ptr + row * hidden + cols, h, mask=mask)
 
 
-@triton_jit
+@triton_jit(do_not_specialize=["qkv_rs", "qkv_cs", "k_offset", "v_offset"])
 def _rope_store_kernel(
     qkv_ptr,
     qkv_rs,
@@ -111,7 +112,7 @@ def _rope_store_kernel(
     tl.store(pool_ptr + (slot + v_offset) * (KV_HEADS * HEAD_DIM) + v_cols, v, mask=v_mask)
 
 
-@triton_jit
+@triton_jit(do_not_specialize=["gu_rs", "gu_cs", "out_rs", "out_cs", "rows"])
 def _silu_mul_kernel(
     gu_ptr,
     gu_rs,
@@ -144,7 +145,8 @@ def _silu_mul_kernel(
 
 
 def _emulate(t: torch.Tensor) -> bool:
-    return t.device.type != "cuda"
+    """The interpreter's bfloat16 workaround: CPU tensors only (meta ones keep the GPU's)."""
+    return t.device.type == "cpu"
 
 
 def _checked_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -181,7 +183,9 @@ class TritonFusedOps:
         if rows == 0:
             return h
         block = triton.next_power_of_2(hidden)
-        _add_rms_norm_kernel[(rows,)](
+        launch(
+            _add_rms_norm_kernel,
+            (rows,),
             x,
             x if y is None else y,
             0 if y is None else y.stride(0),
@@ -224,7 +228,9 @@ class TritonFusedOps:
         )
         if rows == 0:
             return qk
-        _rope_store_kernel[(rows,)](
+        launch(
+            _rope_store_kernel,
+            (rows,),
             qkv,
             qkv.stride(0),
             qkv.stride(1),
@@ -266,7 +272,9 @@ class TritonFusedOps:
         # tiles long along the unit stride: rows when transposed, columns otherwise
         block_r, block_c = (64, 16) if transposed else (4, 256)
         grid = (triton.cdiv(rows, block_r), triton.cdiv(inter, block_c))
-        _silu_mul_kernel[grid](
+        launch(
+            _silu_mul_kernel,
+            grid,
             gate_up,
             gate_up.stride(0),
             gate_up.stride(1),
@@ -287,9 +295,10 @@ def triton_fused_ops(
     device: torch.device, dtype: torch.dtype, *, always: bool = False
 ) -> TritonFusedOps | None:
     """The fused steps for this model on CUDA, or None (Triton missing, another device or
-    dtype). `always` offers them on the CPU too, under TRITON_INTERPRET=1 (tests)."""
-    if dtype not in _DTYPES or not triton_available():
+    dtype). `always` offers them on the CPU too, under TRITON_INTERPRET=1 (tests); on `meta` (a dry
+    run) they are offered as on CUDA."""
+    if dtype not in _DTYPES or not triton_runs_on(device):
         return None
-    if device.type != "cuda" and not (always and interpreting()):
+    if device.type == "cpu" and not (always and interpreting()):
         return None
     return TritonFusedOps(dtype)

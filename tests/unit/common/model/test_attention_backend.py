@@ -40,9 +40,9 @@ def test_auto_is_the_c_kernels_on_the_cpu_and_torch_without_them():
 
 def test_auto_on_cuda_is_triton_where_it_runs_and_torch_otherwise(monkeypatch):
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(attention, "triton_usable", lambda: False)
+    monkeypatch.setattr(attention, "triton_usable", lambda _device: False)
     assert type(make_attention_backend("auto", SPEC, torch.bfloat16, cuda)) is TorchAttention
-    monkeypatch.setattr(attention, "triton_usable", lambda: True)
+    monkeypatch.setattr(attention, "triton_usable", lambda _device: True)
     monkeypatch.setattr(
         TritonAttention,
         "__init__",
@@ -56,6 +56,6 @@ def test_a_backend_that_cannot_run_here_is_refused(monkeypatch):
         make_attention_backend("flash", SPEC, torch.float32, CPU)
     with pytest.raises(ValueError, match="runs on the CPU"):
         make_attention_backend("cpu", SPEC, torch.float32, torch.device("cuda", 0))
-    monkeypatch.setattr(attention, "triton_usable", lambda: False)
+    monkeypatch.setattr(attention, "triton_usable", lambda _device: False)
     with pytest.raises(ValueError, match="needs Triton"):
         make_attention_backend("triton", SPEC, torch.float32, CPU)

@@ -1,6 +1,7 @@
-"""Decode through common.model.cuda_graph's static buffers: buckets, padding rows on a scratch
-page, the page-major table, one input copy. On the CPU the buffers run the model eagerly; on
-CUDA (the `device` fixture) the same steps replay captured graphs."""
+"""Decode through common.model.cuda_graph's static buffers: buckets, padding rows on the
+spare page, one input copy of three columns, slots' pages written where they change. On the
+CPU the buffers run the model eagerly; on CUDA (the `device` fixture) the same steps replay
+captured graphs."""
 
 from __future__ import annotations
 
@@ -47,12 +48,12 @@ def _runner(model_dir, device, **kw) -> ModelRunner:
 
 
 def test_padded_bucket_steps_match_plain_decode_and_touch_no_live_page(model_dir, device):
-    """Three sequences run in bucket 4: the padding row writes only the scratch page, every
+    """Three sequences run in bucket 4: the padding row writes only the spare page, every
     other page holds exactly what plain decode writes, and the logits agree."""
     plain = _runner(model_dir, device, disable_cuda_graph=True)
     graphed = _runner(model_dir, device)
-    if graphed.graphs is None:  # the CPU: the same buffers, run eagerly
-        graphed.graphs = DecodeGraphs(graphed, 8, capture=False)
+    if device.type != "cuda":  # the CPU: the same buffers and padding, run eagerly
+        graphed.graphs = DecodeGraphs(graphed, 8, capture=False, pad=True)
     graphs = graphed.graphs
     prompts = [_prompt(n, 40 + n) for n in (5, 13, 2)]
     tables = []
@@ -60,6 +61,8 @@ def test_padded_bucket_steps_match_plain_decode_and_touch_no_live_page(model_dir
         pages = [r.pool.allocator.allocate(pages_needed(len(p) + 6, PAGE)) for p in prompts]
         r.extend([ExtendRequest(p, 0, pg) for p, pg in zip(prompts, pages)])
         tables.append(pages)
+    spare = graphed.pool.spare_page_ids[0]
+    before_spare = graphed.pool.buffer[spare].clone()
     tokens = [p[-1] for p in prompts]
     lens = [len(p) + 1 for p in prompts]
     for _ in range(5):
@@ -69,9 +72,9 @@ def test_padded_bucket_steps_match_plain_decode_and_touch_no_live_page(model_dir
         tokens = want.argmax(-1).tolist()
         lens = [n + 1 for n in lens]
     live = sorted(set(sum(tables[1], [])))
-    assert graphs.scratch_page not in live
-    # the scratch page is the pool's spare: no request can hold it, no page is used for it
-    assert graphs.scratch_page == graphed.pool.num_pages
+    # the padding row's page is the pool's spare: no request can hold it, no page is used
+    assert spare not in live and spare == graphed.pool.num_pages
+    assert not torch.equal(graphed.pool.buffer[spare], before_spare)  # the padding ran
     assert graphed.pool.allocator.num_used_pages == len(live)
     for p_plain, p_graph in zip(sum(tables[0], []), sum(tables[1], [])):
         torch.testing.assert_close(
@@ -83,27 +86,34 @@ def test_padded_bucket_steps_match_plain_decode_and_touch_no_live_page(model_dir
 
 def test_a_batch_past_the_largest_bucket_runs_without_a_graph(model_dir, device):
     runner = _runner(model_dir, device, cuda_graph_max_bs=2)
-    if runner.graphs is None:
-        runner.graphs = DecodeGraphs(runner, 2, capture=False)
     prompts = [_prompt(3, 60 + i) for i in range(3)]
     pages = [runner.pool.allocator.allocate(2) for _ in prompts]
     runner.extend([ExtendRequest(p, 0, pg) for p, pg in zip(prompts, pages)])
-    assert not runner.graphs.fits(3, [4, 4, 4])
     logits = runner.decode([1, 2, 3], [4, 4, 4], pages)
+    assert bucket_for(3, runner.graphs.buckets) is None
     assert logits.shape == (3, runner.spec.vocab_size) and torch.isfinite(logits).all()
 
 
-def test_one_page_table_column_prefix_is_all_a_step_copies(model_dir):
-    """The table is page-major: a batch using 2 pages per row copies 3 * max_bs + 2 * max_bs
-    numbers, however wide the graph's table is."""
+def test_a_step_copies_three_columns_and_only_the_pages_that_changed(model_dir):
+    """Per step the host writes each row's slot, length and split count; a slot's pages
+    reach the device once, and a step that adds no page stages none."""
     runner = _runner(model_dir, torch.device("cpu"))
-    graphs = DecodeGraphs(runner, 4, capture=False)
-    pages = runner.pool.allocator.allocate(2)
-    runner.extend([ExtendRequest(_prompt(6, 1), 0, pages)])
-    used = graphs._fill([5], [7], [pages], 1)
-    assert used == 2 and graphs.width >= 2
-    table = graphs.host[3 * graphs.max_bs :].view(graphs.width, graphs.max_bs)
-    assert table[:2, 0].tolist() == [p * runner.layer_stride for p in pages]
-    assert graphs.host[2 * graphs.max_bs].item() == (
-        pages[1] * runner.layer_stride * PAGE + (7 - 1) % PAGE
-    )
+    slots = runner.slots
+    pages = runner.pool.allocator.allocate(3)
+    runner.extend([ExtendRequest(_prompt(6, 1), 0, pages[:2])])
+    slot = slots.acquire()
+    slots.set_pages(slot, pages[:2])
+    slots.set_token(slot, 5)
+    assert len(slots._page_index) == 2 and slots.has_staged
+    runner.decode_slots([slot], [7])
+    assert not slots.has_staged and slots.row(slot) == pages[:2]
+    slots.set_pages(slot, pages[:2])  # nothing new
+    assert not slots.has_staged
+    slots.set_pages(slot, pages)  # one page more: one entry staged
+    assert slots._page_index == [slot * slots.max_pages + 2]
+    runner.decode_slots([slot], [9])
+    host = runner.graphs._host[1].numpy()  # the second step's buffer
+    n = runner.graphs.num_rows
+    assert (host[0], host[n], host[2 * n]) == (slot, 9, 1)
+    assert slots.row(slot) == pages
+    assert runner.graphs.static.numel() == 3 * n  # the whole step's input: one copy

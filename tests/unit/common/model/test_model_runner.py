@@ -256,9 +256,12 @@ def test_page_ids_outside_the_pool_are_refused_before_any_write(pair):
         runner.extend([ExtendRequest(_prompt(5, 1), 0, [0, -1])])
     with pytest.raises(ValueError, match="outside the pool"):
         runner.decode([3, 4], [5, 2], [[0, 1], [outside]])
-    with pytest.raises(ValueError, match="cannot start"):
+    with pytest.raises(ValueError, match="at least one token"):
         runner.decode([3], [0], [[0]])
+    with pytest.raises(ValueError, match="pages cannot hold"):
+        runner.decode([3], [17], [[0]])
     assert torch.equal(runner.pool.buffer, before)
+    assert runner.slots.num_free_slots == runner.slots.num_slots  # a refused step holds none
 
 
 def test_too_few_pages_is_refused(pair):

@@ -4,9 +4,6 @@ torch: on CUDA where torch sees a GPU, else on CPU tensors in Triton's interpret
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +15,7 @@ pytest.importorskip("triton")
 
 from common.model.llama import apply_rope, rms_norm
 from common.model.triton_attention import (
-    decode_splits,
+    decode_split_counts,
     paged_decode_attention,
     triton_available,
 )
@@ -95,118 +92,126 @@ ATTN_SHAPES = [(4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 64), (8, 1, 80, 4)]
 
 def _decode_case(
     shape: tuple[int, int, int, int], lens: list[int], dtype: torch.dtype, seed: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """A pool, a page table of page ids whose rows are the sequences' slots (in no order,
+    among rows nobody uses), the slots, the lengths, q, and each sequence's pages."""
     heads, kv_heads, d, ps = shape
     g = torch.Generator().manual_seed(seed)
-    width = max(-(-n // ps) for n in lens)
+    width = max(-(-n // ps) for n in lens) + 2  # wider than any sequence: padding entries
     num_pages = len(lens) * width + 3  # some pages nobody uses: NaN
     rows_t = _pool(num_pages, ps, kv_heads, d, dtype)
     order = torch.randperm(num_pages, generator=g).tolist()  # pages anywhere, in no order
-    tables, table = [], torch.empty(len(lens), width, dtype=torch.long)
+    nobody = order[0]
+    slots = torch.randperm(len(lens) + 3, generator=g)[: len(lens)]
+    table = torch.full((len(lens) + 3, width), nobody, dtype=torch.int32)
+    tables = []
     for b, n in enumerate(lens):
         pages = [order.pop() for _ in range(-(-n // ps))]
         _fill(rows_t, pages, n, ps, g)
         tables.append(pages)
-        # padding: a page no sequence uses (all NaN), where it lies
-        padded = pages + [order[0]] * (width - len(pages))
-        table[b] = torch.tensor(padded) * 2 * LAYERS
+        table[slots[b], : len(pages)] = torch.tensor(pages, dtype=torch.int32)
     # q as the model passes it: a view with the K heads after the query heads in each row
     qk = torch.randn(len(lens), heads + kv_heads, d, generator=g).to(dtype)
-    return rows_t, table, torch.tensor(lens), qk[:, :heads], tables
+    return rows_t, table, slots, torch.tensor(lens), qk[:, :heads], tables
+
+
+def _decode(rows_t, table, slots, lens_t, q, ps, kv_heads, splits=None, out=None, sms=132):
+    """paged_decode_attention on DEVICE, splits by the rule unless given."""
+    if splits is None:
+        splits = torch.from_numpy(decode_split_counts(lens_t.tolist(), kv_heads, sms))
+    return paged_decode_attention(
+        rows_t.to(DEVICE),
+        table.to(DEVICE),
+        slots.to(DEVICE),
+        lens_t.to(DEVICE),
+        splits.to(DEVICE),
+        LAYER,
+        q.to(DEVICE),
+        ps,
+        LAYERS,
+        q.shape[-1] ** -0.5,
+        kv_heads,
+        out=out,
+        merge=bool(splits.max() > 1),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", ATTN_SHAPES)
 def test_decode_equals_attention_over_the_gathered_pages(dtype, shape):
     """Ragged lengths (one token, exactly a page, many pages, a partial last page) in one
-    batch, padding table entries on NaN pages and NaN past each sequence's last token."""
+    batch, read through their slots' rows; padding table entries on NaN pages and NaN past
+    each sequence's last token."""
     heads, kv_heads, d, ps = shape
     lens = [1, ps, 5 * ps + 3, 2]
-    rows_t, table, lens_t, q, tables = _decode_case(shape, lens, dtype, seed=d + ps + heads)
-    out = paged_decode_attention(
-        rows_t.to(DEVICE),
-        table.to(DEVICE),
-        lens_t.to(DEVICE),
-        LAYER,
-        q.to(DEVICE),
-        ps,
-        d**-0.5,
-        kv_heads,
-    )
+    rows_t, table, slots, lens_t, q, tables = _decode_case(shape, lens, dtype, d + ps + heads)
+    out = _decode(rows_t, table, slots, lens_t, q, ps, kv_heads)
     assert out.shape == (len(lens), heads * d) and out.dtype == dtype
     for b, n in enumerate(lens):
         expect = _attention64(rows_t, tables[b], q[b : b + 1], torch.tensor([n - 1]), ps, kv_heads)
         _assert_close(out[b : b + 1], expect, dtype)
 
 
-def test_decode_reads_a_page_major_table_view():
-    """Decode graphs keep the table page-major ([pages, rows], common.model.cuda_graph) and
-    pass its transpose: the kernel reads it through both strides, without a copy."""
-    shape = (6, 2, 64, 16)
-    lens = [3, 70, 33]
-    rows_t, table, lens_t, q, tables = _decode_case(shape, lens, torch.float32, seed=11)
-    page_major = table.t().contiguous().to(DEVICE)  # [W, B]
-    view = page_major.t()
-    assert view.stride(1) != 1
-    got = paged_decode_attention(
-        rows_t.to(DEVICE), view, lens_t.to(DEVICE), LAYER, q.to(DEVICE), 16, 64**-0.5, 2
-    )
-    want = paged_decode_attention(
-        rows_t.to(DEVICE), table.to(DEVICE), lens_t.to(DEVICE), LAYER, q.to(DEVICE), 16, 64**-0.5, 2
-    )
-    assert torch.equal(got, want)
-
-
 @pytest.mark.parametrize(
-    ("num_splits", "dtype"),
-    [(1, torch.float32), (2, torch.float32), (5, torch.float32), (3, torch.bfloat16)],
+    ("splits", "dtype"),
+    [
+        ([1, 1, 1], torch.float32),
+        ([2, 2, 2], torch.float32),
+        ([1, 5, 2], torch.float32),
+        ([32, 3, 1], torch.float32),
+        ([3, 1, 2], torch.bfloat16),
+    ],
 )
-def test_decode_splits_merge_to_the_same_attention(num_splits, dtype):
-    """Each split's partial softmax merged by its log-sum-exp; splits past a short
-    sequence's end hold no keys (weight 0); the output is written where asked."""
+def test_decode_splits_merge_to_the_same_attention(splits, dtype):
+    """Each sequence's own split count: partial softmaxes merged by their log-sum-exps;
+    splits past a short sequence's end hold no keys (weight 0); a sequence with one split
+    is written by the decode kernel alone; the output is written where asked."""
     shape = (6, 2, 64, 16)
     lens = [3, 150, 40]
-    rows_t, table, lens_t, q, tables = _decode_case(shape, lens, dtype, seed=7)
+    rows_t, table, slots, lens_t, q, tables = _decode_case(shape, lens, dtype, seed=7)
     out = torch.full((len(lens), 6 * 64), float("nan"), dtype=dtype, device=DEVICE)
-    # int32 indices, the lengths a strided view: both read as given
-    lens_view = torch.stack([lens_t, lens_t * 0], dim=1).int().to(DEVICE)[:, 0]
-    got = paged_decode_attention(
-        rows_t.to(DEVICE),
-        table.int().to(DEVICE),
-        lens_view,
-        LAYER,
-        q.to(DEVICE),
-        16,
-        64**-0.5,
-        2,
-        out=out,
-        num_splits=num_splits,
-    )
+    split_t = torch.tensor(splits, dtype=torch.int32)
+    got = _decode(rows_t, table, slots.int(), lens_t.int(), q, 16, 2, splits=split_t, out=out)
     assert got is out
     for b, n in enumerate(lens):
         expect = _attention64(rows_t, tables[b], q[b : b + 1], torch.tensor([n - 1]), 16, 2)
         _assert_close(out[b : b + 1], expect, dtype)
 
 
-def test_decode_split_rule_reads_shapes_only():
-    # few (sequence, KV head) pairs on many SMs: split, at most once per 256 keys of the width
-    assert decode_splits(1, 2, 128, 16, num_sms=132) == 8
-    assert decode_splits(1, 8, 2048, 16, num_sms=132) == 32  # capped
-    assert decode_splits(1, 1, 1, 16, num_sms=132) == 1  # a short table: nothing to split
-    assert decode_splits(256, 8, 4096, 16, num_sms=132) == 1  # SMs busy already
+def test_decode_split_rule_shares_the_keys_by_sequence_length():
+    # one short sequence on many SMs: split, at most once per 256 keys
+    assert decode_split_counts([2048], 2, 132).tolist() == [8]
+    assert decode_split_counts([32768], 8, 132).tolist() == [32]  # capped
+    assert decode_split_counts([1], 1, 132).tolist() == [1]  # nothing to split
+    # a full batch fills the SMs alone: one split each ...
+    assert set(decode_split_counts([4096] * 256, 8, 132).tolist()) == {1}
+    # ... but one long sequence among short ones is cut finer than they are (it would hold
+    # the whole batch up: 8 KV heads, 127 x 2k and one 32k at batch 128)
+    counts = decode_split_counts([2048] * 127 + [32768], 8, 132)
+    assert set(counts[:127].tolist()) == {1} and counts[127] >= 4
+    assert decode_split_counts([], 8, 132).size == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_decode_is_captured_in_a_cuda_graph_and_replays_new_lengths():
     shape = (8, 2, 128, 16)
     lens = [40, 300, 7]
-    rows_t, table, lens_t, q, tables = _decode_case(shape, lens, torch.bfloat16, seed=11)
-    rows_d, table_d, lens_d, q_d = (t.to(DEVICE) for t in (rows_t, table, lens_t, q))
-    paged_decode_attention(rows_d, table_d, lens_d, LAYER, q_d, 16, 128**-0.5, 2)  # compile
+    rows_t, table, slots, lens_t, q, tables = _decode_case(shape, lens, torch.bfloat16, seed=11)
+    args = [t.to(DEVICE) for t in (rows_t, table, slots, lens_t)]
+    splits = torch.tensor([1, 4, 2], dtype=torch.int32, device=DEVICE)
+    q_d = q.to(DEVICE)
+
+    def step() -> torch.Tensor:
+        return paged_decode_attention(
+            *args, splits, LAYER, q_d, 16, LAYERS, 128**-0.5, 2, merge=True
+        )
+
+    step()  # compile
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged_decode_attention(rows_d, table_d, lens_d, LAYER, q_d, 16, 128**-0.5, 2)
-    lens_d.copy_(torch.tensor([39, 290, 1]))  # new values in the captured tensors
+        out = step()
+    args[3].copy_(torch.tensor([39, 290, 1]))  # new values in the captured tensors
+    splits.copy_(torch.tensor([2, 1, 1], dtype=torch.int32))
     graph.replay()
     torch.cuda.synchronize()
     for b, n in enumerate([39, 290, 1]):
@@ -232,12 +237,12 @@ def test_extend_equals_causal_attention_over_the_gathered_pages(dtype, shape):
     num_pages = sum(-(-t // ps) for t in totals) + 2
     rows_t = _pool(num_pages, ps, kv_heads, d, dtype)
     order = torch.randperm(num_pages, generator=g).tolist()
-    tables, table = [], torch.empty(len(spans), width, dtype=torch.long)
+    tables, table = [], torch.empty(len(spans), width, dtype=torch.int32)
     for s, total in enumerate(totals):
         pages = [order.pop() for _ in range(-(-total // ps))]
         _fill(rows_t, pages, total, ps, g)
         tables.append(pages)
-        table[s] = torch.tensor(pages + [order[0]] * (width - len(pages))) * 2 * LAYERS
+        table[s] = torch.tensor(pages + [order[0]] * (width - len(pages)))
     num_tokens = sum(n for _, n in spans)
     qk = torch.randn(num_tokens, heads + kv_heads, d, generator=g).to(dtype)
     q = qk[:, :heads]  # a view, as the model passes it
@@ -255,6 +260,7 @@ def test_extend_equals_causal_attention_over_the_gathered_pages(dtype, shape):
         LAYER,
         q.to(DEVICE),
         ps,
+        LAYERS,
         d**-0.5,
         kv_heads,
     )
@@ -275,7 +281,7 @@ def test_extend_writes_only_its_spans_rows_of_out():
     q = torch.randn(6, heads, d, generator=g)
     wide = torch.full((6, heads * d + 8), -7.0, device=DEVICE)
     out = wide[:, : heads * d]
-    table = (torch.tensor([[2, 0]]) * 2 * LAYERS).to(DEVICE)
+    table = torch.tensor([[2, 0]], dtype=torch.int32).to(DEVICE)
     one = torch.tensor([1], device=DEVICE)  # q rows 1..5: positions 15..19
     paged_extend_attention(
         rows_t.to(DEVICE),
@@ -287,6 +293,7 @@ def test_extend_writes_only_its_spans_rows_of_out():
         LAYER,
         q.to(DEVICE),
         ps,
+        LAYERS,
         d**-0.5,
         kv_heads,
         out=out,
@@ -389,53 +396,3 @@ def test_fused_ops_offered_on_cuda_only_unless_forced():
     assert triton_fused_ops(torch.device("cpu"), torch.float32) is None
     assert triton_fused_ops(DEVICE, torch.int8, always=True) is None
     assert triton_fused_ops(DEVICE, torch.bfloat16, always=True) is not None
-
-
-# Compiles kernels for an H200 (sm_90) with the ptxas in Triton's wheel, no GPU needed: the
-# interpreter runs code the compiler would reject (a dot's shapes or dtypes, a return).
-_COMPILE = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from common.model import triton_attention as ta, triton_extend as te, triton_fused as tf
-
-def build(fn, types, consts, **options):
-    sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-for dt, prec, d, ps in (("bf16", "tf32", 128, 16), ("fp32", "ieee", 64, 64)):
-    ptrs = {n: "*" + dt for n in ("pool_ptr", "q_ptr", "out_ptr")}
-    ptrs.update({n: "*i64" for n in ("table_ptr", "lens_ptr", "starts_ptr", "num_new_ptr",
-                                     "prefixes_ptr")})
-    ptrs.update(part_o_ptr="*fp32", part_lse_ptr="*fp32", scale_log2="fp32")
-    shape = dict(KV_HEADS=2, HEAD_DIM=d, PAGE=ps, BLOCK_N=64, BLOCK_D=d, PREC=prec, UPCAST=False)
-    build(ta._decode_kernel, ptrs, dict(GROUPS=4, SPLITS=3, BLOCK_G=16, **shape), num_warps=4,
-          num_stages=2)
-    build(te._extend_kernel, ptrs, dict(GROUPS=4, BLOCK_M=64, **shape), num_warps=4,
-          num_stages=2)
-    fused = {n: "*" + dt for n in ("x_ptr", "y_ptr", "w_ptr", "h_ptr", "qkv_ptr", "cos_ptr",
-                                   "sin_ptr", "qk_ptr", "pool_ptr", "gu_ptr", "out_ptr")}
-    fused.update(pos_ptr="*i64", slots_ptr="*i64", eps="fp32")
-    build(tf._add_rms_norm_kernel, fused, dict(HAS_Y=True, BLOCK=1024, EMULATE=False))
-    build(tf._rope_store_kernel, fused, dict(HEADS=9, KV_HEADS=3, HEAD_DIM=64, BLOCK_H=16,
-          BLOCK_KV=4, BLOCK_D=64, EMULATE=False), enable_fp_fusion=False)
-    build(tf._silu_mul_kernel, fused, dict(BLOCK_R=4, BLOCK_C=256, EMULATE=False))
-build(ta._merge_splits_kernel, {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
-      "out_ptr": "*bf16"}, dict(HEADS=8, HEAD_DIM=128, SPLITS=3, BLOCK_S=4, BLOCK_D=128,
-      EMULATE=False))
-"""
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile them")
-def test_kernels_compile_for_an_h200():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).resolve().parents[4],
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
