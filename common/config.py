@@ -368,6 +368,9 @@ class DecodeConfig:
     # Keep finished requests' KV in a prefix cache; a prompt that starts with a cached
     # prefix receives only the pages after it (decode_node/prefix_cache.py).
     disaggregation_decode_enable_radix_cache: bool = False
+    # Overlap scheduling (SGLang's and mini-sglang's): step N+1 is planned and launched
+    # before step N's tokens are read; its results are processed one step late.
+    disable_overlap_schedule: bool = False
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--port")

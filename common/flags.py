@@ -227,6 +227,12 @@ def _add_decode_only_args(parser: Parser) -> None:
         help="priority gap at which a waiting request preempts running ones",
     )
     add("--disable-priority-preemption", action="store_true")
+    add(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="plan and launch each decode step only after the last one's tokens are read "
+        "(default: the next step is launched first, its results read one step later)",
+    )
 
 
 def add_prefill_args(parser: Parser) -> None:

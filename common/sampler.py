@@ -93,6 +93,21 @@ class Sampler:
         grammars: Sequence[GrammarState | None] | None = None,
         penalties: Sequence[PenaltyState | None] | None = None,
     ) -> SampleOutput:
+        """One token per row, on the host (the device work, then its one copy waited on)."""
+        sample = self.sample_on_device(logits, params, generators, grammars, penalties)
+        return sample.to_host().result()
+
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        grammars: Sequence[GrammarState | None] | None = None,
+        penalties: Sequence[PenaltyState | None] | None = None,
+    ) -> DeviceSample:
+        """One token per row, left on the device with the logprobs asked for: nothing here
+        waits for the device (the host state it reads, grammar matchers and penalty counts,
+        must already hold the rows' earlier tokens)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         batch_size = logits.shape[0]
@@ -192,50 +207,107 @@ def _sample_random(
 
 def _logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
-) -> SampleOutput:
-    """The sampled tokens with the logprobs asked for, read back in one copy."""
+) -> DeviceSample:
+    """The sampled tokens with the logprobs asked for, on the device."""
     max_top = max(p.top_logprobs for p in params)
     if max_top == 0 and not any(p.logprobs for p in params):
-        (tokens,) = to_host([token_ids])
-        return SampleOutput(token_ids=[int(t) for t in tokens], logprobs=None, top_logprobs=None)
+        return DeviceSample(token_ids, params)
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     if max_top == 0:
-        tokens, chosen_l = to_host([token_ids, chosen])
-        return SampleOutput(
-            token_ids=[int(t) for t in tokens], logprobs=chosen_l, top_logprobs=None
-        )
+        return DeviceSample(token_ids, params, chosen)
     values, indices = logprobs.topk(max_top, dim=-1)
-    tokens, chosen_l, values_l, indices_l = to_host([token_ids, chosen, values, indices])
-    top = [
-        list(
-            zip((int(i) for i in indices_l[row][: p.top_logprobs]), values_l[row][: p.top_logprobs])
-        )
-        for row, p in enumerate(params)
-    ]
-    return SampleOutput(token_ids=[int(t) for t in tokens], logprobs=chosen_l, top_logprobs=top)
+    return DeviceSample(token_ids, params, chosen, values, indices)
+
+
+@dataclass
+class DeviceSample:
+    """A batch's sampled tokens on the device (`token_ids`, [B] long), with the chosen
+    tokens' logprobs and the top logprobs when a row asked for them."""
+
+    token_ids: torch.Tensor
+    params: Sequence[SamplingParams]
+    chosen: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    top_indices: torch.Tensor | None = None
+
+    def to_host(self) -> PendingSample:
+        """Start the one device-to-host copy of everything (non-blocking on CUDA)."""
+        tensors = [self.token_ids]
+        tensors += [t for t in (self.chosen, self.top_values, self.top_indices) if t is not None]
+        return PendingSample(self, HostCopy(tensors))
+
+
+class PendingSample:
+    """A DeviceSample on its way to the host: `result()` waits for the copy (only it)."""
+
+    def __init__(self, sample: DeviceSample, copy: HostCopy) -> None:
+        self.sample = sample
+        self.copy = copy
+
+    def is_ready(self) -> bool:
+        return self.copy.is_ready()
+
+    def result(self) -> SampleOutput:
+        parts = self.copy.result()
+        tokens = [int(t) for t in parts[0]]
+        if self.sample.chosen is None:
+            return SampleOutput(token_ids=tokens, logprobs=None, top_logprobs=None)
+        if self.sample.top_values is None:
+            return SampleOutput(token_ids=tokens, logprobs=parts[1], top_logprobs=None)
+        values, indices = parts[2], parts[3]
+        top = [
+            list(
+                zip((int(i) for i in indices[row][: p.top_logprobs]), values[row][: p.top_logprobs])
+            )
+            for row, p in enumerate(self.sample.params)
+        ]
+        return SampleOutput(token_ids=tokens, logprobs=parts[1], top_logprobs=top)
+
+
+class HostCopy:
+    """Tensors (ints up to 2^53, floats) on their way to host lists in one device-to-host
+    copy: on CUDA a non-blocking copy into pinned memory and an event recorded on the
+    tensors' device, instead of a blocking `.tolist()` per tensor; on the CPU the lists at
+    once. Shapes are kept (1-D -> list, 2-D -> list of lists)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.shapes = [tuple(t.shape) for t in tensors]
+        self._lists: list[list] | None = None
+        self._event: torch.cuda.Event | None = None
+        if not tensors[0].is_cuda:
+            self._lists = [t.tolist() for t in tensors]  # already on the host
+            return
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        self._host.copy_(flat, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(tensors[0].device))
+
+    def is_ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> list[list]:
+        if self._lists is not None:
+            return self._lists
+        assert self._event is not None
+        self._event.synchronize()
+        values = self._host.tolist()
+        out, start = [], 0
+        for shape in self.shapes:
+            n = 1
+            for d in shape:
+                n *= d
+            part = values[start : start + n]
+            start += n
+            if len(shape) == 2:
+                width = shape[1]
+                part = [part[r * width : (r + 1) * width] for r in range(shape[0])]
+            out.append(part)
+        self._lists = out
+        return out
 
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[list]:
-    """Tensors (ints up to 2^53, floats) as host lists through one device-to-host copy: on
-    CUDA a non-blocking copy into pinned memory and one event waited on, instead of a
-    blocking `.tolist()` per tensor. Shapes are kept (1-D -> list, 2-D -> list of lists)."""
-    if not tensors[0].is_cuda:
-        return [t.tolist() for t in tensors]  # already on the host: nothing to copy
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    host.copy_(flat, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    out, start = [], 0
-    values = host.tolist()
-    for t in tensors:
-        n = t.numel()
-        part = values[start : start + n]
-        start += n
-        if t.dim() == 2:
-            width = t.shape[1]
-            part = [part[r * width : (r + 1) * width] for r in range(t.shape[0])]
-        out.append(part)
-    return out
+    """Tensors as host lists through one device-to-host copy, waited for (HostCopy)."""
+    return HostCopy(tensors).result()

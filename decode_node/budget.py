@@ -16,8 +16,10 @@ def default_max_running_requests(num_pages: int, page_size: int) -> int:
     return max(1, min(num_pages, num_pages * page_size // 2, MAX_RUNNING_REQUESTS_CAP))
 
 
-def budget_req(r: DecodeReq) -> BudgetReq:
-    return BudgetReq(r.num_input_tokens, r.num_output_tokens, r.max_new_tokens)
+def budget_req(r: DecodeReq, num_coming: int = 0) -> BudgetReq:
+    """r as the budget sees it; ``num_coming``: tokens drawn on the device for r that the
+    host has not committed yet (overlap scheduling), counted as output."""
+    return BudgetReq(r.num_input_tokens, r.num_output_tokens + num_coming, r.max_new_tokens)
 
 
 def build_budget(
@@ -25,7 +27,7 @@ def build_budget(
     page_size: int,
     num_free_pages: int,
     num_reserved_decode_tokens: int,
-    running: Collection[DecodeReq],
+    running: Collection[BudgetReq],
     retracted: Collection[DecodeReq],
     in_transfer: Collection[DecodeReq],
     num_waiting: int,
@@ -35,14 +37,15 @@ def build_budget(
     """What admitting more requests may take: free pages less what the running and
     retracted requests still need, and free request slots. Colocated
     (``shares_pool_with_prefill``), the pages the prefill half still computes prompts in
-    transfer into count as taken."""
+    transfer into count as taken. ``running``: the running requests as the budget sees
+    them (RunningBatch.budget_reqs: with the tokens a pending step brings)."""
     num_held = len(in_transfer) + num_waiting + len(running) + len(retracted)
     return DecodeBudget(
         page_size=page_size,
         num_free_pages=num_free_pages,
         num_reserved_decode_tokens=num_reserved_decode_tokens,
         num_active_reqs=len(running) + len(in_transfer) + num_waiting,
-        running=[budget_req(r) for r in running],
+        running=list(running),
         retracted=[budget_req(r) for r in retracted],
         num_free_slots=max(0, max_held_requests - num_held),
         num_prefill_tokens=(

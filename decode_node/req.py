@@ -93,6 +93,9 @@ class DecodeReq:
     output_ids: list[int] = field(default_factory=list)
     last_token_at: float | None = None
     num_retractions: int = 0
+    # While running: its decode slot (common.model.decode_slots: its page row and next
+    # token on the device), held by the running batch.
+    decode_slot: int | None = None
     # Structured output: the compile under way (from arrival), then the matcher, built from
     # the compiled grammar and the output tokens so far (the prefill node's first token on).
     grammar_ticket: GrammarTicket | None = None

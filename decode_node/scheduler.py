@@ -14,8 +14,12 @@ One step (`step()`), like nano-vllm's:
      pages are freed once no write can land any more;
   5. waiting -> running up to max_running_requests; if the pool cannot hold the next
      token of every running request, retract (policy order) until the rest can run
-     RETRACT_DECODE_STEPS more steps; one runner.decode for the whole batch; sample,
-     check stop conditions, stream TokenChunk / ReqFinished.
+     RETRACT_DECODE_STEPS more steps; launch one decode step for the whole batch, commit
+     the last step's tokens (check stop conditions, stream TokenChunk / ReqFinished), then
+     sample the launched step on the device. With overlap scheduling (the default) its
+     tokens are committed in the next iteration, after the next step is launched: the
+     host's work overlaps the device's (decode_node/running_batch.py);
+     --disable-overlap-schedule commits them at once.
 """
 
 from __future__ import annotations
@@ -120,15 +124,17 @@ class DecodeScheduler:
         )
         self.transfer_queue = DecodeTransferQueue()
         self.waiting_queue: list[DecodeReq] = []
+        self.release_queue = ReleaseQueue(self.allocator)
+        self.overlap = not config.disable_overlap_schedule
         self.running = RunningBatch(
             runner,
             max_running,
+            self.release_queue,
             retraction_policy=config.retraction_policy,
             enable_priority=config.enable_priority_scheduling,
             low_priority_values_first=config.schedule_low_priority_values_first,
         )
         self.retracted_queue = RetractedQueue(self.pool, self.allocator, self.pages.release)
-        self.release_queue = ReleaseQueue(self.allocator)
         self.reqs: dict[str, DecodeReq] = {}  # by rid, every live request this node holds
         self.new_token_ratio = NewTokenRatio(config.schedule_conservativeness)
         self.push = PushPool(zmq.Context.instance())
@@ -174,8 +180,9 @@ class DecodeScheduler:
         return self.running.max_running_requests
 
     def is_idle(self) -> bool:
-        """No live request and no page waiting to be released: safe to stop."""
-        return not self.reqs and not self.release_queue
+        """No live request, no step in flight and no page waiting to be released: safe to
+        stop."""
+        return not self.reqs and not self.release_queue and not self.running.is_busy
 
     # ---- ingress -------------------------------------------------------------------------------
 
@@ -232,7 +239,7 @@ class DecodeScheduler:
             page_size=self.page_size,
             num_free_pages=self.allocator.num_free_pages,
             num_reserved_decode_tokens=self.config.num_reserved_decode_tokens,
-            running=list(self.running),
+            running=self.running.budget_reqs(),
             retracted=list(self.retracted_queue),
             in_transfer=self.transfer_queue.queue,
             num_waiting=len(self.waiting_queue),
@@ -273,6 +280,21 @@ class DecodeScheduler:
         head = self.prealloc_queue.most_urgent_ready(waits)
         if head is None or head.priority is None:
             return
+        victims = self._priority_victims(head)
+        if victims is not None and self.running.pending is not None:
+            self._commit_results()  # every running token known before retracting any
+            victims = self._priority_victims(head)
+        if victims is None:
+            return
+        for r in victims:
+            self._retract(r)
+        self.stats.preempted(len(victims))
+        self.prealloc_queue.remove(head)
+        self._preallocate(head)
+
+    def _priority_victims(self, head: DecodeReq) -> list[DecodeReq] | None:
+        """The running requests to retract so that `head` runs now (preemption.py), or None."""
+        assert head.priority is not None
         running = list(self.running)
         victims = choose_victims(
             BudgetReq(head.num_input_tokens, 0, head.max_new_tokens),
@@ -283,13 +305,7 @@ class DecodeScheduler:
             self.config.priority_scheduling_preemption_threshold,
             self.config.schedule_low_priority_values_first,
         )
-        if victims is None:
-            return
-        for key in victims:
-            self._retract(running[key])
-        self.stats.preempted(len(victims))
-        self.prealloc_queue.remove(head)
-        self._preallocate(head)
+        return None if victims is None else [running[key] for key in victims]
 
     def _process_transferred(self) -> None:
         done, failed = self.transfer_queue.pop_transferred()
@@ -341,18 +357,40 @@ class DecodeScheduler:
     # ---- the running batch ---------------------------------------------------------------------
 
     def _run_batch(self) -> bool:
+        """Launch the next decode step, commit the pending step's tokens, then sample the
+        launched one on the device; returns whether a step ran or was committed."""
         self.running.admit(self.waiting_queue)
         if self.running:
             self._ensure_step_memory()
-        if not self.running:
-            return False
+        step = None
+        if self.running:
+            try:
+                step = self.running.launch(self.allocator)
+            except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the node goes on
+                self._fail_running("decoding it", exc)
+        committed = self._commit_results()
+        if step is None:
+            return committed
         try:
-            batch, out = self.running.step(self.allocator)
+            self.running.sample(step)
         except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the node goes on
-            for r in list(self.running):
-                self.failures.isolate(r.rid, r.generate.reply_endpoint, "decoding it", exc)
+            self._fail_running("sampling its token", exc)
+            return True
+        if not self.overlap:
+            self._commit_results()
+        self.release_queue.release_safe()  # pages of requests that ended in this step
+        return True
+
+    def _commit_results(self) -> bool:
+        """The pending step's tokens committed: stop checks, the gateway's messages, finished
+        requests out (a row whose request ended meanwhile is skipped). False: none pending."""
+        results = self.running.results()
+        if results is None:
             return False
+        batch, out = results
         for i, r in enumerate(batch):
+            if r.state is not DecodeState.RUNNING:
+                continue  # failed, aborted or finished since its token was drawn
             try:
                 finish = self._emit(
                     r,
@@ -368,12 +406,24 @@ class DecodeScheduler:
         self.stats.decode_step(self.clock(), len(batch))
         return True
 
+    def _fail_running(self, doing: str, exc: Exception) -> None:
+        for r in list(self.running):
+            self.failures.isolate(r.rid, r.generate.reply_endpoint, doing, exc)
+
     def _ensure_step_memory(self) -> None:
         """Retract until the pool holds the next token of every running request."""
         victims, plan = self.running.plan_retraction(self.allocator.num_free_pages)
         if plan.can_run and not victims:
             self.new_token_ratio.on_decode_step()
             return
+        if self.running.pending is not None:
+            self._commit_results()  # every running token known before retracting any
+            if not self.running:
+                return
+            victims, plan = self.running.plan_retraction(self.allocator.num_free_pages)
+            if plan.can_run and not victims:
+                self.new_token_ratio.on_decode_step()
+                return
         for r in victims:
             self._retract(r)
         if plan.new_token_ratio is not None:
@@ -493,8 +543,10 @@ class DecodeScheduler:
         return self.stats.load(self.new_token_ratio.value)
 
     def check_integrity(self) -> None:
-        """Every page is free or held exactly once; every request sits in its state's queue."""
+        """Every page is free or held exactly once; every request sits in its state's queue;
+        every running request's slot holds its pages."""
         check_requests(self)
+        self.running.check_integrity()
 
     def close(self) -> None:
         self.push.close()

@@ -4,12 +4,15 @@ prealloc ─▶ transfer_queue ─┬─ Success ─▶ commit first token + aux
                             └─ Failed  ─▶ ReqFailed now; pages ─▶ release_queue
 release_queue: (receiver, pages) of failed or aborted rooms; the pages go back to the
 allocator only once receiver.is_release_safe() (no write can still land in them),
-and are never handed to anything else before that.
+and are never handed to anything else before that. It also holds the page a decode step
+still in flight writes for a request that ended meanwhile (overlap scheduling,
+decode_node/running_batch.py), until that step's device work has completed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from common.kv_pool import PageSource
 from decode_node.req import DecodeReq
@@ -53,14 +56,27 @@ class DecodeTransferQueue:
         return len(self.queue)
 
 
+class Completion(Protocol):
+    """Device work that may still write some pages (a decode step in flight)."""
+
+    def is_complete(self) -> bool: ...
+
+
 @dataclass
 class PendingRelease:
-    receiver: KVReceiver
+    receiver: KVReceiver | None  # a failed room's (None: pages a step in flight writes)
     pages: list[int]
+    work: Completion | None = None
+
+    def is_safe(self) -> bool:
+        if self.receiver is not None:
+            return self.receiver.is_release_safe()
+        return self.work is None or self.work.is_complete()
 
 
 class ReleaseQueue:
-    """Pages of failed rooms waiting until their receiver says no write can still land."""
+    """Pages of failed rooms waiting until their receiver says no write can still land, and
+    pages a decode step in flight writes, waiting for its device work."""
 
     def __init__(self, allocator: PageSource) -> None:
         self.allocator = allocator
@@ -71,14 +87,20 @@ class ReleaseQueue:
         self.queue.append(PendingRelease(receiver, list(pages)))
         self.release_safe()
 
+    def add_after(self, work: Completion, pages: list[int]) -> None:
+        """Take over pages that `work` (a step in flight) may still write."""
+        self.queue.append(PendingRelease(None, list(pages), work))
+        self.release_safe()
+
     def release_safe(self) -> int:
         """Free every entry that is now safe; returns the number of pages freed."""
         num_freed = 0
         keep = []
         for p in self.queue:
-            if p.receiver.is_release_safe():
+            if p.is_safe():
                 self.allocator.free(p.pages)
-                p.receiver.clear()
+                if p.receiver is not None:
+                    p.receiver.clear()
                 num_freed += len(p.pages)
             else:
                 keep.append(p)

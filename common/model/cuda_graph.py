@@ -163,6 +163,12 @@ class DecodeGraphs:
             logits = self._forward(rows, max_pages, merge=bool(splits.max(initial=1) > 1))
         return logits[:bs]
 
+    def feed_tokens(self, token_ids: torch.Tensor) -> None:
+        """The last step's sampled tokens ([bs] on the device) into its rows' slots: the
+        inputs of their next step, written on the device (call before the next step)."""
+        bs = token_ids.shape[0]
+        self.slots.tokens.index_copy_(0, self.slot_ids[:bs], token_ids)
+
     def _stage(self, slots: Sequence[int], seq_lens: Sequence[int], rows: int) -> np.ndarray:
         """The slots' staged changes to the device, then this step's columns in one copy,
         padded to `rows` with the padding slot; returns the split counts."""

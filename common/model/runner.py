@@ -455,6 +455,11 @@ class ModelRunner:
         self.graphs.capture()  # once; a no-op without graphs
         return self.graphs.run(slots, seq_lens)
 
+    def feed_tokens(self, token_ids: torch.Tensor) -> None:
+        """The last `decode_slots` step's sampled tokens ([B] long, on the device) become
+        its rows' next inputs in their slots, without the host reading them."""
+        self.graphs.feed_tokens(token_ids)
+
 
 def use_device(device: str | torch.device) -> torch.device:
     """`device` as a torch device with its index; a CUDA one becomes this process's current

@@ -1,7 +1,8 @@
 """Random mixes of what meets on a decode node at once: samples of one prompt (n > 1),
 prompts sharing prefixes (and cache salts), priorities with preemption, the decode prefix
 cache, penalties, grammars, migrated requests (output given), aborts heard by either node at
-any stage, and a pool small enough to retract; the loopback P/D harness checks every page's
+any stage, and a pool small enough to retract, with overlap scheduling on (even seeds) and
+off (odd seeds); the loopback P/D harness checks every page's
 place after every step. Each request that finished equals its run alone (plain greedy: the
 single-request reference, a migrated one its tail; the others: the same request ungrouped,
 without priority, on the idle node), and at the end nothing is held.
@@ -74,6 +75,8 @@ def _expected_plain(ref, r: dict) -> list[int]:
 def test_a_random_mix_of_groups_priorities_aborts_and_retraction(model_dir, ref, seed):
     rng = random.Random(seed)
     flags = dict(CACHE) if rng.random() < 0.5 else {}
+    # half the mixes with overlap scheduling (the default), half without
+    flags["disable_overlap_schedule"] = seed % 2 == 1
     if rng.random() < 0.6:
         flags |= {
             "enable_priority_scheduling": True,
