@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_role="decode",
     )
     prefill_id, decode_id = f"{node.node_id}.prefill", f"{node.node_id}.decode"
-    runner = build_runner(pconfig.model)
+    runner = build_runner(pconfig.model, max_running_requests=dconfig.max_running_requests)
     tokenizer = Tokenizer.from_pretrained(resolve_model_dir(pconfig.model.model_path))
     tag = uuid.uuid4().hex[:8]  # loopback backends are named per process
 

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve decode: error: {exc}", file=sys.stderr)
         return 2
     node = start_node("decode", config.node, config.host, config.port, config.transfer.auth_token)
-    runner = build_runner(config.model)
+    runner = build_runner(config.model, max_running_requests=config.max_running_requests)
     tokenizer = Tokenizer.from_pretrained(resolve_model_dir(config.model.model_path))
     kv = build_kv_manager(
         node.node_id,

@@ -124,7 +124,12 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"checkpoint is missing {name}")
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            t = weights[name].to(device=device, dtype=dtype).contiguous()
+            # a view into a loaded file can start anywhere: a kernel's compile assumes its
+            # pointers 16-byte aligned (common.model.triton_launch), so a copy that is
+            if t.device.type != "meta" and t.data_ptr() % 16:
+                t = t.clone()
+            return t
 
         def lw(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeight:
             return LinearWeight.of(weight, bias, pack=pack, amx=amx, panels=panels)

@@ -302,10 +302,10 @@ def _decode_kernel(
     else:
         # an empty split (its range past the sequence's end) leaves weight 0 for the merge
         has_keys = l_i > 0
-        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        part_out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         part = (b.to(tl.int64) * (KV_HEADS * GROUPS) + heads) * MAX_SPLITS + split
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=qo_mask)
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], part_out, mask=qo_mask)
         tl.store(part_lse_ptr + part, lse, mask=offs_g < GROUPS)
 
 

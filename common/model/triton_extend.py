@@ -22,7 +22,11 @@ from common.model.triton_attention import (
 )
 from common.model.triton_launch import launch
 
-EXTEND_BLOCK_M, EXTEND_BLOCK_N = 64, 64  # query rows and keys per step of an extend program
+# query rows and keys per step of an extend program: in float32 (IEEE products, twice the
+# bytes) 64 x 64 spills about 2.7 KB of registers on sm_90 and 32 x 32 none to speak of
+# (bench/triton_aot.py)
+EXTEND_BLOCKS = {torch.float32: (32, 32)}
+EXTEND_BLOCK_M, EXTEND_BLOCK_N = 64, 64
 # strides and the layer vary between calls of one model: one compile serves them all
 EXTEND_GENERIC = [
     "row_stride",
@@ -183,7 +187,8 @@ def paged_extend_attention(
     if num_spans == 0 or max_new <= 0:
         return out
     prec, upcast = dot_settings(q)
-    grid = (num_spans, triton.cdiv(max_new, EXTEND_BLOCK_M), heads)
+    block_m, block_n = EXTEND_BLOCKS.get(q.dtype, (EXTEND_BLOCK_M, EXTEND_BLOCK_N))
+    grid = (num_spans, triton.cdiv(max_new, block_m), heads)
     launch(
         _extend_kernel,
         grid,
@@ -209,8 +214,8 @@ def paged_extend_attention(
         HEAD_DIM=head_dim,
         PAGE=page_size,
         LAYER_ROWS=2 * num_layers,
-        BLOCK_M=EXTEND_BLOCK_M,
-        BLOCK_N=EXTEND_BLOCK_N,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
         PREC=prec,
         UPCAST=upcast,

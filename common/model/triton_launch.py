@@ -58,15 +58,23 @@ class Variant:
 
     `signature`: per parameter, its Triton type (`*bf16`, `i32`, `fp32`, ...) or
     "constexpr"; `constexprs`: the constexpr values by parameter (integers equal to 1
-    become constexprs, as Triton does); `aligned`: the pointers and integers Triton
-    treats as divisible by 16; `options`: the launch options given."""
+    become constexprs, as Triton does); `attrs`: the parameters whose specialisation
+    attribute is a string, in order, with it ("D": divisible by 16; "": not; a constexpr's
+    own string value, which Triton keeps there too: its cache key hashes them all);
+    `options`: the launch options given."""
 
     module: str
     kernel: str
     signature: tuple[tuple[str, str], ...]
     constexprs: tuple[tuple[str, Any], ...]
-    aligned: tuple[str, ...]
+    attrs: tuple[tuple[str, str], ...]
     options: tuple[tuple[str, Any], ...]
+
+    @property
+    def aligned(self) -> tuple[str, ...]:
+        """The pointers and integers Triton treats as divisible by 16."""
+        kinds = dict(self.signature)
+        return tuple(n for n, a in self.attrs if kinds[n] != "constexpr" and "D" in a)
 
     @property
     def name(self) -> str:
@@ -95,7 +103,7 @@ class Variant:
             "kernel": self.kernel,
             "signature": [list(p) for p in self.signature],
             "constexprs": [list(p) for p in self.constexprs],
-            "aligned": list(self.aligned),
+            "attrs": [list(p) for p in self.attrs],
             "options": [list(p) for p in self.options],
         }
 
@@ -106,7 +114,7 @@ class Variant:
             d["kernel"],
             tuple((str(a), str(b)) for a, b in d["signature"]),
             tuple((str(a), b) for a, b in d["constexprs"]),
-            tuple(d["aligned"]),
+            tuple((str(a), str(b)) for a, b in d["attrs"]),
             tuple((str(a), b) for a, b in d["options"]),
         )
 
@@ -229,7 +237,9 @@ def variant_of(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> Vari
     values: dict[str, Any] = {p.name: a for p, a in zip(params, args)}
     options = tuple(sorted((k, v) for k, v in meta.items() if k in LAUNCH_OPTIONS))
     values.update({k: v for k, v in meta.items() if k not in LAUNCH_OPTIONS})
-    signature, constexprs, aligned = [], [], []
+    signature: list[tuple[str, str]] = []
+    constexprs: list[tuple[str, Any]] = []
+    attrs: list[tuple[str, str]] = []
     for p in params:
         if p.name not in values:
             raise TypeError(f"{kernel.fn.__name__}: no value for {p.name}")
@@ -239,10 +249,11 @@ def variant_of(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> Vari
                 value = False
             signature.append((p.name, "constexpr"))
             constexprs.append((p.name, _plain(value)))
+            if isinstance(value, str):
+                attrs.append((p.name, value))
         elif isinstance(value, torch.Tensor):
             signature.append((p.name, "*" + _TYPE_OF_DTYPE[value.dtype]))
-            if p.align and _is_aligned(value):
-                aligned.append(p.name)
+            attrs.append((p.name, "D" if p.align and _is_aligned(value) else ""))
         elif isinstance(value, bool):
             signature.append((p.name, "u1"))
         elif isinstance(value, int):
@@ -250,8 +261,8 @@ def variant_of(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> Vari
             signature.append((p.name, kind))
             if kind == "constexpr":
                 constexprs.append((p.name, const))
-            elif attr == "D" and p.align:
-                aligned.append(p.name)
+            elif attr is not None:
+                attrs.append((p.name, attr if p.align else ""))
         elif isinstance(value, float):
             signature.append((p.name, "fp32"))
         elif value is None:
@@ -264,7 +275,7 @@ def variant_of(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> Vari
         kernel.fn.__name__,
         tuple(signature),
         tuple(constexprs),
-        tuple(aligned),
+        tuple(attrs),
         options,
     )
 

@@ -111,10 +111,18 @@ class ServedNode:
     caches_prefixes: bool = False  # a decode node with a prefix cache (session affinity)
 
 
-def build_runner(model: ModelConfig, progress: bool = True, *, decodes: bool = True) -> ModelRunner:
+def build_runner(
+    model: ModelConfig,
+    progress: bool = True,
+    *,
+    decodes: bool = True,
+    max_running_requests: int | None = None,
+) -> ModelRunner:
     """The node's model and pool, warmed up. `decodes`: False on a prefill node, which
     computes one token per request and never runs decode steps: no decode graphs to capture
-    (their buffers and scratch page) and the pool sized for prefill's warm-up alone."""
+    (their buffers and scratch page) and the pool sized for prefill's warm-up alone.
+    `max_running_requests`: a decode node's --max-running-requests, the decode slots it
+    needs (None: the pool's default)."""
     from common.model.runner import ModelRunner
 
     budget = None if model.kv_cache_memory_gb is None else int(model.kv_cache_memory_gb * (1 << 30))
@@ -135,6 +143,7 @@ def build_runner(model: ModelConfig, progress: bool = True, *, decodes: bool = T
         disable_cuda_graph=model.disable_cuda_graph,
         decodes=decodes,
         kernel_cache_dir=model.kernel_cache_dir or None,
+        max_decode_slots=max_running_requests,
     )
     runner.warmup()  # before the node registers: its first request runs at full speed
     return runner
