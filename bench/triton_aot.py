@@ -91,8 +91,7 @@ def main() -> int:
     total_s = time.perf_counter() - started
     rows = describe(results)
     failed = 0
-    header = f"{'kernel':<22} {'dtype':<5} {'regs':>4} {'shared':>7} {'spills':>7} {'s':>6}  variant"
-    print(header)
+    print(f"{'kernel':<22} {'dtype':<5} {'regs':>4} {'shared':>7} {'spills':>7} {'s':>6}  variant")
     for c, row in zip(results, rows):
         why = problems(c)
         row["ok"] = not why
