@@ -16,7 +16,7 @@ import zmq
 from prometheus_client import Counter
 
 from common import metrics, socket_auth
-from common.messages import MalformedMessage, Message, decode, encode
+from common.messages import MalformedMessage, Message, encode, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +133,12 @@ class PushPool:
 
     def send(self, endpoint: str, msg: Message) -> bool:
         """Queue ``msg`` for ``endpoint`` without blocking; False when its queue is full."""
+        return self.send_encoded(endpoint, encode(msg))
+
+    def send_encoded(self, endpoint: str, data: bytes) -> bool:
+        """As ``send``, for a message already encoded (``encode``)."""
         try:
-            self.socket(endpoint).send(encode(msg), zmq.NOBLOCK)
+            self.socket(endpoint).send(data, zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True
@@ -200,10 +204,12 @@ def recv_messages(
 ) -> list[Message]:
     """Drain ``sock`` without blocking and return its valid messages in arrival order.
 
-    Malformed frames (and multi-frame messages) are dropped, logged at most once per
-    MALFORMED_LOG_INTERVAL_S per ``socket_name``, and counted in ``counter`` (labels
-    ``role`` and ``socket``; default ``pdserve_malformed_messages_total``).
-    ``max_frames`` bounds one drain so a flood cannot starve the caller's loop.
+    A ReplyBatch comes out as its entries, in order, as if each had come alone.
+    Malformed frames (and multi-frame messages), and malformed entries of a ReplyBatch one
+    by one, are dropped, logged at most once per MALFORMED_LOG_INTERVAL_S per
+    ``socket_name``, and counted in ``counter`` (labels ``role`` and ``socket``; default
+    ``pdserve_malformed_messages_total``).
+    ``max_frames`` bounds one drain (in frames) so a flood cannot starve the caller's loop.
     Peers refused at the CURVE handshake are counted here too (their frames never arrive).
     """
     monitor = _monitors.get(sock)
@@ -226,10 +232,15 @@ def recv_messages(
         try:
             if len(frames) != 1:
                 raise MalformedMessage(f"expected 1 frame, got {len(frames)}")
-            messages.append(decode(frames[0]))
+            unpacked = unpack(frames[0])
         except MalformedMessage as exc:
             counter.labels(role=metrics.ROLE, socket=socket_name).inc()
             _drop_log.note(socket_name, str(exc))
+            continue
+        messages += unpacked.messages
+        for reason in unpacked.dropped:
+            counter.labels(role=metrics.ROLE, socket=socket_name).inc()
+            _drop_log.note(socket_name, reason)
     return messages
 
 

@@ -20,6 +20,8 @@ One step (`step()`), like nano-vllm's:
      tokens are committed in the next iteration, after the next step is launched: the
      host's work overlaps the device's (decode_node/running_batch.py);
      --disable-overlap-schedule commits them at once.
+Replies to the gateways are held in an Outbox and leave as one ReplyBatch per gateway
+before the step's forward and at its end, not one message per request and token.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from decode_node.budget import build_budget, default_max_running_requests
 from decode_node.grammar_gate import failed_grammars, poll_grammar
 from decode_node.ingress import NodeLimits, Rejection, build_request, check_request
 from decode_node.integrity import LATE_WRITE_ERROR, check_requests
+from decode_node.outbox import Outbox
 from decode_node.output import append_token, prompt_logprobs, req_finished, token_chunk
 from decode_node.prealloc_queue import (
     BudgetReq,
@@ -137,7 +140,8 @@ class DecodeScheduler:
         self.retracted_queue = RetractedQueue(self.pool, self.allocator, self.pages.release)
         self.reqs: dict[str, DecodeReq] = {}  # by rid, every live request this node holds
         self.new_token_ratio = NewTokenRatio(config.schedule_conservativeness)
-        self.push = PushPool(zmq.Context.instance())
+        # the gateways' replies, one ReplyBatch per gateway at each flush (twice a step)
+        self.push = Outbox(PushPool(zmq.Context.instance()))
         self.stats = DecodeStats(self)
         self.gateway_watch = GatewayWatch()
         self.failures = RequestFailures(
@@ -149,6 +153,12 @@ class DecodeScheduler:
 
     def step(self) -> bool:
         """One iteration; returns whether a decode step ran (callers sleep briefly if not)."""
+        try:
+            return self._step()
+        finally:
+            self.push.flush()  # this step's tokens: one message per gateway
+
+    def _step(self) -> bool:
         self.failures.drain(
             self.request_socket,
             "decode_requests",
@@ -359,6 +369,8 @@ class DecodeScheduler:
     def _run_batch(self) -> bool:
         """Launch the next decode step, commit the pending step's tokens, then sample the
         launched one on the device; returns whether a step ran or was committed."""
+        # first tokens and refusals leave before the forward (on the CPU it blocks)
+        self.push.flush()
         self.running.admit(self.waiting_queue)
         if self.running:
             self._ensure_step_memory()

@@ -4,6 +4,7 @@ from common.messages.base import PROTOCOL_VERSION, MalformedMessage, Message, is
 from common.messages.cluster import Deregister, Heartbeat, RegisterNode
 from common.messages.codec import (
     MESSAGE_TYPES,
+    Unpacked,
     decode,
     decode_json,
     encode,
@@ -11,10 +12,13 @@ from common.messages.codec import (
     from_jsonable,
     message_types,
     to_jsonable,
+    unpack,
 )
 from common.messages.generation import (
+    GatewayReply,
     GenerateReq,
     PromptLogprobs,
+    ReplyBatch,
     ReqFailed,
     ReqFinished,
     TokenChunk,
@@ -38,6 +42,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AbortReq",
     "Deregister",
+    "GatewayReply",
     "GenerateReq",
     "Heartbeat",
     "KVEvents",
@@ -52,12 +57,14 @@ __all__ = [
     "PeerHello",
     "PeerHelloAck",
     "RegisterNode",
+    "ReplyBatch",
     "ReqFailed",
     "ReqFinished",
     "TokenChunk",
     "TransferDone",
     "TransferFailed",
     "TransferRequest",
+    "Unpacked",
     "decode",
     "decode_json",
     "encode",
@@ -66,4 +73,5 @@ __all__ = [
     "is_supported_protocol",
     "message_types",
     "to_jsonable",
+    "unpack",
 ]

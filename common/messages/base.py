@@ -5,7 +5,7 @@ from typing import Any, ClassVar, Final
 
 # Bumped on any incompatible change to a message; checked when a node registers
 # (RegisterNode) and when a decode node greets a prefill node (PeerHello).
-PROTOCOL_VERSION: Final = 7
+PROTOCOL_VERSION: Final = 8
 
 
 class MalformedMessage(ValueError):

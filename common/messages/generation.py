@@ -96,3 +96,22 @@ class ReqFailed(Message):
     # The failure is the nodes' (a lost peer, a failed transfer or handshake, a drain past
     # its timeout), not the request's: the gateway may migrate it to another pair.
     retryable: bool = False
+
+
+# What a node sends a gateway about a request; the only messages a ReplyBatch carries.
+GatewayReply = TokenChunk | PromptLogprobs | ReqFinished | ReqFailed
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyBatch(Message):
+    """Decode -> gateway: the replies of one decode step to one gateway, in the order sent.
+
+    One frame instead of one per request per step. On the wire each entry is its own
+    ``[tag, {field: value}]`` inside this message's msgpack (not bytes encoded twice); an
+    entry must be one of the GatewayReply types, so a ReplyBatch never holds another.
+    The gateway's receive (common/ipc.recv_messages) hands the entries on one by one as if
+    they had come alone; a malformed entry is dropped there alone and counted.
+    """
+
+    TAG: ClassVar[str] = "reply_batch"
+    messages: list[GatewayReply]

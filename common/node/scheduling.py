@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
 from common import messages as msg
-from common.ipc import PushPool, Socket, recv_messages
+from common.ipc import Socket, recv_messages
 from common.node.gateway_watch import GatewayWatch
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,12 @@ class CountsOutcomes(Protocol):
     def finished(self, outcome: str) -> None: ...
 
 
+class SendsMessages(Protocol):
+    """Where the gateway's messages go: a PushPool, or one that batches (decode_node/outbox.py)."""
+
+    def send(self, endpoint: str, message: msg.Message, /) -> bool: ...
+
+
 class RequestFailures(Generic[R]):
     """Ends a role's requests that cannot go on (see the module docstring)."""
 
@@ -85,7 +91,7 @@ class RequestFailures(Generic[R]):
         self,
         reqs: dict[str, R],
         end: EndRequest[R],
-        push: PushPool,
+        push: SendsMessages,
         stats: CountsOutcomes,
         gateway_watch: GatewayWatch,
         *,

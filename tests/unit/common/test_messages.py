@@ -29,6 +29,7 @@ from common.messages import (
     PeerReset,
     PromptLogprobs,
     RegisterNode,
+    ReplyBatch,
     ReqFailed,
     ReqFinished,
     TokenChunk,
@@ -169,6 +170,28 @@ SAMPLES: list[Message] = [
         prompt_logprobs=[-3.0, -0.5],
         prompt_top_logprobs=[[[3, -1.0]], [[4, -0.5]]],
     ),
+    ReplyBatch(
+        messages=[
+            PromptLogprobs(rid="req-5", logprobs=[-1.5], top_logprobs=[[[7, -0.5]]]),
+            TokenChunk(
+                rid="req-5",
+                token_ids=[5],
+                logprobs=[-0.1],
+                top_logprobs=[[[5, -0.1]]],
+                marks={"decode_transferred": 1764600000.75},
+            ),
+            TokenChunk(rid="req-6", token_ids=[8], logprobs=None, top_logprobs=None),
+            ReqFinished(
+                rid="req-5",
+                finish_reason="stop",
+                matched_stop="\n\n",
+                num_prompt_tokens=2,
+                num_output_tokens=1,
+                num_cached_tokens=0,
+            ),
+            ReqFailed(rid="req-6", status=503, error="drain timeout", retryable=True),
+        ]
+    ),
 ]
 
 
@@ -199,7 +222,7 @@ def _reason(data: bytes) -> str:
 
 def test_samples_cover_every_registered_type() -> None:
     assert {type(m) for m in SAMPLES} == set(message_types())
-    assert len(message_types()) == 20
+    assert len(message_types()) == 21
 
 
 def test_registry_is_consistent() -> None:
@@ -209,8 +232,9 @@ def test_registry_is_consistent() -> None:
         assert cls.__doc__
     # 3: GenerateReq.cache_salt; 4: marks on TokenChunk, TransferDone; 5: KV events;
     # 6: prompt logprobs (GenerateReq, TransferDone, PromptLogprobs); 7: sample groups
-    # (GenerateReq), and a decode node may hold every page of a room (an aux-only transfer)
-    assert PROTOCOL_VERSION == 7
+    # (GenerateReq), and a decode node may hold every page of a room (an aux-only transfer);
+    # 8: ReplyBatch (one frame per decode step per gateway)
+    assert PROTOCOL_VERSION == 8
     assert is_supported_protocol(PROTOCOL_VERSION)
     assert not is_supported_protocol(PROTOCOL_VERSION + 1)
 

@@ -157,3 +157,37 @@ def test_a_page_the_step_in_flight_writes_is_held_until_the_step_completes(
         assert_all_free(h)
     finally:
         h.close()
+
+
+def test_a_step_sends_each_gateway_one_frame_at_a_time(model_dir, monkeypatch):
+    """Four requests decoding together: their tokens reach the gateway as one ReplyBatch a
+    flush (at most two a step: before the forward and at the end), not one per request."""
+    h = PD(model_dir)
+    try:
+        pool = h.decode.push.push
+        frames: list[str] = []
+        send_encoded, send = pool.send_encoded, pool.send
+
+        def spy_encoded(endpoint, data):
+            frames.append(endpoint)
+            return send_encoded(endpoint, data)
+
+        def spy_send(endpoint, message):
+            frames.append(endpoint)
+            return send(endpoint, message)
+
+        monkeypatch.setattr(pool, "send_encoded", spy_encoded)
+        monkeypatch.setattr(pool, "send", spy_send)
+        for k in range(4):
+            h.submit(f"r{k}", 10 + k, prompt(6 + k, k), max_new_tokens=12)
+        steps = 0
+        while not h.done(*(f"r{k}" for k in range(4))):
+            before = len(frames)
+            h.step()
+            steps += 1
+            assert len(frames) - before <= 2
+        chunks = sum(isinstance(m, msg.TokenChunk) for r in h.replies.values() for m in r)
+        assert chunks == 48 and steps * 2 >= len(frames)
+        assert len(frames) <= chunks // 2  # several requests' tokens in each frame
+    finally:
+        h.close()
