@@ -38,6 +38,64 @@ PHASES = {
     "d": "nixl transfer",
     "e": "end to end",
 }
+# New Triton compiles each phase may make on a GPU, after the phases before it (their
+# kernels stay in Triton's disk cache): a: the tiny shapes in float32 and bfloat16 and the
+# two real ones in bfloat16, 7 variants each, less what they share; the later phases reuse
+# them. Before the kernels stopped specialising on layers, strides and lengths, phase a
+# alone made about 128.
+COMPILE_BUDGET = {"a": 30, "b": 7, "c": 7, "d": 0, "e": 7}
+
+
+def gpu_configs(phase: str) -> list[tuple[str, str, bool]]:
+    """The model runners (shape, dtype, decodes) the phase makes on a GPU."""
+    if phase == "a":
+        from device_check_equiv import GPU_CONFIGS
+    elif phase == "b":
+        from device_check_speed import GPU_DECODE_CONFIGS as GPU_CONFIGS
+    elif phase == "c":
+        from device_check_speed import GPU_PREFILL_CONFIGS as GPU_CONFIGS
+    elif phase == "d":
+        from device_check_nixl import GPU_CONFIGS
+    else:
+        from device_check_e2e import GPU_CONFIGS
+    return list(GPU_CONFIGS)
+
+
+def compile_budget(phase: str, sink: Any) -> list[Any]:
+    """The phase's Triton variants on a GPU (a meta-tensor walk of its runners' serving
+    calls) and how many are new after the phases before it; a check against the budget."""
+    from device_check_common import compile_plan
+
+    plan = compile_plan(gpu_configs(phase))
+    earlier = {v for p in PHASES if p < phase for v in compile_plan(gpu_configs(p))}
+    new = [v for v in plan if v not in earlier]
+    sink.emit(
+        kind="gpu_compiles",
+        num_variants=len(plan),
+        num_new=len(new),
+        budget=COMPILE_BUDGET[phase],
+        by_kernel=dict(sorted(_count(v.kernel for v in new).items())),
+        ok=len(new) <= COMPILE_BUDGET[phase],
+    )
+    return plan
+
+
+def _count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out
+
+
+def triton_cache_entries() -> int:
+    """Kernels in Triton's disk cache (a folder with a cubin each; its launcher's and
+    driver's builds hold none): what was really compiled."""
+    import triton  # type: ignore[import-untyped, unused-ignore]
+
+    root = Path(triton.knobs.cache.dir)
+    if not root.exists():
+        return 0
+    return sum(1 for p in root.iterdir() if p.is_dir() and any(p.glob("*.cubin")))
 
 
 def run_phase(phase: str, is_cpu: bool, out: str, work: Path, deadline_s: float) -> int:
@@ -55,6 +113,13 @@ def run_phase(phase: str, is_cpu: bool, out: str, work: Path, deadline_s: float)
         sink.emit(kind="error", ok=False, error="no CUDA device (use --cpu)")
         return 1
     work.mkdir(parents=True, exist_ok=True)
+    from common.model.triton_launch import CompileRecorder, recording
+
+    # the phase's Triton variants on a GPU and the budget (the rehearsal's verdict on the
+    # CPU); on a GPU they are compiled at once before the phase runs
+    plan = compile_budget(phase, sink)
+    entries = _precompile(plan, sink) if not is_cpu else 0
+    recorder = CompileRecorder()
     try:
         if phase == "a":
             from device_check_equiv import run
@@ -66,7 +131,8 @@ def run_phase(phase: str, is_cpu: bool, out: str, work: Path, deadline_s: float)
             from device_check_nixl import run
         else:
             from device_check_e2e import run
-        run(mode, sink, work, deadline)
+        with recording() as recorder:
+            run(mode, sink, work, deadline)
     except Exception as exc:  # noqa: BLE001 - a crash is a result of the phase
         sink.emit(
             kind="error",
@@ -74,9 +140,50 @@ def run_phase(phase: str, is_cpu: bool, out: str, work: Path, deadline_s: float)
             error=f"{type(exc).__name__}: {exc}",
             traceback=traceback.format_exc()[-1500:],
         )
+    if not is_cpu:
+        _compiles_seen(plan, list(recorder.variants), entries, sink)
     device = torch.cuda.get_device_name(0) if not is_cpu else "cpu"
     sink.summary(time.monotonic() - started, name=PHASES[phase], device=device)
     return 0
+
+
+def _precompile(plan: list[Any], sink: Any) -> int:
+    """GPU: the phase's variants compiled at once in parallel processes (as a node's
+    warm-up does), timed; returns the Triton cache's entries after."""
+    import torch
+
+    from common.model.kernel_variants import device_target, precompile
+
+    before = triton_cache_entries()
+    started = time.monotonic()
+    results = precompile(plan, device_target(torch.device("cuda", 0)))
+    failed = [c.variant.name for c in results if c.error]
+    after = triton_cache_entries()
+    sink.emit(
+        kind="precompile",
+        num_variants=len(plan),
+        num_compiled=after - before,
+        seconds=round(time.monotonic() - started, 2),
+        failed=failed,
+        ok=not failed,
+    )
+    return after
+
+
+def _compiles_seen(plan: list[Any], launched: list[Any], entries: int, sink: Any) -> None:
+    """GPU: the variants the phase's own process launched, and what Triton compiled while
+    the phase ran, its node processes too (nothing, when the walk and the precompile saw
+    every variant)."""
+    planned = set(plan)
+    unplanned = [v.name for v in launched if v not in planned]
+    jit = triton_cache_entries() - entries
+    sink.emit(
+        kind="compiles",
+        num_launched_variants=len(launched),
+        unplanned=unplanned[:20],
+        jit_compiles_during_phase=jit,
+        ok=not unplanned and jit == 0,
+    )
 
 
 def _fmt(value: Any) -> str:
@@ -139,6 +246,9 @@ COLUMNS = {
         "error",
     ],
     "e2e_without_nixl": ["model", "transfer_backend", "completion_tokens", "exit_codes", "error"],
+    "gpu_compiles": ["num_variants", "num_new", "budget", "by_kernel"],
+    "precompile": ["num_variants", "num_compiled", "seconds", "failed"],
+    "compiles": ["num_launched_variants", "jit_compiles_during_phase", "unplanned"],
 }
 
 
@@ -173,10 +283,33 @@ def table(path: str) -> int:
     return 0 if is_all_ok else 1
 
 
+def failed_phases(path: str) -> list[str]:
+    """The phases of an earlier results file to run again: those that failed, timed out,
+    or never ended (a call cut short), in order; none when every phase passed."""
+    rows = []
+    if Path(path).exists():
+        rows = [json.loads(raw) for raw in Path(path).read_text().splitlines() if raw.strip()]
+    # the phases the run was asked for (its first line, written by device_check.sh)
+    plan = next((r for r in rows if r.get("kind") == "plan"), None)
+    asked = plan["phases"].split(",") if plan else list(PHASES)
+    out = []
+    for phase in asked:
+        mine = [r for r in rows if r.get("phase") == phase]
+        end = next((r for r in mine if r.get("kind") == "phase_end"), None)
+        summary = next((r for r in mine if r.get("kind") == "summary"), None)
+        passed = bool(summary and summary.get("ok")) and end is not None and end.get("rc") == 0
+        if not passed:
+            out.append(phase)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--phase", choices=sorted(PHASES))
     p.add_argument("--table", metavar="JSONL", help="print the results file as tables")
+    p.add_argument(
+        "--failed-phases", metavar="JSONL", help="print the phases of a results file to rerun"
+    )
     p.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--out", help="results file (JSON lines, appended)")
     p.add_argument("--work", default="/tmp/pdserve-device-check", help="checkpoints, logs")
@@ -184,6 +317,9 @@ def main() -> int:
     args = p.parse_args()
     if args.table:
         return table(args.table)
+    if args.failed_phases:
+        print(",".join(failed_phases(args.failed_phases)))
+        return 0
     if not args.phase or not args.out:
         p.error("--phase and --out are needed (or --table)")
     return run_phase(args.phase, args.cpu, args.out, Path(args.work), args.deadline)

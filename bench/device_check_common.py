@@ -241,6 +241,29 @@ SHAPES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
 }
 
 
+# (shape, dtype, decodes): a model runner configuration a phase makes on the GPU
+RunnerConfig = tuple[str, str, bool]
+
+
+def spec_of(name: str) -> Any:
+    """The ModelSpec of one of SHAPES."""
+    from common.model.spec import ModelSpec
+
+    arch, cfg, _, _ = SHAPES[name]
+    return ModelSpec.from_hf_config({**cfg, "model_type": arch})
+
+
+def compile_plan(configs: list[RunnerConfig], page_size: int = 16) -> list[Any]:
+    """The Triton variants (common.model.triton_launch.Variant) the configurations' runners
+    launch on a GPU, found by walking their serving calls on meta tensors."""
+    from common.model.kernel_variants import serving_variants, union
+
+    return union(
+        serving_variants(spec_of(shape), dtype, page_size, decodes=decodes)
+        for shape, dtype, decodes in configs
+    )
+
+
 def quiet_transformers() -> None:
     """No progress bars or warnings from transformers in the results' output."""
     import transformers

@@ -39,6 +39,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 MAX_TOKENS = 16
+# the runners the phase's node processes make on the GPU: a prefill and a decode node
+GPU_CONFIGS = [("smollm2-135m", "bfloat16", False), ("smollm2-135m", "bfloat16", True)]
 REQUEST_TIMEOUT_S = 30.0
 
 
@@ -211,7 +213,7 @@ def _cluster(
         "--model-path",
         str(path),
         "--device",
-        "cpu" if mode.is_cpu else "cuda",
+        "cpu" if mode.is_cpu else "cuda:0",  # named: the device check runs on cuda:0
         "--dtype",
         mode.speed_dtype,
         "--disaggregation-transfer-backend",

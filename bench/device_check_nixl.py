@@ -27,6 +27,7 @@ import torch
 from device_check_common import Deadline, Mode, Sink, log, time_ms
 
 SEED = 20261204
+GPU_CONFIGS: list[tuple[str, str, bool]] = []  # no model runner, no Triton kernel
 GPU_PAGES, CPU_PAGES = 2048, 128
 GPU_REPS, CPU_REPS = 5, 3
 WAIT_S = 20.0

@@ -46,6 +46,9 @@ GPU_DECODE: dict[str, Any] = dict(
 CPU_DECODE: dict[str, Any] = dict(shapes=["small"], batches=[1, 4, 16], ctx=64, warmup=5, iters=10)
 GPU_PREFILL: dict[str, Any] = dict(shape="llama-3.2-1b", lengths=[1024, 4096, 16384], repeats=3)
 CPU_PREFILL: dict[str, Any] = dict(shape="small", lengths=[128, 256, 512], repeats=2)
+# the runners the phases make on the GPU (device_check.py precompiles their kernels)
+GPU_DECODE_CONFIGS = [(name, "bfloat16", True) for name in GPU_DECODE["shapes"]]
+GPU_PREFILL_CONFIGS = [(GPU_PREFILL["shape"], "bfloat16", True)]
 TARGET_B1 = 0.60  # of the bound at batch 1 (1B)
 TARGET_B128 = 0.50  # of the bound at batch 128 (1B)
 TARGET_VS_HF = 2.0  # transformers' step / ours at batch 32

@@ -228,7 +228,12 @@ def precompile(
     workers: int | None = None,
 ) -> list[Compiled]:
     """Compile every variant in `workers` processes (default: the machine's cores), into
-    Triton's disk cache as the first launch would: a node's warm-up, before it serves."""
+    Triton's disk cache as the first launch would: a node's warm-up, before it serves.
+    A variant precompiled into this cache before (a marker beside Triton's entries, keyed
+    by its source's hash, the target and the options) is skipped, so a restart or a second
+    node spawns no process; the returned list holds only the variants compiled now."""
+    markers = _markers(variants, target)
+    variants = [v for v in variants if not os.path.exists(markers[v])]
     if not variants:
         return []
     workers = max(1, min(workers or os.cpu_count() or 1, len(variants)))
@@ -237,10 +242,39 @@ def precompile(
         with ProcessPoolExecutor(
             workers, mp_context=get_context("spawn"), initializer=_worker_init
         ) as pool:
-            return list(pool.map(compile_variant, variants, [target] * len(variants)))
+            results = list(pool.map(compile_variant, variants, [target] * len(variants)))
     finally:
         if env_interp is not None:
             os.environ["TRITON_INTERPRET"] = env_interp
+    for c in results:
+        if not c.error:
+            os.makedirs(os.path.dirname(markers[c.variant]), exist_ok=True)
+            with open(markers[c.variant], "w") as f:
+                f.write(c.variant.name + "\n")
+    return results
+
+
+def _markers(variants: Sequence[Variant], target: tuple[str, int, int]) -> dict[Variant, str]:
+    """Where each variant's "precompiled" marker lives in Triton's cache folder."""
+    import hashlib
+
+    from triton import knobs  # type: ignore[import-untyped, unused-ignore]
+
+    root = os.path.join(knobs.cache.dir, "pdserve-precompiled")
+    out = {}
+    interp = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        for v in variants:
+            try:
+                source = ast_source(v).hash()
+            except RuntimeError:  # the interpreter's functions: nothing to mark
+                source = "interpreted"
+            key = f"{source}-{target}-{v.options}"
+            out[v] = os.path.join(root, hashlib.sha256(key.encode()).hexdigest())
+    finally:
+        if interp is not None:
+            os.environ["TRITON_INTERPRET"] = interp
+    return out
 
 
 def device_target(device: torch.device) -> tuple[str, int, int]:

@@ -111,3 +111,17 @@ def test_nixl_moved_every_byte_and_one_request_went_end_to_end(results: list[dic
     assert e2e["prompt_logprobs_finite"] is True
     assert e2e["n_choices_equal"] is True
     assert e2e["exit_codes"] == {"decode-0": 0, "prefill-0": 0, "bootstrap": 0}
+
+
+def test_the_rehearsal_counts_each_phases_gpu_compiles_against_its_budget(results: list[dict]):
+    """The variants each phase's runners launch on a GPU (a meta-tensor walk), new after the
+    phases before it: phase a compiles its four configurations' kernels, the rest reuse
+    them (before the kernels stopped specialising, phase a alone made about 128)."""
+    rows = {r["phase"]: r for r in results if r.get("kind") == "gpu_compiles"}
+    assert set(rows) == set(PHASES)
+    assert all(r["ok"] and r["num_new"] <= r["budget"] for r in rows.values())
+    assert 20 <= rows["a"]["num_new"] <= 30
+    assert rows["b"]["num_new"] == rows["c"]["num_new"] == rows["e"]["num_new"] == 0
+    assert rows["d"]["num_variants"] == 0
+    [plan] = [r for r in results if r.get("kind") == "plan"]
+    assert plan["phases"] == ",".join(PHASES)

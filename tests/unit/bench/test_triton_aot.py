@@ -63,3 +63,34 @@ def test_every_variant_compiles_for_sm_90_without_spills(tmp_path):
         assert r["registers"] > 0 and r["shared_bytes"] <= 227 * 1024, r
         if r["dtype"] != "fp32":
             assert r["spill_stores"] == r["spill_loads"] == 0, r
+
+
+_TWICE = r"""
+import json, sys
+sys.path.insert(0, "bench")
+from triton_aot import variants_for
+from common.model.kernel_variants import precompile
+merge = [v for v in variants_for(["tiny-llama"], ["bfloat16"]) if "merge" in v.kernel]
+first = precompile(merge, ("cuda", 90, 32), workers=1)
+second = precompile(merge, ("cuda", 90, 32), workers=1)
+print(json.dumps([len(merge), len(first), [c.error for c in first], len(second)]))
+"""
+
+
+def test_a_precompiled_variant_is_not_compiled_again(tmp_path):
+    """A node's restart (or a second node) finds its variants marked in Triton's cache and
+    spawns no compile process."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", _TWICE],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    num, first, errors, second = json.loads(done.stdout.strip().splitlines()[-1])
+    assert num == first == 1 and errors == [""] and second == 0
