@@ -19,6 +19,8 @@ node reserves N tokens per request (--num-reserved-decode-tokens N) so all B run
 as in the baseline.
 Prints a table, then one JSON line per batch size.
 Usage: python bench/decode.py [--batches 1 8 32] [--new-tokens 32] [--repeats 2] [--threads N]
+       python bench/decode.py --host-time [...]   the host's work per decode step against a
+                                                  baseline revision (bench/decode_host.py)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -197,6 +200,10 @@ class PDPair:
 
 
 def main() -> None:
+    if "--host-time" in sys.argv:
+        argv = [a for a in sys.argv[1:] if a != "--host-time"]
+        host = os.path.join(_HERE, "decode_host.py")
+        raise SystemExit(subprocess.call([sys.executable, host, *argv]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=32)
