@@ -15,13 +15,13 @@
 #      GB/s vs a device-to-device copy
 #   e  one completion (max_tokens 16) through gateway, prefill and decode processes
 #
-# Run on the GPU machine (one call; see bench/device_prepare.sh for the sizes), with the
-# `run` tool:
-#     carry:     [".device"]
+# Run on the GPU machine in one call (bench/device_prepare.sh checks that it fits: 23.2 MiB
+# of the 60 MiB it allows, NIXL trimmed to 11.4 MiB), with the `run` tool:
+#     carry:     [".device/nixl", ".device/serving"]   (not .device: .device/downloads is raw)
 #     timeout_s: 480
 #     command:   bash bench/device_check.sh
-# Everything comes back in $OUT (device_check.jsonl, device_check.log). If the tree ever
-# outgrows 64 MiB with every wheel, split it in two calls (device_prepare.sh says so):
+# Everything comes back in $OUT (device_check.jsonl, device_check.log). Should the tree ever
+# outgrow that (device_prepare.sh then fails and says so), split it in two calls:
 #     carry [".device/serving"], command: bash bench/device_check.sh --phases a,b,c,e
 #     carry [".device/nixl"],    command: bash bench/device_check.sh --phases d
 # (without NIXL, phase e runs over the fake backend and says that no KV bytes moved).
@@ -88,7 +88,9 @@ fi
 
 start_all=$(date +%s.%N)
 SITE=""
-wheels=$(compgen -G "$ROOT/.device/*/*.whl" || true)
+# The carried folders only: .device/nixl holds NIXL trimmed by bench/nixl_trim.py (wheels
+# pip installs like any other), .device/downloads the raw downloads, which never travel.
+wheels=$(compgen -G "$ROOT/.device/nixl/*.whl"; compgen -G "$ROOT/.device/serving/*.whl")
 if [ "$CPU" = 0 ] && [ -n "$wheels" ]; then
   SITE=/tmp/pdserve-site
   t0=$(date +%s.%N)
@@ -96,6 +98,13 @@ if [ "$CPU" = 0 ] && [ -n "$wheels" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" $wheels || echo "device_check.sh: installing the carried wheels failed"
   echo "installed $(echo "$wheels" | wc -l) carried wheels in $(since "$t0") s"
+  # UCX's transport modules (cma, cuda_copy, cuda_ipc) from the trimmed NIXL, not from
+  # UCX's build-time folder; an operator's UCX_MODULE_DIR wins.
+  ucx_modules=$(compgen -G "$SITE/nixl_cu*.libs/ucx" | head -n 1)
+  if [ -n "$ucx_modules" ] && [ -z "${UCX_MODULE_DIR:-}" ]; then
+    export UCX_MODULE_DIR="$ucx_modules"
+    echo "UCX_MODULE_DIR=$UCX_MODULE_DIR"
+  fi
 fi
 export PYTHONPATH="$ROOT${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -371,9 +371,13 @@ class DecodeConfig:
     # Overlap scheduling (SGLang's and mini-sglang's): step N+1 is planned and launched
     # before step N's tokens are read; its results are processed one step late.
     disable_overlap_schedule: bool = False
+    # GB of host memory for retracted requests' KV (decode_node/host_pool.py); 0: as many
+    # pages as the device pool, on CUDA (pinned) at most 1/8 of the machine's memory.
+    host_pool_size: float = 0.0
 
     def __post_init__(self) -> None:
         _check_port(self.port, "--port")
+        _check_non_negative(self.host_pool_size, "--host-pool-size")
         _check_positive(self.max_running_requests, "--max-running-requests")
         _check_positive(self.max_queued_requests, "--max-queued-requests")
         _check_choice(self.retraction_policy, RETRACTION_POLICIES, "--retraction-policy")

@@ -233,6 +233,13 @@ def _add_decode_only_args(parser: Parser) -> None:
         help="plan and launch each decode step only after the last one's tokens are read "
         "(default: the next step is launched first, its results read one step later)",
     )
+    add(
+        "--host-pool-size",
+        type=float,
+        help="GB of host memory that retracted requests' KV is copied into, pinned once at "
+        "start on CUDA (0, the default: as many pages as the KV pool, on CUDA at most 1/8 "
+        "of the machine's memory); a full pool falls back to slower pageable copies",
+    )
 
 
 def add_prefill_args(parser: Parser) -> None:

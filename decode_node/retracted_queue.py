@@ -3,18 +3,26 @@
 running ──retract()──▶ retracted_queue (KV copied to HostKVStore, device pages freed)
 retracted_queue ──resume(n)──▶ waiting (pages allocated, KV written back, host copy dropped)
 retracted_queue ──remove()──▶ gone (abort: the host copy is dropped)
+
+A retraction that runs out of memory raises RetractionFailed (decode_node/host_pool.py) and
+leaves the request as it was, outside the queue with its device pages: the caller fails it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
 
 from common.kv_pool import KVPool, PageSource, pages_needed
 from common.model.memory import device_memory
-from decode_node.host_pool import HostKVStore, default_host_pages
+from decode_node.host_pool import HostKVStore, RetractionFailed, host_pages_for
 from decode_node.req import DecodeReq, DecodeState
+
+__all__ = ["RetractedQueue", "RetractionFailed"]
+
+logger = logging.getLogger(__name__)
 
 
 class RetractedQueue:
@@ -24,24 +32,42 @@ class RetractedQueue:
         allocator: PageSource | None = None,
         release: Callable[[DecodeReq], None] | None = None,
         *,
+        host_pool_size_gb: float = 0.0,
         host_pages: int | None = None,
     ) -> None:
         """`allocator`: where pages come from (the pool's when None); `release`: frees what
         a retracted request holds (with a prefix cache its prefix goes back to the cache;
-        None: its pages are freed); `host_pages`: the host pool's size (default_host_pages's
-        rule when None)."""
+        None: its pages are freed); `host_pool_size_gb`: the host pool's size
+        (--host-pool-size; 0: default_host_pages's rule); `host_pages`: its size in pages
+        instead (tests)."""
         self.pool = pool
         self.allocator: PageSource = allocator if allocator is not None else pool.allocator
         self._release = release
+        sized_by = f"{host_pages} pages given"
         if host_pages is None:
-            host_pages = default_host_pages(pool, device_memory(torch.device("cpu")).total)
+            ram = device_memory(torch.device("cpu")).total
+            host_pages = host_pages_for(pool, host_pool_size_gb, ram)
+            sized_by = (
+                f"--host-pool-size {host_pool_size_gb:g}"
+                if host_pool_size_gb > 0
+                else "the default: the device pool's pages, on CUDA at most 1/8 of RAM"
+            )
         self.host = HostKVStore(pool, host_pages)
+        pages = self.host.pages
+        logger.info(
+            "retraction host pool: %d pages, %.2f GB%s (%s)",
+            host_pages,
+            pages.nbytes / 2**30,
+            f" pinned in {len(pages.blocks)} blocks" if pages.is_pinned else "",
+            sized_by,
+        )
         self.queue: list[DecodeReq] = []
 
     def retract(self, r: DecodeReq) -> None:
         """Copy r's KV to host memory and free its device pages; its output stays.
 
-        The caller has taken r out of the running batch.
+        The caller has taken r out of the running batch. RetractionFailed (out of memory):
+        r is unchanged, not in the queue and holding its pages; the caller fails it.
         """
         kv_pages = r.pages[: pages_needed(r.kv_len, self.pool.page_size)]
         self.host.offload(r.rid, self.pool, kv_pages)

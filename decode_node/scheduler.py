@@ -58,7 +58,7 @@ from decode_node.preemption import choose_victims
 from decode_node.req import DecodeReq, DecodeState
 from decode_node.request_pages import RequestPages
 from decode_node.retract import NewTokenRatio
-from decode_node.retracted_queue import RetractedQueue
+from decode_node.retracted_queue import RetractedQueue, RetractionFailed
 from decode_node.running_batch import RunningBatch
 from decode_node.sample_groups import find_donor
 from decode_node.stats import DecodeStats
@@ -137,7 +137,9 @@ class DecodeScheduler:
             enable_priority=config.enable_priority_scheduling,
             low_priority_values_first=config.schedule_low_priority_values_first,
         )
-        self.retracted_queue = RetractedQueue(self.pool, self.allocator, self.pages.release)
+        self.retracted_queue = RetractedQueue(
+            self.pool, self.allocator, self.pages.release, host_pool_size_gb=config.host_pool_size
+        )
         self.reqs: dict[str, DecodeReq] = {}  # by rid, every live request this node holds
         self.new_token_ratio = NewTokenRatio(config.schedule_conservativeness)
         # the gateways' replies, one ReplyBatch per gateway at each flush (twice a step)
@@ -452,7 +454,12 @@ class DecodeScheduler:
 
     def _retract(self, r: DecodeReq) -> None:
         self.running.remove(r)
-        self.retracted_queue.retract(r)
+        try:
+            self.retracted_queue.retract(r)
+        except RetractionFailed as exc:  # out of host memory: this request alone fails
+            logger.error("%s", exc)
+            self._fail(r, 503, f"retraction failed: {exc.reason}", retryable=True)
+            return
         self.stats.retracted(1)
 
     # ---- output --------------------------------------------------------------------------------

@@ -277,6 +277,43 @@ def _markers(variants: Sequence[Variant], target: tuple[str, int, int]) -> dict[
     return out
 
 
+def precompile_serving(
+    spec: ModelSpec,
+    dtype: str,
+    page_size: int,
+    device: torch.device,
+    *,
+    decodes: bool,
+    graph_max_bs: int,
+    context_length: int | None,
+) -> list[Compiled]:
+    """A GPU node's Triton kernels compiled before its runner is made (whose pool sizing
+    already runs a forward): every variant its configuration launches, at once, in parallel,
+    instead of one by one as the launches meet them; logged. Failures are logged and left
+    to the launch, which compiles again and raises where it really fails."""
+    started = time.perf_counter()
+    variants = serving_variants(
+        spec,
+        dtype,
+        page_size,
+        decodes=decodes,
+        graph_max_bs=graph_max_bs,
+        context_length=context_length,
+    )
+    results = precompile(variants, device_target(device))
+    failed = [c for c in results if c.error]
+    for c in failed:
+        logger.warning("precompiling %s failed: %s", c.variant.name, c.error[:500])
+    logger.info(
+        "Triton: %d kernel variants, %d compiled ahead in %.1f s (%d failed)",
+        len(variants),
+        len(results),
+        time.perf_counter() - started,
+        len(failed),
+    )
+    return results
+
+
 def device_target(device: torch.device) -> tuple[str, int, int]:
     """The Triton target of a CUDA device."""
     major, minor = torch.cuda.get_device_capability(device)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -138,9 +137,6 @@ class ModelRunner:
         self.warmup_tokens = warmup_tokens
         self.kernel_cache_dir = kernel_cache_dir
         self.max_decode_slots = max_decode_slots
-        # before the first launch (the pool's sizing runs a forward): every kernel compiled
-        # at once, in parallel, instead of one by one as the launches meet them
-        self.precompile_kernels()
         if num_pages is None:
             if max_total_tokens is None and kv_memory_bytes is None:
                 if mem_fraction_static is not None or self.device.type == "cuda":
@@ -253,34 +249,6 @@ class ModelRunner:
             self.pool.allocator.free(pages)
         if self.graphs is not None:
             self.graphs.capture()
-
-    def precompile_kernels(self) -> None:
-        """CUDA with the Triton backend: every kernel variant this runner will launch (a
-        dry walk of its serving calls) compiled in parallel into Triton's disk cache, so
-        no request meets a compile and the warm-up does not compile one by one."""
-        if self.device.type != "cuda" or self.model.attention.name != "triton":
-            return
-        from common.model import kernel_variants
-
-        started = time.perf_counter()
-        variants = kernel_variants.serving_variants(
-            self.spec,
-            self.dtype_name,
-            self.page_size,
-            decodes=self.decodes,
-            graph_max_bs=self.cuda_graph_max_bs,
-            context_length=self.context_length,
-        )
-        results = kernel_variants.precompile(variants, kernel_variants.device_target(self.device))
-        failed = [c for c in results if c.error]
-        for c in failed:  # the launch compiles it again and raises where it really fails
-            logger.warning("precompiling %s failed: %s", c.variant.name, c.error[:500])
-        logger.info(
-            "Triton: %d kernel variants compiled ahead in %.1f s (%d failed)",
-            len(results),
-            time.perf_counter() - started,
-            len(failed),
-        )
 
     def choose_kernels(self, *, keep_all_copies: bool = False) -> None:
         """The CPU's product kernels, chosen once (common.model.cpu.gemm): decode's row buckets

@@ -126,6 +126,7 @@ def build_runner(
     from common.model.runner import ModelRunner
 
     budget = None if model.kv_cache_memory_gb is None else int(model.kv_cache_memory_gb * (1 << 30))
+    _precompile_kernels(model, decodes)
     runner = ModelRunner.from_path(
         model.model_path,
         progress=progress,
@@ -147,6 +148,34 @@ def build_runner(
     )
     runner.warmup()  # before the node registers: its first request runs at full speed
     return runner
+
+
+def _precompile_kernels(model: ModelConfig, decodes: bool) -> None:
+    """On CUDA with the Triton kernels: every kernel variant the node will launch compiled
+    at once, in parallel, before its runner runs its first forward."""
+    import torch
+
+    from common.model.attention import triton_usable
+
+    if torch.device(model.device).type != "cuda":
+        return
+    from common.model import kernel_variants
+    from common.model.loader import load_spec
+    from common.model.runner import use_device
+
+    device = use_device(model.device)  # current before anything touches CUDA
+    if model.attention_backend not in ("auto", "triton") or not triton_usable(device):
+        return
+
+    kernel_variants.precompile_serving(
+        load_spec(resolve_model_dir(model.model_path)),
+        model.resolved_dtype(),
+        model.page_size,
+        device,
+        decodes=decodes,
+        graph_max_bs=model.cuda_graph_max_bs,
+        context_length=model.context_length,
+    )
 
 
 def bind_request_socket(node: NodeArgs) -> tuple[zmq.Socket, str]:

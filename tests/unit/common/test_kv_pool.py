@@ -145,11 +145,12 @@ def test_host_pages_copy_device_pages_both_ways_bit_exactly(device):
     pool = KVPool(layout, 8, device)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(0)))
     host = HostKVPool(pool, 5)
-    assert host.buffer.device.type == "cpu" and host.buffer.is_pinned() == (device.type == "cuda")
+    for block in host.pages.blocks:  # on CUDA: blocks of 4 and 1 pages
+        assert block.device.type == "cpu" and block.is_pinned() == (device.type == "cuda")
     assert host.nbytes == 5 * layout.bytes_per_page
     host.backup([6, 1, 3], [4, 0, 2])
     expected = pool.buffer[[6, 1, 3]].cpu()
-    assert torch.equal(host.buffer[[4, 0, 2]], expected)
+    assert torch.equal(host.pages.read([4, 0, 2]), expected)
     host.load([4, 0, 2], [0, 7, 5])
     assert torch.equal(pool.buffer[[0, 7, 5]].cpu(), expected)
 
@@ -164,7 +165,7 @@ def test_host_tier_is_sized_by_gigabytes_or_by_a_ratio_of_the_device_pool():
 
 
 def test_page_runs_cover_the_pairs_in_order_with_the_fewest_copies():
-    from common.host_kv_pool import page_runs
+    from common.page_copy import page_runs
 
     assert page_runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 8]) == [(4, 0, 3), (9, 3, 2), (2, 8, 1)]
     assert page_runs([], []) == []
